@@ -1,0 +1,165 @@
+#!/usr/bin/env python
+"""difftrainer: one entry point for the CLI (and, later, the GUI).
+
+  python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume]
+  python launch.py demo [--workspace DIR]
+  python launch.py presets [list] | presets show NAME | presets save NAME --config FILE
+  python launch.py schema
+  python launch.py make-tiny-model --family sd15 --out DIR
+  python launch.py info
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+# Nothing is ever downloaded: model folders are local, and the hub libraries must not try.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that are the input's fault: printed as one message, never as a traceback."""
+    from modules.adapters.adapter_set import AdapterSetError
+    from modules.config.errors import ConfigError
+    from modules.data.concepts import DataError
+    from modules.loading.diffusers_folder import ModelLoadError
+    from modules.trainer.guards import TrainingError
+
+    return ConfigError, ModelLoadError, DataError, AdapterSetError, TrainingError
+
+
+def cmd_train(args) -> int:
+    from modules.cli.console import ConsoleCallbacks
+    from modules.cli.train_command import install_stop_signals, resolve_config, run_training
+    from modules.trainer.commands import TrainCommands
+
+    if not args.config and not args.preset:
+        print("error: train needs --config FILE or --preset NAME", file=sys.stderr)
+        return 2
+    config = resolve_config(args.config, args.preset, args.set, args.resume)
+    commands = TrainCommands()
+    install_stop_signals(commands)
+    path = run_training(config, ConsoleCallbacks(), commands)
+    print(path)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from modules.cli.console import ConsoleCallbacks
+    from modules.cli.demo import prepare_demo
+    from modules.cli.train_command import install_stop_signals, run_training
+    from modules.trainer.commands import TrainCommands
+
+    print(f"[demo: preparing a tiny model and images in {args.workspace}]", file=sys.stderr)
+    config = prepare_demo(args.workspace, args.set)
+    commands = TrainCommands()
+    install_stop_signals(commands)
+    path = run_training(config, ConsoleCallbacks(), commands)
+    print(f"demo LoRA written to {path}")
+    print(f"samples in {os.path.join(config.workspace_dir, 'samples')}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from modules.config.loading import build_config, read_json_file
+    from modules.config.presets import list_presets, load_preset_overlay, save_preset
+
+    if args.action in (None, "list"):
+        for preset in list_presets():
+            origin = "built-in" if preset.builtin else "user"
+            print(f"{preset.name:28s} {preset.family or '?':8s} {origin:9s} {preset.path}")
+    elif args.action == "show":
+        if not args.name:
+            print("error: presets show needs a NAME", file=sys.stderr)
+            return 2
+        config = build_config([load_preset_overlay(args.name)], args.set)
+        print(config.model_dump_json(indent=2))
+    elif args.action == "save":
+        if not args.name or not args.config:
+            print("error: presets save needs NAME and --config FILE", file=sys.stderr)
+            return 2
+        config = build_config([read_json_file(path) for path in args.config], args.set)
+        print(save_preset(config, args.name))
+    return 0
+
+
+def cmd_schema(_args) -> int:
+    from modules.config.train_config import TrainConfig
+
+    print(json.dumps(TrainConfig.model_json_schema(), indent=2))
+    return 0
+
+
+def cmd_make_tiny_model(args) -> int:
+    from modules.model.registry import family_names, get_family_class
+
+    if args.family not in family_names():
+        print(f"error: --family: unknown family {args.family!r} (known: {', '.join(family_names())})", file=sys.stderr)
+        return 2
+    print(get_family_class(args.family).make_tiny_model(args.out))
+    return 0
+
+
+def cmd_info(_args) -> int:
+    from modules.cli.info import machine_info
+
+    print(json.dumps(machine_info(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="launch.py", description="difftrainer: train LoRA adapters for diffusion models")
+    sub = parser.add_subparsers(dest="command")
+
+    train = sub.add_parser("train", help="train headless from a config file and/or preset")
+    train.add_argument("--config", action="append", default=[], metavar="FILE", help="config JSON (repeatable; later wins)")
+    train.add_argument("--preset", help="a preset name, applied under the config files")
+    train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. schedule.epochs=5")
+    train.add_argument("--resume", action="store_true", help="continue from the newest backup in the workspace")
+    train.set_defaults(run=cmd_train)
+
+    demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in about a minute")
+    demo.add_argument("--workspace", default="workspace/demo")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    demo.set_defaults(run=cmd_demo)
+
+    presets = sub.add_parser("presets", help="list, show or save presets")
+    presets.add_argument("action", nargs="?", choices=["list", "show", "save"])
+    presets.add_argument("name", nargs="?")
+    presets.add_argument("--config", action="append", default=[], metavar="FILE")
+    presets.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    presets.set_defaults(run=cmd_presets)
+
+    sub.add_parser("schema", help="print the config's JSON Schema").set_defaults(run=cmd_schema)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random model of a family, offline")
+    tiny.add_argument("--family", default="sd15")
+    tiny.add_argument("--out", required=True)
+    tiny.set_defaults(run=cmd_make_tiny_model)
+
+    sub.add_parser("info", help="families, presets, devices and dtypes on this machine").set_defaults(run=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.print_help()
+        print("\n(The desktop GUI is not built yet; use the commands above.)", file=sys.stderr)
+        return 0
+    try:
+        return args.run(args)
+    except _user_errors() as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""Console reporting for headless runs: a tqdm bar on a terminal, plain lines otherwise.
+Everything human-readable goes to stderr; stdout is left for results (and the event protocol)."""
+
+from __future__ import annotations
+
+import sys
+
+from tqdm import tqdm
+
+from modules.trainer.callbacks import Progress, TrainCallbacks
+
+
+class ConsoleCallbacks(TrainCallbacks):
+    def __init__(self, stream=sys.stderr, every: int = 10):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every = every  # plain-line cadence in steps
+        self.bar: tqdm | None = None
+
+    def _line(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def on_started(self, total_steps: int) -> None:
+        if self.tty:
+            self.bar = tqdm(total=total_steps, file=self.stream, unit="step", dynamic_ncols=True)
+
+    def on_status(self, text: str) -> None:
+        self._line(f"[{text}]")
+
+    def on_progress(self, p: Progress) -> None:
+        if self.bar is not None:
+            self.bar.n = p.step
+            self.bar.set_postfix(epoch=f"{p.epoch}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}", refresh=False)
+            self.bar.refresh()
+        elif p.step % self.every == 0 or p.step == p.total_steps or p.step == 1:
+            eta = f"{p.eta_s:.0f}s" if p.eta_s != float("inf") else "?"
+            self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch}/{p.epochs} loss {p.loss:.4f} "
+                       f"lr {p.lr:.2e} {p.it_per_s:.2f} it/s eta {eta}")
+
+    def on_sample(self, path: str) -> None:
+        self._line(f"sample: {path}")
+
+    def on_backup(self, path: str) -> None:
+        self._line(f"backup: {path}")
+
+    def on_save(self, path: str) -> None:
+        self._line(f"saved: {path}")
+
+    def on_warning(self, message: str) -> None:
+        self._line(f"warning: {message}")
+
+    def on_finished(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

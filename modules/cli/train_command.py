@@ -1,0 +1,45 @@
+"""`launch.py train`: run one training from presets, config files and overrides, headless.
+
+SIGINT or SIGTERM asks the run to stop at the next step; it then writes a backup (and the
+output) and exits 0. A second SIGINT exits at once; atomic writes mean no file is left half-written.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from modules.config.loading import build_config, read_json_file
+from modules.config.presets import load_preset_overlay
+from modules.config.train_config import TrainConfig
+from modules.trainer.callbacks import TrainCallbacks
+from modules.trainer.commands import TrainCommands
+
+
+def resolve_config(config_files: list[str], preset: str | None, overrides: list[str], resume: bool = False) -> TrainConfig:
+    layers = [load_preset_overlay(preset)] if preset else []
+    layers += [read_json_file(path) for path in config_files]
+    overrides = list(overrides) + (["backup.resume=true"] if resume else [])
+    return build_config(layers, overrides)
+
+
+def install_stop_signals(commands: TrainCommands, log=lambda text: print(text, file=sys.stderr, flush=True)) -> None:
+    def request_stop(signum, _frame):
+        commands.stop()
+        log(f"[{signal.Signals(signum).name}: stopping at the next step; a backup will be written. "
+            "Press Ctrl-C again to quit at once]")
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: TrainCommands | None = None) -> Path:
+    from modules.trainer.generic_trainer import GenericTrainer  # heavy imports only when training
+
+    commands = commands or TrainCommands()
+    trainer = GenericTrainer(config, callbacks, commands)
+    trainer.start()
+    trainer.train()
+    return trainer.end()

@@ -1,0 +1,76 @@
+"""One readable line per config problem, each naming its dotted path (`concepts[0].repeats: must be >= 1`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = problems
+        self.source = source
+        head = f"invalid config ({source})" if source else "invalid config"
+        super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def dotted_path(loc: tuple[Any, ...], data: Any = None) -> str:
+    """('concepts', 0, 'repeats') -> 'concepts[0].repeats'.
+
+    Pydantic puts the tag of a discriminated union into the location (`optimizer.adamw.lr`);
+    walking the input alongside drops such steps, so the path is the one the user wrote.
+    """
+    text = ""
+    node = data
+    for part in loc:
+        if isinstance(part, int):
+            text += f"[{part}]"
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+            continue
+        if isinstance(node, dict) and part not in node and node.get("type") == part:
+            continue  # union tag, not a key the user wrote
+        text += f".{part}" if text else str(part)
+        node = node.get(part) if isinstance(node, dict) else None
+    return text or "(top level)"
+
+
+def _message(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    ctx = error.get("ctx") or {}
+    value = error.get("input")
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    if kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+        op = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()))
+        return f"must be {op} {bound} (got {value!r})"
+    if kind == "multiple_of":
+        return f"must be a multiple of {ctx.get('multiple_of')} (got {value!r})"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')} (got {value!r})"
+    if kind == "union_tag_invalid":
+        return f"unknown type {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
+    if kind in ("int_parsing", "int_type", "int_from_float"):
+        return f"must be a whole number (got {value!r})"
+    if kind in ("float_parsing", "float_type"):
+        return f"must be a number (got {value!r})"
+    if kind in ("bool_parsing", "bool_type"):
+        return f"must be true or false (got {value!r})"
+    if kind in ("string_type",):
+        return f"must be text (got {value!r})"
+    if kind in ("list_type", "tuple_type", "dict_type", "model_type", "model_attributes_type"):
+        expected = {"list_type": "a list", "tuple_type": "a list", "dict_type": "an object",
+                    "model_type": "an object", "model_attributes_type": "an object"}[kind]
+        return f"must be {expected} (got {value!r})"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    return error["msg"]
+
+
+def format_validation_error(error: ValidationError, data: Any = None) -> list[str]:
+    return [f"{dotted_path(e['loc'], data)}: {_message(e)}" for e in error.errors()]

@@ -1,0 +1,147 @@
+"""Build a TrainConfig from layers: defaults <- preset <- config files <- `--set` overrides.
+
+Each layer is a partial JSON object, migrated to the current version, then deep-merged: objects
+merge key by key, anything else (lists included) replaces what was below.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from pydantic import ValidationError
+
+from modules.config.errors import ConfigError, format_validation_error
+from modules.config.migrations import migrate
+from modules.config.train_config import CURRENT_VERSION, TrainConfig
+
+
+def deep_merge(base: dict, overlay: dict) -> dict:
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def read_json_file(path: str | Path) -> dict:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([f"file not found: {path}"]) from None
+    except OSError as error:
+        raise ConfigError([f"cannot read {path}: {error.strerror}"]) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError([f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: must hold a JSON object at the top level"])
+    return migrate(data, source=str(path))
+
+
+_SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+
+
+def parse_dotted(key: str) -> list[str | int]:
+    """'concepts[0].repeats' -> ['concepts', 0, 'repeats']."""
+    steps: list[str | int] = []
+    position = 0
+    for match in _SEGMENT.finditer(key):
+        between = key[position:match.start()]
+        if between not in ("", "."):
+            raise ConfigError([f"--set {key}: cannot read the key"])
+        steps.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+        position = match.end()
+    if not steps or position != len(key):
+        raise ConfigError([f"--set {key}: cannot read the key"])
+    return steps
+
+
+def set_override(data: dict, assignment: str) -> dict:
+    """Apply one `dotted.key=value` (value as JSON when it parses, else as text) to a new dict."""
+    if "=" not in assignment:
+        raise ConfigError([f"--set {assignment}: expected dotted.key=value"])
+    key, raw = assignment.split("=", 1)
+    try:
+        value: Any = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    steps = parse_dotted(key.strip())
+    root = json.loads(json.dumps(data))  # a deep copy of plain JSON
+    node: Any = root
+    for index, step in enumerate(steps[:-1]):
+        following = steps[index + 1]
+        if isinstance(step, int):
+            if not isinstance(node, list) or step > len(node):
+                raise ConfigError([f"--set {key}: no list item [{step}] there"])
+            if step == len(node):
+                node.append({} if isinstance(following, str) else [])
+            node = node[step]
+        else:
+            if not isinstance(node, dict):
+                raise ConfigError([f"--set {key}: {step!r} is not inside an object"])
+            node = node.setdefault(step, {} if isinstance(following, str) else [])
+    last = steps[-1]
+    if isinstance(last, int):
+        if not isinstance(node, list) or last > len(node):
+            raise ConfigError([f"--set {key}: no list item [{last}] there"])
+        node.append(value) if last == len(node) else node.__setitem__(last, value)
+    else:
+        if not isinstance(node, dict):
+            raise ConfigError([f"--set {key}: {last!r} is not inside an object"])
+        node[last] = value
+    return root
+
+
+def validate_config(data: dict, source: str | None = None) -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, data), source) from None
+
+
+def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:
+    merged: dict = {"version": CURRENT_VERSION}
+    for layer in layers:
+        merged = deep_merge(merged, migrate(layer))
+    for assignment in overrides:
+        merged = set_override(merged, assignment)
+    return validate_config(merged)
+
+
+def load_config_file(path: str | Path, overrides: Iterable[str] = ()) -> TrainConfig:
+    config = build_config([read_json_file(path)], overrides)
+    return config
+
+
+def config_overlay(config: TrainConfig) -> dict:
+    """The smallest overlay that rebuilds `config` from the defaults (what a preset save writes)."""
+    family = config.model.family
+    defaults = TrainConfig.model_validate({"model": {"family": family}}).model_dump(mode="json")
+    overlay = _difference(config.model_dump(mode="json"), defaults)
+    # The family decides the defaults of the parts, so it is always written.
+    overlay["model"] = {"family": family, **overlay.get("model", {})}
+    return {"version": CURRENT_VERSION, **overlay}
+
+
+def _difference(value: dict, default: dict) -> dict:
+    """Keys of `value` that differ from `default`; a tagged object of another `type` is kept whole."""
+    out = {}
+    for key, item in value.items():
+        if key == "version":
+            continue
+        if key not in default:
+            out[key] = item
+        elif isinstance(item, dict) and isinstance(default[key], dict) and item.get("type") == default[key].get("type"):
+            nested = _difference(item, default[key])
+            if nested:
+                out[key] = nested
+        elif item != default[key]:
+            out[key] = item
+    return out

@@ -1,0 +1,100 @@
+"""Versioned config migrations: MIGRATIONS[v] turns a version-v dict into a version-(v+1) dict.
+
+A file without "version" is taken to be written for the current version (hand-written overlays
+rarely say it); every file this trainer writes carries it. Add a step here whenever a field is
+renamed or moved, and a test with a real file of the old shape.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+from modules.config.errors import ConfigError
+from modules.config.train_config import CURRENT_VERSION
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+# v0 was the flat layout of the first presets (OneTrainer-like names at the top level).
+_V0_FLAT_KEYS = {
+    "model_family": "model.family",
+    "base_model": "model.base",
+    "prediction_type": "model.prediction_type",
+    "lora_rank": "adapter.rank",
+    "lora_alpha": "adapter.alpha",
+    "lora_dropout": "adapter.dropout",
+    "learning_rate": "optimizer.lr",
+    "weight_decay": "optimizer.weight_decay",
+    "lr_scheduler": "lr_scheduler.type",
+    "lr_warmup_steps": "lr_scheduler.warmup_steps",
+    "epochs": "schedule.epochs",
+    "max_steps": "schedule.max_steps",
+    "batch_size": "schedule.batch_size",
+    "gradient_accumulation_steps": "schedule.gradient_accumulation",
+    "resolution": "data.resolution",
+    "output_path": "output.path",
+    "output_dtype": "output.dtype",
+    "workspace": "workspace_dir",
+    "cache": "cache_dir",
+    "device": "train_device",
+    "seed": "seed",
+}
+
+
+def _v0_to_v1(old: dict) -> dict:
+    new: dict = {}
+    for key, value in old.items():
+        if key == "version":
+            continue
+        if key in _V0_FLAT_KEYS:
+            _set(new, _V0_FLAT_KEYS[key], value)
+        elif key == "train_text_encoder":
+            _set(new, "model.parts.text_encoder.train", value)
+        elif key == "text_encoder_learning_rate":
+            _set(new, "model.parts.text_encoder.learning_rate", value)
+        elif key == "unet_learning_rate":
+            _set(new, "model.parts.unet.learning_rate", value)
+        elif key == "weight_dtype":
+            for part in ("text_encoder", "unet", "vae"):
+                _set(new, f"model.parts.{part}.weight_dtype", value)
+        elif key in ("sample_every_n_steps", "save_every_n_steps", "backup_every_n_steps"):
+            action = key.split("_every")[0]
+            _set(new, f"schedule.{action}_every", {"value": value, "unit": "steps"})
+        elif key == "concepts" and isinstance(value, list):
+            new["concepts"] = [
+                {("path" if k == "folder" else k): v for k, v in concept.items()} if isinstance(concept, dict) else concept
+                for concept in value
+            ]
+        else:
+            new[key] = value  # unknown in v0 too: validation will name it
+    new["version"] = 1
+    return new
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1}
+
+
+def migrate(data: dict, source: str | None = None) -> dict:
+    """Return `data` lifted to CURRENT_VERSION (a new dict; the input is not changed)."""
+    version = data.get("version", CURRENT_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise ConfigError([f"version: must be a whole number (got {version!r})"], source)
+    if version > CURRENT_VERSION:
+        raise ConfigError(
+            [f"version: {version} is newer than this trainer understands ({CURRENT_VERSION}); update the trainer"],
+            source,
+        )
+    if version < 0:
+        raise ConfigError([f"version: must be >= 0 (got {version})"], source)
+    data = copy.deepcopy(data)
+    while version < CURRENT_VERSION:
+        data = MIGRATIONS[version](data)
+        version += 1
+    data["version"] = CURRENT_VERSION
+    return data

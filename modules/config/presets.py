@@ -1,0 +1,80 @@
+"""Presets: named partial configs. Built-ins live in resources/presets/<family>/<name>.json and
+ship with the trainer; user presets live in <user dir>/presets/<name>.json.
+
+Saving a preset writes only what differs from the defaults of its family (plus "version" and
+"model.family"), so a preset keeps working when a default improves and stays short to share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from modules.config.errors import ConfigError
+from modules.config.loading import config_overlay, read_json_file
+from modules.config.train_config import TrainConfig
+from modules.saving.atomic import write_text
+
+BUILTIN_PRESETS_DIR = Path(__file__).resolve().parents[2] / "resources" / "presets"
+
+
+def user_dir() -> Path:
+    """Where user presets and the GUI's last config live; DIFFTRAINER_HOME overrides it."""
+    if os.environ.get("DIFFTRAINER_HOME"):
+        return Path(os.environ["DIFFTRAINER_HOME"])
+    return Path.home() / ".config" / "difftrainer"
+
+
+def user_presets_dir() -> Path:
+    return user_dir() / "presets"
+
+
+@dataclass(frozen=True)
+class PresetInfo:
+    name: str
+    family: str | None
+    builtin: bool
+    path: Path
+
+
+def list_presets() -> list[PresetInfo]:
+    presets = [
+        PresetInfo(path.stem, path.parent.name, True, path)
+        for path in sorted(BUILTIN_PRESETS_DIR.glob("*/*.json"))
+    ]
+    folder = user_presets_dir()
+    if folder.is_dir():
+        for path in sorted(folder.glob("*.json")):
+            try:
+                family = read_json_file(path).get("model", {}).get("family")
+            except ConfigError:
+                family = None  # listed anyway; loading it names the problem
+            presets.append(PresetInfo(path.stem, family, False, path))
+    return presets
+
+
+def find_preset(name: str) -> PresetInfo:
+    """User presets shadow built-ins of the same name; names match case-insensitively."""
+    matches = [p for p in list_presets() if p.name.lower() == name.lower()]
+    if not matches:
+        known = ", ".join(sorted({p.name for p in list_presets()}))
+        raise ConfigError([f"preset {name!r} not found (known: {known})"])
+    return next((p for p in matches if not p.builtin), matches[0])
+
+
+def load_preset_overlay(name: str) -> dict:
+    preset = find_preset(name)
+    overlay = read_json_file(preset.path)
+    if preset.builtin and preset.family:
+        overlay.setdefault("model", {}).setdefault("family", preset.family)
+    return overlay
+
+
+def save_preset(config: TrainConfig, name: str) -> Path:
+    if not name or any(c in name for c in '/\\:*?"<>|') or name.startswith("."):
+        raise ConfigError([f"preset name {name!r}: use letters, digits, spaces, '-', '_' or '.'"])
+    path = user_presets_dir() / f"{name}.json"
+    write_text(path, json.dumps(config_overlay(config), indent=2) + "\n")
+    return path

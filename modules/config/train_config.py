@@ -1,0 +1,245 @@
+"""TrainConfig: everything a training run needs, as one validated pydantic tree.
+
+A preset or config file is a partial JSON overlay on these defaults (see loading.py). Field
+names are the dotted paths the GUI binds to and the CLI's `--set` takes, so renaming one is a
+breaking change that needs a migration (migrations.py).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+CURRENT_VERSION = 1
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors: a typo in a preset must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelPartConfig(StrictModel):
+    path: str | None = Field(None, description="Load this part from here instead of the base model.")
+    train: bool = False
+    learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
+    weight_dtype: DType = "float32"
+
+
+class ModelConfig(StrictModel):
+    family: str = "sd15"
+    base: str = Field("", description="A diffusers model folder.")
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
+    parts: dict[str, ModelPartConfig] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_family_parts(cls, data: Any) -> Any:
+        """Overlay the given parts on the family's defaults, so `{"unet": {"learning_rate": 1e-4}}`
+        keeps the family's `train: true` for the unet. Unknown part names are reported."""
+        if not isinstance(data, dict):
+            return data
+        from modules.model.registry import family_names, get_family_class
+
+        family = data.get("family", "sd15")
+        if family not in family_names():
+            return data  # the field validator reports the bad family
+        defaults = get_family_class(family).default_parts()
+        given = data.get("parts") or {}
+        if not isinstance(given, dict):
+            return data
+        unknown = sorted(set(given) - set(defaults))
+        if unknown:
+            raise ValueError(
+                f"unknown part {unknown[0]!r} for family {family!r} (parts: {', '.join(defaults)})"
+            )
+        parts = {}
+        for name, default in defaults.items():
+            override = given.get(name) or {}
+            parts[name] = {**default, **override} if isinstance(override, dict) else override
+        return {**data, "parts": parts}
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        from modules.model.registry import family_names
+
+        if value not in family_names():
+            raise ValueError(f"unknown family {value!r} (known: {', '.join(family_names())})")
+        return value
+
+
+class AdapterConfig(StrictModel):
+    type: Literal["lora"] = "lora"
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(16.0, gt=0, description="Output is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    layer_preset: str = Field(
+        "attn-mlp", description="A named layer selection of the family (attn, attn-mlp, all-linear, all)."
+    )
+    layer_filter: list[str] = Field(
+        default_factory=list,
+        description="Regexes searched in 'part.module.name'; when given, they replace the preset.",
+    )
+    dtype: DType = "float32"
+
+    @field_validator("layer_filter")
+    @classmethod
+    def _valid_regexes(cls, patterns: list[str]) -> list[str]:
+        for index, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
+        return patterns
+
+
+class AdamWConfig(StrictModel):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+
+
+# Each optimizer is its own model with its own parameters, told apart by `type`; more slot in here.
+OptimizerConfig = Annotated[Union[AdamWConfig], Field(discriminator="type")]
+
+
+def _default_optimizer_type(data: Any) -> Any:
+    if isinstance(data, dict) and "type" not in data:
+        return {"type": "adamw", **data}
+    return data
+
+
+class LrSchedulerConfig(StrictModel):
+    type: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+
+
+class ConceptConfig(StrictModel):
+    name: str = ""
+    path: str = Field(..., description="Folder of png/jpg/webp images.")
+    caption_source: Literal["txt", "file", "filename"] = Field(
+        "txt",
+        description="txt: a .txt beside each image; file: one caption file for the folder; "
+        "filename: the image's file name.",
+    )
+    caption_file: str = Field("caption.txt", description="For caption_source 'file', relative to the folder.")
+    repeats: int = Field(1, ge=1)
+    enabled: bool = True
+    include_subfolders: bool = False
+
+
+class SamplePromptConfig(StrictModel):
+    prompt: str
+    negative_prompt: str = ""
+    seed: int = 42
+    steps: int = Field(20, ge=1)
+    cfg: float = Field(7.0, ge=0)
+    width: int = Field(512, ge=8, multiple_of=8)
+    height: int = Field(512, ge=8, multiple_of=8)
+
+
+class SamplingConfig(StrictModel):
+    prompts: list[SamplePromptConfig] = Field(default_factory=list)
+    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = "ddim"
+
+
+_CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$")
+
+
+class Cadence(StrictModel):
+    """How often an action runs; 0 means never. Also accepts "250 steps", "2 epochs", "30 minutes"."""
+
+    value: float = Field(0, ge=0)
+    unit: Literal["steps", "epochs", "minutes"] = "steps"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_text(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            match = _CADENCE_TEXT.match(data)
+            if not match:
+                raise ValueError(f"{data!r} is not like '250 steps', '2 epochs' or '30 minutes'")
+            unit = match.group(2)
+            return {"value": float(match.group(1)), "unit": unit if unit.endswith("s") else unit + "s"}
+        return data
+
+
+class ScheduleConfig(StrictModel):
+    epochs: int = Field(10, ge=1)
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; ends the run before the epochs do.")
+    batch_size: int = Field(1, ge=1)
+    gradient_accumulation: int = Field(1, ge=1)
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    sample_every: Cadence = Field(default_factory=Cadence)
+    backup_every: Cadence = Field(default_factory=Cadence)
+    save_every: Cadence = Field(default_factory=Cadence)
+
+
+class DataConfig(StrictModel):
+    resolution: int = Field(512, ge=8)
+    aspect_buckets: bool = True
+
+
+class OutputConfig(StrictModel):
+    path: str = "output/lora.safetensors"
+    format: Literal["kohya"] = "kohya"
+    dtype: DType = "float16"
+
+
+class BackupConfig(StrictModel):
+    rolling_count: int = Field(3, ge=1, description="Older backups beyond this many are deleted.")
+    resume: bool = Field(False, description="Continue from the newest backup in the workspace.")
+
+
+class TrainConfig(StrictModel):
+    version: int = CURRENT_VERSION
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
+    lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
+    concepts: list[ConceptConfig] = Field(default_factory=list)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    backup: BackupConfig = Field(default_factory=BackupConfig)
+    workspace_dir: str = "workspace"
+    cache_dir: str | None = Field(None, description="None: <workspace_dir>/cache.")
+    train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device)")
+    train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
+    seed: int = 42
+    tensorboard: bool = True
+
+    @field_validator("optimizer", mode="before")
+    @classmethod
+    def _optimizer_type_default(cls, data: Any) -> Any:
+        return _default_optimizer_type(data)
+
+    @field_validator("version")
+    @classmethod
+    def _current_version(cls, value: int) -> int:
+        # Older versions are migrated before validation; reaching here with one is a bug or a
+        # file from a newer trainer.
+        if value != CURRENT_VERSION:
+            raise ValueError(f"must be {CURRENT_VERSION} after migration (got {value})")
+        return value
+
+    @field_validator("train_device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        return value

@@ -1,0 +1,67 @@
+"""Concept folders -> (image path, caption) items.
+
+Caption sources: `txt` (a .txt beside each image), `file` (one caption file for the whole
+folder) or `filename` (the image's name, underscores as spaces). Files named `*-masklabel.*`
+are masks, not training images.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from modules.config.train_config import ConceptConfig
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ConceptItem:
+    image: Path
+    caption: str
+    concept: int  # index into config.concepts
+
+
+def _caption_from_filename(path: Path) -> str:
+    stem = re.sub(r"\s*\(\d+\)$", "", path.stem)  # "dog (2).png" is a copy of "dog.png"
+    return stem.replace("_", " ").strip()
+
+
+def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None]) -> list[ConceptItem]:
+    where = f"concepts[{index}]"
+    folder = Path(concept.path)
+    if not folder.is_dir():
+        raise DataError(f"{where}.path: {folder} is not a folder")
+    pattern = "**/*" if concept.include_subfolders else "*"
+    images = sorted(
+        p for p in folder.glob(pattern)
+        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.stem.endswith("-masklabel")
+    )
+    shared_caption = None
+    if concept.caption_source == "file":
+        caption_path = folder / concept.caption_file
+        if not caption_path.is_file():
+            raise DataError(f"{where}.caption_file: {caption_path} not found")
+        shared_caption = caption_path.read_text(encoding="utf-8").strip()
+    items, without_caption = [], 0
+    for image in images:
+        if shared_caption is not None:
+            caption = shared_caption
+        elif concept.caption_source == "filename":
+            caption = _caption_from_filename(image)
+        else:
+            text_file = image.with_suffix(".txt")
+            if text_file.is_file():
+                caption = text_file.read_text(encoding="utf-8").strip()
+            else:
+                caption, without_caption = "", without_caption + 1
+        items.append(ConceptItem(image, caption, index))
+    if without_caption:
+        warn(f"{where}: {without_caption} image(s) in {folder} have no .txt caption; training them with an empty caption")
+    return items

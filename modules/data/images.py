@@ -1,0 +1,31 @@
+"""Read an image and bring it to its bucket: resize to cover, then center-crop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+
+def image_size(path: Path) -> tuple[int, int]:
+    """(width, height) after EXIF rotation, reading only the header."""
+    with Image.open(path) as image:
+        width, height = image.size
+        orientation = image.getexif().get(0x0112, 1)
+    return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
+
+
+def load_cropped(path: Path, width: int, height: int) -> torch.Tensor:
+    """(3, height, width) float tensor in [-1, 1]."""
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened).convert("RGB")
+    scale = max(width / image.width, height / image.height)
+    resized_size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
+    image = image.resize(resized_size, Image.Resampling.LANCZOS)
+    left = (image.width - width) // 2
+    top = (image.height - height) // 2
+    image = image.crop((left, top, left + width, top + height))
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    return torch.from_numpy(array).permute(2, 0, 1).contiguous()

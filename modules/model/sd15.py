@@ -1,0 +1,183 @@
+"""Stable Diffusion 1.x: CLIP-L text encoder, UNet2DConditionModel, AutoencoderKL, DDPM noise
+with epsilon or v-prediction targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from modules.loading.diffusers_folder import ModelLoadError, load_component
+from modules.model.base import ModelFamily, PartSpec
+from modules.model.tiny_tokenizer import write_char_clip_tokenizer
+from modules.sampling.schedulers import sampling_scheduler
+from modules.util.torch_utils import dtype_of
+
+_UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
+_UNET_FF = r"^unet\..*\.ff\.net\.(0\.proj|2)$"
+_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
+_TE_MLP = r"^text_encoder\..*\.mlp\.(fc1|fc2)$"
+
+
+class SD15Family(ModelFamily):
+    name = "sd15"
+    label = "Stable Diffusion 1.5"
+    part_specs = (
+        PartSpec("text_encoder", "text_encoder", "lora_te"),
+        PartSpec("unet", "unet", "lora_unet", default_train=True),
+        PartSpec("vae", "vae", None),
+    )
+    bucket_quantum = 64
+    kohya_base_version = "sd_v1"
+    modelspec_architecture = "stable-diffusion-v1/lora"
+    layer_presets = {
+        "attn": ([_UNET_ATTN, _TE_ATTN], False),
+        "attn-mlp": ([_UNET_ATTN, _UNET_FF, _TE_ATTN, _TE_MLP], False),
+        "all-linear": ([r"^(unet|text_encoder)\."], False),
+        "all": ([r"^(unet|text_encoder)\."], True),
+    }
+
+    text_parts = ("text_encoder",)
+    image_parts = ("vae",)
+
+    def load(self) -> None:
+        parts = self.config.model.parts
+        self.parts["text_encoder"] = load_component(
+            CLIPTextModel, self.part_folder("text_encoder"), dtype_of(parts["text_encoder"].weight_dtype),
+            "model.parts.text_encoder",
+        )
+        self.parts["unet"] = load_component(
+            UNet2DConditionModel, self.part_folder("unet"), dtype_of(parts["unet"].weight_dtype), "model.parts.unet"
+        )
+        self.parts["vae"] = load_component(
+            AutoencoderKL, self.part_folder("vae"), dtype_of(parts["vae"].weight_dtype), "model.parts.vae"
+        )
+        base = Path(self.config.model.base)
+        for needed in ("tokenizer", "scheduler"):
+            if not (base / needed).is_dir():
+                raise ModelLoadError(f"model.base: {base} has no {needed}/ folder")
+        self.tokenizer = CLIPTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
+        self.noise_scheduler = DDPMScheduler.from_pretrained(str(base), subfolder="scheduler", local_files_only=True)
+        configured = self.config.model.prediction_type
+        self.prediction_type = (
+            self.noise_scheduler.config.prediction_type if configured == "auto" else configured
+        )
+
+    @property
+    def unet(self) -> UNet2DConditionModel:
+        return self.parts["unet"]
+
+    # --- data --------------------------------------------------------------------------------
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        vae = self.parts["vae"]
+        # The distribution's mean, so a cached latent is the same every time it is rebuilt.
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mean
+        return latents * vae.config.scaling_factor
+
+    def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        ids = self.tokenizer(
+            captions, padding="max_length", max_length=self.tokenizer.model_max_length, truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        return {"input_ids": ids}
+
+    def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        text_encoder = self.parts["text_encoder"]
+        hidden = text_encoder(tokens["input_ids"].to(text_encoder.device))[0]
+        return {"hidden_states": hidden}
+
+    # --- training ----------------------------------------------------------------------------
+
+    def predict(self, latents, text, generator):
+        batch = latents.shape[0]
+        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator, device=latents.device
+        )
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        prediction = self.unet(
+            noisy.to(self.unet.dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(self.unet.dtype)
+        ).sample
+        if self.prediction_type == "v_prediction":
+            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            target = noise
+        return prediction, target
+
+    # --- sampling ----------------------------------------------------------------------------
+
+    def pipeline(self):
+        # imported here: the pipeline module pulls in image processors the training never uses
+        from diffusers import StableDiffusionPipeline
+
+        scheduler_config = dict(self.noise_scheduler.config, prediction_type=self.prediction_type)
+        pipe = StableDiffusionPipeline(
+            vae=self.parts["vae"], text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
+            unet=self.unet, scheduler=sampling_scheduler(self.config.sampling.scheduler, scheduler_config),
+            safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sample(self, prompt, device):
+        generator = torch.Generator(device=device).manual_seed(prompt.seed)
+        return self.pipeline()(
+            prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
+            num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
+            generator=generator,
+        ).images[0]
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    def canonical_module_name(self, part: str, module_name: str) -> str:
+        # transformers 5 dropped CLIPTextModel's `text_model.` level; kohya, ComfyUI and diffusers
+        # files keep it (lora_te_text_model_encoder_layers_0_...).
+        if part == "text_encoder" and not module_name.startswith("text_model."):
+            return "text_model." + module_name
+        return module_name
+
+    # --- tiny model --------------------------------------------------------------------------
+
+    @classmethod
+    def make_tiny_model(cls, out: str | Path, unet: dict | None = None, text: dict | None = None,
+                        vae: dict | None = None, seed: int = 0) -> Path:
+        """A random SD1.5-architecture pipeline in diffusers layout, built offline."""
+        from diffusers import StableDiffusionPipeline
+
+        out = Path(out)
+        torch.manual_seed(seed)
+        tokenizer_dir = out / "tokenizer"
+        vocab_size = write_char_clip_tokenizer(tokenizer_dir)
+        tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer_dir))
+        text_config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           max_position_embeddings=77, projection_dim=32)
+        text_config.update(text or {})
+        text_encoder = CLIPTextModel(CLIPTextConfig(
+            vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, **text_config,
+        ))
+        unet_config = dict(
+            sample_size=32, block_out_channels=(32, 64), layers_per_block=1,
+            down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+            cross_attention_dim=text_config["hidden_size"], attention_head_dim=8, norm_num_groups=32,
+        )
+        unet_config.update(unet or {})
+        vae_config = dict(
+            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=4, norm_num_groups=32, sample_size=64,
+        )
+        vae_config.update(vae or {})
+        scheduler = DDPMScheduler(
+            num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+            clip_sample=False, steps_offset=1, prediction_type="epsilon",
+        )
+        pipe = StableDiffusionPipeline(
+            vae=AutoencoderKL(**vae_config), text_encoder=text_encoder, tokenizer=tokenizer,
+            unet=UNet2DConditionModel(**unet_config), scheduler=scheduler, safety_checker=None,
+            feature_extractor=None, requires_safety_checker=False,
+        )
+        pipe.save_pretrained(str(out))
+        return out

@@ -1,0 +1,27 @@
+"""Sample images from the live model (adapters hooked) into workspace/samples/."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from modules.saving.atomic import write_with
+
+
+@torch.no_grad()
+def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.device) -> list[Path]:
+    modes = {name: module.training for name, module in family.parts.items()}
+    for module in family.parts.values():
+        module.eval()
+    paths = []
+    try:
+        for index, prompt in enumerate(prompts):
+            image = family.sample(prompt, device)
+            path = Path(out_dir) / f"step{step:07d}-{index}.png"
+            write_with(path, lambda temp, image=image: image.save(temp, format="PNG"))
+            paths.append(path)
+    finally:
+        for name, module in family.parts.items():
+            module.train(modes[name])
+    return paths

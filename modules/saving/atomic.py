@@ -1,0 +1,46 @@
+"""Write files so that a crash never leaves a half-written file where a good one stood.
+
+Everything the trainer writes goes through here: write to a temp name in the same folder,
+flush and fsync, then rename over the target (atomic on POSIX and on Windows via os.replace).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+
+@contextlib.contextmanager
+def atomic_path(target: str | Path) -> Iterator[Path]:
+    """Yield a temp path beside `target`; on success it replaces `target`, on error it is removed."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    os.close(handle)
+    temp = Path(temp_name)
+    try:
+        yield temp
+        with open(temp, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def write_bytes(target: str | Path, data: bytes) -> None:
+    with atomic_path(target) as temp:
+        temp.write_bytes(data)
+
+
+def write_text(target: str | Path, text: str) -> None:
+    write_bytes(target, text.encode("utf-8"))
+
+
+def write_with(target: str | Path, writer: Callable[[Path], None]) -> None:
+    """Let `writer(temp_path)` produce the file (safetensors.save_file, Image.save, torch.save)."""
+    with atomic_path(target) as temp:
+        writer(temp)

@@ -1,0 +1,43 @@
+"""TrainCommands: requests from outside the training loop (GUI buttons, stdin, signals).
+
+Any thread may call these; the trainer takes them on the next gradient-accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+
+
+class TrainCommands:
+    ACTIONS = ("sample", "backup", "save")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._pending: set[str] = set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def sample_now(self) -> None:
+        self._request("sample")
+
+    def backup_now(self) -> None:
+        self._request("backup")
+
+    def save_now(self) -> None:
+        self._request("save")
+
+    def _request(self, action: str) -> None:
+        with self._lock:
+            self._pending.add(action)
+
+    @property
+    def stop_requested(self) -> bool:
+        return self._stop.is_set()
+
+    def take(self) -> set[str]:
+        """The actions requested since the last call, cleared."""
+        with self._lock:
+            pending, self._pending = self._pending, set()
+        return pending

@@ -1,0 +1,60 @@
+"""Guards that turn silent failures into loud ones.
+
+An adapter that never learns (gradients went to a copy of the layer, or the optimizer holds
+other tensors than the forward uses) trains for hours with a normal-looking loss. After the
+first optimizer step, every trainable parameter must have a gradient, every parameter whose
+gradient is non-zero must have moved, and every adapter module must have moved as a whole.
+(A fresh LoRA's down matrix legitimately gets a zero gradient on step one, because its up
+matrix starts at zero, so "moved" is checked per module, not per tensor.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in named_parameters}
+
+
+def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
+                     before: dict[str, torch.Tensor]) -> None:
+    no_grad, not_updated, modules_moved = [], [], {}
+    for name, parameter in named_parameters:
+        module = name.rsplit(".", 2)[0]
+        moved = not torch.equal(parameter.detach(), before[name])
+        modules_moved[module] = modules_moved.get(module, False) or moved
+        if parameter.grad is None:
+            no_grad.append(name)
+        elif not moved and bool(parameter.grad.detach().abs().sum() > 0):
+            not_updated.append(name)
+    frozen_modules = sorted(m for m, moved in modules_moved.items() if not moved)
+    problems = []
+    if no_grad:
+        problems.append(_listing("module(s) received no gradient (is the adapter attached to a copy of its layer?)",
+                                 sorted({n.rsplit(".", 2)[0] for n in no_grad})))
+    if not_updated:
+        problems.append(_listing("tensor(s) had a gradient but did not change (not in the optimizer?)", not_updated))
+    if frozen_modules and not no_grad:
+        problems.append(_listing("module(s) did not change at all", frozen_modules))
+    if problems:
+        raise TrainingError("the adapter is not learning after the first optimizer step:\n" + "\n".join(problems))
+
+
+def _listing(what: str, names: list[str]) -> str:
+    shown = ", ".join(names[:10]) + (f", ... ({len(names)} in all)" if len(names) > 10 else "")
+    return f"  {len(names)} {what}: {shown}"
+
+
+def check_finite(loss: float, step: int) -> None:
+    if not math.isfinite(loss):
+        raise TrainingError(
+            f"loss is {loss} at step {step}: stopping; the last backup holds the last good state "
+            "(try a lower learning rate or float32)"
+        )

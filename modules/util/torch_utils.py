@@ -1,0 +1,35 @@
+"""Small torch helpers shared by the generic code: dtype names, device resolution, autocast."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_of(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def resolve_device(name: str) -> torch.device:
+    """'auto' picks CUDA when present, then Apple's MPS, then the CPU; anything else is taken as given."""
+    if name != "auto":
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to `dtype` on `device`, or nothing when computing in float32 or where autocast
+    is not available for that device type."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    try:
+        return torch.autocast(device_type=device.type, dtype=dtype)
+    except RuntimeError:
+        return contextlib.nullcontext()
