@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import PydanticCustomError
 
 
 class ConfigError(ValueError):
@@ -25,12 +26,17 @@ def dotted_path(loc: tuple[Any, ...], data: Any = None) -> str:
     """
     text = ""
     node = data
-    for part in loc:
+    for position, part in enumerate(loc):
         if isinstance(part, int):
             text += f"[{part}]"
             node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
             continue
-        if isinstance(node, dict) and part not in node and node.get("type") == part:
+        if isinstance(node, dict) and part not in node and (
+            node.get("type") == part
+            # the tag was left out and defaulted (`"optimizer": {"lr": -1}`): a step the user
+            # did not write, with the field inside the union member still to come
+            or ("type" not in node and position + 1 < len(loc))
+        ):
             continue  # union tag, not a key the user wrote
         text += f".{part}" if text else str(part)
         node = node.get(part) if isinstance(node, dict) else None
@@ -72,5 +78,16 @@ def _message(error: dict[str, Any]) -> str:
     return error["msg"]
 
 
+def located_error(text: str, *at: str | int) -> PydanticCustomError:
+    """An error a validator raises about something below the field it validates: `at` is the
+    rest of the path (`located_error("unknown part", "parts", "foo")` in `model` reads
+    `model.parts.foo: unknown part`)."""
+    return PydanticCustomError("located", "{text}", {"text": text, "at": list(at)})
+
+
 def format_validation_error(error: ValidationError, data: Any = None) -> list[str]:
-    return [f"{dotted_path(e['loc'], data)}: {_message(e)}" for e in error.errors()]
+    lines = []
+    for e in error.errors():
+        loc = tuple(e["loc"]) + tuple((e.get("ctx") or {}).get("at", ()) if e["type"] == "located" else ())
+        lines.append(f"{dotted_path(loc, data)}: {_message(e)}")
+    return lines

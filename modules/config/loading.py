@@ -36,6 +36,8 @@ def read_json_file(path: str | Path) -> dict:
         raise ConfigError([f"file not found: {path}"]) from None
     except OSError as error:
         raise ConfigError([f"cannot read {path}: {error.strerror}"]) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError([f"{path}: not UTF-8 text (byte {error.start})"]) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
@@ -54,9 +56,11 @@ def parse_dotted(key: str) -> list[str | int]:
     position = 0
     for match in _SEGMENT.finditer(key):
         between = key[position:match.start()]
-        if between not in ("", "."):
+        is_name = match.group(1) is not None
+        # a name follows a '.' (or starts the key); an index follows what it indexes directly
+        if between != ("." if is_name and steps else ""):
             raise ConfigError([f"--set {key}: cannot read the key"])
-        steps.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+        steps.append(match.group(1) if is_name else int(match.group(2)))
         position = match.end()
     if not steps or position != len(key):
         raise ConfigError([f"--set {key}: cannot read the key"])

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from modules.config.errors import located_error
+
 CURRENT_VERSION = 1
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -49,17 +51,21 @@ class ModelConfig(StrictModel):
         if family not in family_names():
             return data  # the field validator reports the bad family
         defaults = get_family_class(family).default_parts()
-        given = data.get("parts") or {}
+        given = data.get("parts")
+        if given is None:
+            given = {}
         if not isinstance(given, dict):
-            return data
+            return data  # reported as "must be an object"
         unknown = sorted(set(given) - set(defaults))
         if unknown:
-            raise ValueError(
-                f"unknown part {unknown[0]!r} for family {family!r} (parts: {', '.join(defaults)})"
+            raise located_error(
+                f"unknown part for family {family!r} (parts: {', '.join(defaults)})", "parts", unknown[0]
             )
         parts = {}
         for name, default in defaults.items():
-            override = given.get(name) or {}
+            override = given.get(name)
+            if override is None:
+                override = {}
             parts[name] = {**default, **override} if isinstance(override, dict) else override
         return {**data, "parts": parts}
 

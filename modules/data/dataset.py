@@ -51,6 +51,7 @@ class TrainDataset:
         self.texts = texts
         self.batch_size = batch_size
         self.seed = seed
+        self.cache_stats: dict[str, tuple[int, int]] = {}  # cache name -> (hits, misses)
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """Indices into entries, grouped so each batch shares one bucket; repeats expanded."""
@@ -116,7 +117,10 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         if not any(e.item.concept == index for e in entries):
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     texts = _fill_texts(entries, family, device, text_cache) if cache_text else {}
-    return TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed)
+    dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed)
+    dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
+                           "text": (text_cache.hits, text_cache.misses)}
+    return dataset
 
 
 @torch.no_grad()
@@ -127,7 +131,7 @@ def _fill_latents(entries, family, device, cache, warn) -> dict[str, torch.Tenso
         if entry.latent_key in latents:
             continue
         cached = cache.get(entry.latent_key)
-        if cached is not None:
+        if cached is not None and "latents" in cached:
             latents[entry.latent_key] = cached["latents"]
         else:
             todo[entry.bucket].append(entry)
@@ -156,7 +160,7 @@ def _fill_texts(entries, family, device, cache) -> dict[str, dict[str, torch.Ten
         if entry.text_key in texts or entry.text_key in todo:
             continue
         cached = cache.get(entry.text_key)
-        if cached is not None:
+        if cached:  # an empty entry is as good as none
             texts[entry.text_key] = cached
         else:
             todo[entry.text_key] = entry.item.caption

@@ -34,6 +34,8 @@ def component_folder(base: str, subfolder: str, override: str | None, where: str
     folder = Path(override) if override else Path(base) / subfolder
     if not override and not base:
         raise ModelLoadError(f"model.base: no model given (a diffusers folder with {subfolder}/)")
+    if not override and not Path(base).is_dir():
+        raise ModelLoadError(f"model.base: {base} is not a folder (expected a diffusers model folder)")
     if not folder.is_dir():
         source = where if override else "model.base"
         raise ModelLoadError(f"{source}: {folder} is not a folder (expected a diffusers component with config.json)")

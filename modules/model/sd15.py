@@ -1,18 +1,19 @@
 """Stable Diffusion 1.x: CLIP-L text encoder, UNet2DConditionModel, AutoencoderKL, DDPM noise
-with epsilon or v-prediction targets."""
+with epsilon or v-prediction targets.
+
+diffusers and transformers are imported inside the methods that use them: validating a config
+reads this file's part list, and should not pay seconds of imports for it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from modules.loading.diffusers_folder import ModelLoadError, load_component
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
-from modules.sampling.schedulers import sampling_scheduler
 from modules.util.torch_utils import dtype_of
 
 _UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
@@ -43,6 +44,9 @@ class SD15Family(ModelFamily):
     image_parts = ("vae",)
 
     def load(self) -> None:
+        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTokenizer
+
         parts = self.config.model.parts
         self.parts["text_encoder"] = load_component(
             CLIPTextModel, self.part_folder("text_encoder"), dtype_of(parts["text_encoder"].weight_dtype),
@@ -66,7 +70,7 @@ class SD15Family(ModelFamily):
         )
 
     @property
-    def unet(self) -> UNet2DConditionModel:
+    def unet(self):
         return self.parts["unet"]
 
     # --- data --------------------------------------------------------------------------------
@@ -110,8 +114,9 @@ class SD15Family(ModelFamily):
     # --- sampling ----------------------------------------------------------------------------
 
     def pipeline(self):
-        # imported here: the pipeline module pulls in image processors the training never uses
         from diffusers import StableDiffusionPipeline
+
+        from modules.sampling.schedulers import sampling_scheduler
 
         scheduler_config = dict(self.noise_scheduler.config, prediction_type=self.prediction_type)
         pipe = StableDiffusionPipeline(
@@ -145,7 +150,8 @@ class SD15Family(ModelFamily):
     def make_tiny_model(cls, out: str | Path, unet: dict | None = None, text: dict | None = None,
                         vae: dict | None = None, seed: int = 0) -> Path:
         """A random SD1.5-architecture pipeline in diffusers layout, built offline."""
-        from diffusers import StableDiffusionPipeline
+        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
         out = Path(out)
         torch.manual_seed(seed)

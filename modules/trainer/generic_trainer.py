@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.kohya import save_kohya_lora
 from modules.config.train_config import TrainConfig
-from modules.data.dataset import TrainDataset, prepare_dataset
+from modules.data.dataset import Batch, TrainDataset, prepare_dataset
 from modules.model.registry import get_family_class
 from modules.optim.optimizers import build_optimizer
 from modules.optim.schedulers import build_scheduler
@@ -101,6 +101,10 @@ class GenericTrainer:
         self.cache_text = cache_text
         self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                        self.callbacks.on_warning, cache_text)
+        (latent_hits, latent_misses), (text_hits, text_misses) = (
+            self.dataset.cache_stats["latents"], self.dataset.cache_stats["text"])
+        self.callbacks.on_status(f"{len(self.dataset.entries)} images; cache: {latent_misses} latents and "
+                                 f"{text_misses} captions encoded, {latent_hits + text_hits} entries reused")
         schedule = self.config.schedule
         # accumulation groups end with the epoch, so every epoch has the same number of steps
         self.steps_per_epoch = -(-len(self.dataset.epoch_batches(0)) // schedule.gradient_accumulation)
@@ -192,9 +196,14 @@ class GenericTrainer:
     def _forward(self, indices: list[int], compute_dtype: torch.dtype) -> torch.Tensor:
         batch = self.dataset.collate(indices, self.device)
         with autocast(self.device, compute_dtype):
-            text = batch.text if batch.text is not None else self.family.encode_text(self.family.tokenize(batch.captions))
-            prediction, target = self.family.predict(batch.latents, text, self.generator)
+            prediction, target = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
         return F.mse_loss(prediction.float(), target.float())
+
+    def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """The batch's cached text conditioning, or a fresh encoding when a text encoder trains."""
+        if batch.text is not None:
+            return batch.text
+        return self.family.encode_text(self.family.tokenize(batch.captions))
 
     def _report(self, started: float, steps_at_start: int) -> None:
         elapsed = time.monotonic() - started

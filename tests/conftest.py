@@ -1,0 +1,49 @@
+"""Shared fixtures: a tiny SD1.5-architecture model and captioned shape images, built offline once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from modules.model.sd15 import SD15Family
+
+    return SD15Family.make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd15")
+
+
+@pytest.fixture(scope="session")
+def shape_images(tmp_path_factory) -> Path:
+    from modules.data.synthetic_images import write_shape_images
+
+    folder = tmp_path_factory.mktemp("images")
+    write_shape_images(folder, count=4, width=64, height=64)
+    return folder
+
+
+def train_config(model: Path, images: Path, workspace: Path, *overlays: dict):
+    """A small, fast config on the tiny model; overlays deep-merge on top."""
+    from modules.config.loading import build_config
+
+    base = {
+        "model": {"base": str(model)},
+        "concepts": [{"path": str(images)}],
+        "data": {"resolution": 64},
+        "adapter": {"rank": 4, "alpha": 2},
+        "optimizer": {"lr": 5e-3},
+        "schedule": {"epochs": 1, "batch_size": 2},
+        "workspace_dir": str(workspace / "ws"),
+        "output": {"path": str(workspace / "out" / "lora.safetensors"), "dtype": "float32"},
+        "tensorboard": False,
+        "train_device": "cpu",
+    }
+    return build_config([base, *overlays])

@@ -1,0 +1,76 @@
+"""The latent and text caches are reused when nothing changed and rebuilt when the image, the
+caption, the resolution or the model changed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import train_config
+
+from modules.data.dataset import prepare_dataset
+from modules.model.sd15 import SD15Family
+
+
+def prepare(config, family, cache_dir):
+    return prepare_dataset(config, family, torch.device("cpu"), cache_dir, lambda message: None, cache_text=True)
+
+
+@pytest.fixture()
+def setup(tmp_path, tiny_model, shape_images):
+    images = tmp_path / "images"
+    shutil.copytree(shape_images, images)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config = train_config(model, images, tmp_path)
+    family = SD15Family(config)
+    family.load()
+    cache_dir = tmp_path / "cache"
+    prepare(config, family, cache_dir)
+    return config, family, cache_dir, images, model
+
+
+def counted(config, family, cache_dir):
+    """((latent hits, misses), (text hits, misses)) of preparing the dataset again."""
+    stats = prepare(config, family, cache_dir).cache_stats
+    return stats["latents"], stats["text"]
+
+
+def test_unchanged_inputs_hit_the_cache(setup):
+    config, family, cache_dir, _, _ = setup
+    assert counted(config, family, cache_dir) == ((4, 0), (4, 0))
+
+
+def test_a_changed_caption_re_encodes_only_that_text(setup):
+    config, family, cache_dir, images, _ = setup
+    caption = sorted(images.glob("*.txt"))[0]
+    caption.write_text("a completely different caption")
+    assert counted(config, family, cache_dir) == ((4, 0), (3, 1))
+
+
+def test_a_changed_image_re_encodes_only_that_latent(setup):
+    from PIL import Image
+
+    config, family, cache_dir, images, _ = setup
+    image = sorted(images.glob("*.png"))[1]
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(image)
+    assert counted(config, family, cache_dir) == ((3, 1), (4, 0))
+
+
+def test_a_changed_resolution_re_encodes_every_latent(setup):
+    config, family, cache_dir, _, _ = setup
+    bigger = config.model_copy(update={"data": config.data.model_copy(update={"resolution": 128})})
+    assert counted(bigger, family, cache_dir) == ((0, 4), (4, 0))
+
+
+def test_changed_model_weights_re_encode(setup):
+    config, family, cache_dir, _, model = setup
+    weights = model / "vae" / "diffusion_pytorch_model.safetensors"
+    stat = weights.stat()
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a re-downloaded file would
+    assert counted(config, family, cache_dir) == ((0, 4), (4, 0))
+    text_weights = model / "text_encoder" / "model.safetensors"
+    os.utime(text_weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
+    assert counted(config, family, cache_dir) == ((4, 0), (0, 4))

@@ -1,0 +1,79 @@
+"""The headless commands as a user runs them: real child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from conftest import ROOT, train_config
+
+
+def launch(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
+                          timeout=600, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+
+
+def test_demo_trains_and_prints_where_the_file_went(tmp_path):
+    result = launch("demo", "--workspace", str(tmp_path / "demo"), "--set", "schedule.max_steps=3",
+                    "--set", "schedule.sample_every=3 steps")
+    assert result.returncode == 0, result.stderr
+    output = tmp_path / "demo" / "output" / "demo-lora.safetensors"
+    assert f"demo LoRA written to {output}" in result.stdout
+    assert output.is_file()
+    assert list((tmp_path / "demo" / "run" / "samples").glob("*.png"))
+    assert "Traceback" not in result.stderr
+
+
+def test_sigterm_stops_at_the_next_step_with_a_backup_and_exit_0(tmp_path, tiny_model, shape_images):
+    config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"epochs": 500}})
+    config_file = tmp_path / "run.json"
+    config_file.write_text(config.model_dump_json())
+    process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "train", "--config", str(config_file)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    lines = []
+    deadline = time.monotonic() + 300
+    for line in process.stderr:
+        lines.append(line)
+        if line.startswith("step 1/") or time.monotonic() > deadline:
+            break
+    process.send_signal(signal.SIGTERM)
+    stdout, rest = process.communicate(timeout=300)
+    stderr = "".join(lines) + rest
+    assert process.returncode == 0, stderr
+    backups = list((Path(config.workspace_dir) / "backup").iterdir())
+    assert len(backups) == 1 and (backups[0] / "state.pt").is_file(), stderr
+    assert Path(config.output.path).is_file()
+    assert "SIGTERM: stopping at the next step" in stderr
+    assert stdout.strip() == config.output.path
+
+
+def test_bad_config_is_one_message_not_a_traceback(tmp_path, tiny_model, shape_images):
+    config_file = tmp_path / "bad.json"
+    config_file.write_text(json.dumps({"concepts": [{"path": str(shape_images), "repeats": 0}], "schedule": {"epochs": "ten"}}))
+    result = launch("train", "--config", str(config_file))
+    assert result.returncode == 1
+    assert "concepts[0].repeats: must be >= 1" in result.stderr
+    assert "schedule.epochs: must be a whole number" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_model_is_one_message(tmp_path, shape_images):
+    result = launch("train", "--preset", "demo", "--set", f"model.base={tmp_path / 'nope'}",
+                    "--set", f"concepts[0].path={shape_images}", "--set", f"workspace_dir={tmp_path / 'ws'}")
+    assert result.returncode == 1
+    assert f"error: model.base: {tmp_path / 'nope'} is not a folder" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_make_tiny_model_writes_a_diffusers_folder(tmp_path):
+    result = launch("make-tiny-model", "--family", "sd15", "--out", str(tmp_path / "m"),
+                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr
+    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (tmp_path / "m" / part).is_dir()
+    assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
