@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """difftrainer: one entry point for the CLI (and, later, the GUI).
 
-  python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume]
+  python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--protocol jsonl]
   python launch.py demo [--workspace DIR]
   python launch.py presets [list] | presets show NAME | presets save NAME --config FILE
   python launch.py schema
@@ -34,19 +34,38 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return ConfigError, ModelLoadError, DataError, AdapterSetError, TrainingError
 
 
+def _usage_error(message: str):
+    from modules.config.errors import ConfigError
+
+    return ConfigError([message])
+
+
 def cmd_train(args) -> int:
     from modules.cli.console import ConsoleCallbacks
     from modules.cli.train_command import install_stop_signals, resolve_config, run_training
+    from modules.trainer.callbacks import FanOut
     from modules.trainer.commands import TrainCommands
+    from modules.trainer.event_protocol import JsonlEvents, read_commands
 
-    if not args.config and not args.preset:
-        print("error: train needs --config FILE or --preset NAME", file=sys.stderr)
-        return 2
-    config = resolve_config(args.config, args.preset, args.set, args.resume)
     commands = TrainCommands()
-    install_stop_signals(commands)
-    path = run_training(config, ConsoleCallbacks(), commands)
-    print(path)
+    console = ConsoleCallbacks()
+    if args.protocol == "jsonl":
+        events = JsonlEvents(sys.stdout)
+        callbacks = FanOut(events, console)
+        read_commands(sys.stdin, commands, events)
+    else:
+        callbacks = console
+    try:
+        if not args.config and not args.preset:
+            raise _usage_error("train needs --config FILE or --preset NAME")
+        config = resolve_config(args.config, args.preset, args.set, args.resume)
+        install_stop_signals(commands)
+        path = run_training(config, callbacks, commands)
+    except _user_errors() as error:
+        callbacks.on_error(str(error))
+        return 1
+    if args.protocol != "jsonl":
+        print(path)
     return 0
 
 
@@ -122,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", help="a preset name, applied under the config files")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. schedule.epochs=5")
     train.add_argument("--resume", action="store_true", help="continue from the newest backup in the workspace")
+    train.add_argument("--protocol", choices=["text", "jsonl"], default="text",
+                       help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see README)")
     train.set_defaults(run=cmd_train)
 
     demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in about a minute")

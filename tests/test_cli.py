@@ -77,3 +77,48 @@ def test_make_tiny_model_writes_a_diffusers_folder(tmp_path):
     for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
         assert (tmp_path / "m" / part).is_dir()
     assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline"
+
+
+def test_jsonl_protocol_round_trip(tmp_path, tiny_model, shape_images):
+    config = train_config(tiny_model, shape_images, tmp_path, {
+        "schedule": {"epochs": 500},
+        "sampling": {"prompts": [{"prompt": "a circle", "steps": 2, "width": 64, "height": 64}]},
+    })
+    config_file = tmp_path / "run.json"
+    config_file.write_text(config.model_dump_json())
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), "train", "--config", str(config_file), "--protocol", "jsonl"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    events = []
+    sent = []
+    for line in process.stdout:
+        event = json.loads(line)  # every stdout line is an event
+        events.append(event)
+        if event["event"] == "progress" and not sent:
+            for command in ("sample", "backup", "save", "not-a-command"):
+                process.stdin.write(json.dumps({"command": command}) + "\n")
+            process.stdin.flush()
+            sent.append(event["step"])
+        kinds = [e["event"] for e in events]
+        if {"sample", "backup"} <= set(kinds) and kinds.count("saved") == 1 and len(sent) == 1:
+            process.stdin.write('{"command": "stop"}\n')
+            process.stdin.flush()
+            sent.append("stop")
+    process.wait(timeout=300)
+    stderr = process.stderr.read()
+    assert process.returncode == 0, stderr
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    progress = next(e for e in events if e["event"] == "progress")
+    assert {"step", "epoch", "loss", "lr", "it_per_s", "eta_s"} <= set(progress)
+    for kind in ("sample", "backup", "saved"):
+        assert Path(next(e for e in events if e["event"] == kind)["path"]).exists()
+    assert any(e["event"] == "warning" and "not-a-command" in e["message"] for e in events)
+    assert kinds.count("saved") == 2 and events[-2]["path"] == config.output.path  # save now, then the final save
+
+
+def test_jsonl_protocol_reports_errors_as_events(tmp_path):
+    result = launch("train", "--protocol", "jsonl", "--config", str(tmp_path / "missing.json"))
+    assert result.returncode == 1
+    (event,) = [json.loads(line) for line in result.stdout.splitlines()]
+    assert event["event"] == "error" and "missing.json" in event["message"]

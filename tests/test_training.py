@@ -292,3 +292,33 @@ def test_bfloat16_weights_and_autocast_train_and_log_to_tensorboard(tmp_path, ti
     assert trainer.step == 2 and trainer.family.unet.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in trainer.adapters.parameters())
     assert list((Path(config.workspace_dir) / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_gradient_accumulation_steps_once_per_group_and_per_epoch_end(tmp_path, tiny_model, shape_images):
+    recorder = Recorder()
+    config = train_config(tiny_model, shape_images, tmp_path, {
+        "schedule": {"epochs": 2, "batch_size": 1, "gradient_accumulation": 3},
+    })
+    trainer = run(config, recorder)
+    # 4 batches an epoch in groups of 3 and 1: two optimizer steps an epoch
+    assert trainer.steps_per_epoch == 2 and trainer.total_steps == 4
+    assert recorder.of("progress") == [1, 2, 3, 4]
+    assert trainer.optimizer.state[trainer.adapters.parameters()[0]]["step"] == 4
+
+
+def test_backups_roll_keeping_the_newest(tmp_path, tiny_model, shape_images):
+    from modules.saving.backup import list_backups
+
+    config = train_config(tiny_model, shape_images, tmp_path, {
+        "schedule": {"epochs": 2, "backup_every": "1 steps"}, "backup": {"rolling_count": 2},
+    })
+    trainer = run(config)
+    names = [b.name for b in list_backups(trainer.workspace)]
+    assert len(names) == 2 and names[-1].endswith("step0000004") and names[0].endswith("step0000003")
+
+
+def test_float16_autocast_trains_with_loss_scaling_and_resumes_its_scaler(tmp_path, tiny_model, shape_images):
+    config = train_config(tiny_model, shape_images, tmp_path, {"train_dtype": "float16", "schedule": {"max_steps": 2}})
+    trainer = run(config)
+    assert trainer.step == 2 and trainer.scaler.is_enabled()
+    assert trainer._training_state()["scaler"]["scale"] > 0

@@ -52,6 +52,9 @@ class ConsoleCallbacks(TrainCallbacks):
     def on_warning(self, message: str) -> None:
         self._line(f"warning: {message}")
 
+    def on_error(self, message: str) -> None:
+        self._line(f"error: {message}")
+
     def on_finished(self) -> None:
         if self.bar is not None:
             self.bar.close()

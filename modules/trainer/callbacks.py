@@ -33,4 +33,44 @@ class TrainCallbacks:
 
     def on_warning(self, message: str) -> None: ...
 
+    def on_error(self, message: str) -> None: ...
+
     def on_finished(self) -> None: ...
+
+
+class FanOut(TrainCallbacks):
+    """Every callback to several receivers (JSONL events on stdout and a log on stderr)."""
+
+    def __init__(self, *receivers: TrainCallbacks):
+        self.receivers = receivers
+
+    def _all(self, method: str, *args) -> None:
+        for receiver in self.receivers:
+            getattr(receiver, method)(*args)
+
+    def on_started(self, total_steps):
+        self._all("on_started", total_steps)
+
+    def on_status(self, text):
+        self._all("on_status", text)
+
+    def on_progress(self, progress):
+        self._all("on_progress", progress)
+
+    def on_sample(self, path):
+        self._all("on_sample", path)
+
+    def on_backup(self, path):
+        self._all("on_backup", path)
+
+    def on_save(self, path):
+        self._all("on_save", path)
+
+    def on_warning(self, message):
+        self._all("on_warning", message)
+
+    def on_error(self, message):
+        self._all("on_error", message)
+
+    def on_finished(self):
+        self._all("on_finished")

@@ -94,6 +94,8 @@ class GenericTrainer:
                 lr = config.model.parts[part].learning_rate or config.optimizer.lr
                 groups.append({"params": params, "lr": lr, "name": part})
         self.optimizer = build_optimizer(config.optimizer, groups)
+        # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train_dtype == "float16")
         self.resume_state = self._load_resume_state() if config.backup.resume else None
 
     def setup_data(self) -> None:
@@ -132,6 +134,8 @@ class GenericTrainer:
     def _restore(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         self.generator.set_state(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
@@ -142,6 +146,7 @@ class GenericTrainer:
         return {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
             "generator": self.generator.get_state(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
@@ -157,6 +162,7 @@ class GenericTrainer:
         accumulation = schedule.gradient_accumulation
         params = self.adapters.parameters()
         compute_dtype = dtype_of(config.train_dtype)
+        scaler = self.scaler
         first_step_snapshot = snapshot(self.adapters.named_parameters())
         self.callbacks.on_started(self.total_steps)
         self.callbacks.on_status("training")
@@ -168,16 +174,20 @@ class GenericTrainer:
                 loss_sum = torch.zeros((), device=self.device)
                 for _ in range(group):
                     loss = self._forward(batches[self.batch_in_epoch], compute_dtype)
-                    (loss / group).backward()
+                    scaler.scale(loss / group).backward()
                     loss_sum += loss.detach()
                     self.batch_in_epoch += 1
                 self.last_loss = float(loss_sum) / group
                 check_finite(self.last_loss, self.step + 1)
+                scaler.unscale_(self.optimizer)
                 if schedule.max_grad_norm:
                     torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
-                self.optimizer.step()
+                scale = scaler.get_scale()
+                scaler.step(self.optimizer)
+                scaler.update()
                 self.scheduler.step()
-                if first_step_snapshot is not None:
+                skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
+                if first_step_snapshot is not None and not skipped:
                     check_first_step(self.adapters.named_parameters(), first_step_snapshot)
                     first_step_snapshot = None
                 self.optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,80 @@
+"""The run protocol (DESIGN.md): one JSON event per line out, one JSON command per line in.
+
+Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
+saved (path), warning (message), error (message), finished. Commands: stop, sample, backup, save.
+The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import threading
+from typing import IO
+
+from modules.trainer.callbacks import Progress, TrainCallbacks
+from modules.trainer.commands import TrainCommands
+
+
+class JsonlEvents(TrainCallbacks):
+    def __init__(self, stream: IO[str] = sys.stdout):
+        self.stream = stream
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields) -> None:
+        fields = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in fields.items()}
+        line = json.dumps({"event": event, **fields})
+        with self._lock:
+            self.stream.write(line + "\n")
+            self.stream.flush()
+
+    def on_started(self, total_steps: int) -> None:
+        self.emit("started", total_steps=total_steps)
+
+    def on_progress(self, p: Progress) -> None:
+        self.emit("progress", step=p.step, total_steps=p.total_steps, epoch=p.epoch, epochs=p.epochs,
+                  loss=p.loss, lr=p.lr, it_per_s=p.it_per_s, eta_s=p.eta_s)
+
+    def on_sample(self, path: str) -> None:
+        self.emit("sample", path=path)
+
+    def on_backup(self, path: str) -> None:
+        self.emit("backup", path=path)
+
+    def on_save(self, path: str) -> None:
+        self.emit("saved", path=path)
+
+    def on_warning(self, message: str) -> None:
+        self.emit("warning", message=message)
+
+    def on_finished(self) -> None:
+        self.emit("finished")
+
+    def on_error(self, message: str) -> None:
+        self.emit("error", message=message)
+
+
+COMMANDS = {"stop": TrainCommands.stop, "sample": TrainCommands.sample_now,
+            "backup": TrainCommands.backup_now, "save": TrainCommands.save_now}
+
+
+def read_commands(stream: IO[str], commands: TrainCommands, events: JsonlEvents) -> threading.Thread:
+    """Read commands from `stream` on a daemon thread until it closes."""
+
+    def loop() -> None:
+        for line in stream:
+            if not line.strip():
+                continue
+            try:
+                name = json.loads(line).get("command")
+            except (json.JSONDecodeError, AttributeError):
+                name = None
+            if name in COMMANDS:
+                COMMANDS[name](commands)
+            else:
+                events.on_warning(f"ignored command line {line.strip()!r} (expected {{\"command\": one of {', '.join(COMMANDS)}}})")
+
+    thread = threading.Thread(target=loop, name="command-reader", daemon=True)
+    thread.start()
+    return thread
