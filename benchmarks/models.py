@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from PIL import Image, ImageDraw
-
 # Per size: overrides for make_tiny_model, plus the training resolution and batch the benchmark uses.
 # The VAE has 2 down blocks (the make_tiny_model default), so latents are resolution / 2 and the
 # UNet's sample_size is set to that.
@@ -40,16 +38,6 @@ SIZES = {
     ),
 }
 
-COLORS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (235, 210, 40),
-          "white": (245, 245, 245), "black": (15, 15, 15), "purple": (140, 50, 170), "orange": (240, 140, 30)}
-# Eight (shape, shape colour, background colour) triples: distinct captions, deterministic pixels.
-IMAGES = [
-    ("circle", "red", "blue"), ("square", "green", "white"), ("triangle", "yellow", "black"),
-    ("circle", "white", "purple"), ("square", "orange", "blue"), ("triangle", "blue", "yellow"),
-    ("circle", "black", "orange"), ("square", "purple", "green"),
-]
-
-
 def build_model(size: str, out: str | Path) -> Path:
     """Write the `size` model to `out` in diffusers layout; return the folder."""
     from modules.model.sd15 import SD15Family  # heavy import (torch, diffusers): only when building
@@ -58,30 +46,12 @@ def build_model(size: str, out: str | Path) -> Path:
     return SD15Family.make_tiny_model(out, unet=spec["unet"], text=spec["text"], vae=spec["vae"], seed=0)
 
 
-def _article(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
 def write_images(folder: str | Path, size: int = 128) -> Path:
-    """Write 8 captioned PNGs (shape drawings) with a .txt caption beside each."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for index, (shape, fg, bg) in enumerate(IMAGES):
-        image = Image.new("RGB", (size, size), COLORS[bg])
-        draw = ImageDraw.Draw(image)
-        box = (size // 4, size // 4, 3 * size // 4, 3 * size // 4)
-        if shape == "circle":
-            draw.ellipse(box, fill=COLORS[fg])
-        elif shape == "square":
-            draw.rectangle(box, fill=COLORS[fg])
-        else:
-            draw.polygon([(size // 2, size // 4), (size // 4, 3 * size // 4), (3 * size // 4, 3 * size // 4)],
-                         fill=COLORS[fg])
-        stem = folder / f"{index:02d}_{fg}_{shape}"
-        image.save(stem.with_suffix(".png"))
-        caption = f"{_article(fg)} {fg} {shape} on {_article(bg)} {bg} background"
-        stem.with_suffix(".txt").write_text(caption + "\n", encoding="utf-8")
-    return folder
+    """Write 8 captioned shape PNGs (the demo's kind) with a .txt caption beside each."""
+    from modules.data.synthetic_images import write_shape_images
+
+    write_shape_images(folder, count=8, width=size, height=size)
+    return Path(folder)
 
 
 def unet_parameter_count(model_dir: str | Path) -> int:
