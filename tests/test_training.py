@@ -322,3 +322,13 @@ def test_float16_autocast_trains_with_loss_scaling_and_resumes_its_scaler(tmp_pa
     trainer = run(config)
     assert trainer.step == 2 and trainer.scaler.is_enabled()
     assert trainer._training_state()["scaler"]["scale"] > 0
+
+
+def test_a_missing_concept_folder_fails_before_the_model_loads(tmp_path, tiny_model, shape_images):
+    from modules.data.concepts import DataError
+
+    config = train_config(tiny_model, tmp_path / "no-such-folder", tmp_path)
+    trainer = GenericTrainer(config)
+    with pytest.raises(DataError, match=r"^concepts\[0\]\.path: .*no-such-folder is not a folder"):
+        trainer.start()
+    assert trainer.family is None

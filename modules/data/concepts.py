@@ -28,6 +28,16 @@ class ConceptItem:
     concept: int  # index into config.concepts
 
 
+def check_concepts(concepts: list[ConceptConfig]) -> None:
+    """Fail before anything slow happens: at least one enabled concept, each an existing folder."""
+    enabled = [(i, c) for i, c in enumerate(concepts) if c.enabled]
+    if not enabled:
+        raise DataError("concepts: no enabled concept (add a folder of images)")
+    for index, concept in enabled:
+        if not Path(concept.path).is_dir():
+            raise DataError(f"concepts[{index}].path: {concept.path} is not a folder")
+
+
 def _caption_from_filename(path: Path) -> str:
     stem = re.sub(r"\s*\(\d+\)$", "", path.stem)  # "dog (2).png" is a copy of "dog.png"
     return stem.replace("_", " ").strip()

@@ -17,7 +17,7 @@ import torch
 
 from modules.data.buckets import bucket_for
 from modules.data.cache import TensorCache, cache_key
-from modules.data.concepts import ConceptItem, DataError, scan_concept
+from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.images import image_size, load_cropped
 
 if TYPE_CHECKING:
@@ -85,9 +85,8 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                     warn: Callable[[str], None], cache_text: bool) -> TrainDataset:
     """Scan, bucket, and fill the caches. Unreadable images are skipped with a warning naming
     the file; a concept left without any usable image is an error naming its folder."""
+    check_concepts(config.concepts)
     concepts = [(i, c) for i, c in enumerate(config.concepts) if c.enabled]
-    if not concepts:
-        raise DataError("concepts: no enabled concept (add a folder of images)")
     latent_cache = TensorCache(cache_dir / "latents")
     text_cache = TensorCache(cache_dir / "text")
     image_identity = family.fingerprint(*family.image_parts)

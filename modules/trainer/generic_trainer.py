@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.kohya import save_kohya_lora
 from modules.config.train_config import TrainConfig
+from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, prepare_dataset
 from modules.model.registry import get_family_class
 from modules.optim.optimizers import build_optimizer
@@ -56,6 +57,7 @@ class GenericTrainer:
 
     def start(self) -> None:
         config = self.config
+        check_concepts(config.concepts)  # before the slow model load
         self.callbacks.on_status("loading model")
         self.workspace.mkdir(parents=True, exist_ok=True)
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
