@@ -63,11 +63,11 @@ class GenericTrainer:
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
         self.family = get_family_class(config.model.family)(config)
-        self.family.load()
         self.trained_parts = [name for name, part in config.model.parts.items()
                               if part.train and self.family.spec(name).adapter_prefix]
         if not self.trained_parts:
-            raise TrainingError("model.parts: no part has train: true (nothing to train)")
+            raise TrainingError("model.parts: no part that carries adapters has train: true (nothing to train)")
+        self.family.load()
         self.setup_optimizations()
         self.setup_train_device()
         self.setup_model()
@@ -101,8 +101,8 @@ class GenericTrainer:
         self.resume_state = self._load_resume_state() if config.backup.resume else None
 
     def setup_data(self) -> None:
+        # text conditioning can be cached only while no text encoder trains
         cache_text = not any(self.config.model.parts[p].train for p in self.family.text_parts)
-        self.cache_text = cache_text
         self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                        self.callbacks.on_warning, cache_text)
         (latent_hits, latent_misses), (text_hits, text_misses) = (
@@ -171,6 +171,9 @@ class GenericTrainer:
         started, steps_at_start = time.monotonic(), self.step
         while self.step < self.total_steps and self.epoch < schedule.epochs and not self.commands.stop_requested:
             batches = self.dataset.epoch_batches(self.epoch)
+            if self.batch_in_epoch >= len(batches):  # resumed into a data set that has shrunk since
+                self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+                continue
             while self.batch_in_epoch < len(batches) and self.step < self.total_steps:
                 group = min(accumulation, len(batches) - self.batch_in_epoch)
                 loss_sum = torch.zeros((), device=self.device)
