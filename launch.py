@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see README)")
     train.set_defaults(run=cmd_train)
 
-    demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in about a minute")
+    demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in well under a minute")
     demo.add_argument("--workspace", default="workspace/demo")
     demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     demo.set_defaults(run=cmd_demo)

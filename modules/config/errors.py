@@ -18,25 +18,21 @@ class ConfigError(ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def dotted_path(loc: tuple[Any, ...], data: Any = None) -> str:
+def dotted_path(loc: tuple[Any, ...], data: Any = None, union_tags: frozenset[str] = frozenset()) -> str:
     """('concepts', 0, 'repeats') -> 'concepts[0].repeats'.
 
-    Pydantic puts the tag of a discriminated union into the location (`optimizer.adamw.lr`);
-    walking the input alongside drops such steps, so the path is the one the user wrote.
+    Pydantic puts the tag of a discriminated union into the location (`optimizer.adamw.lr`).
+    Walking the input alongside drops such a step where the user did not write it as a key:
+    it is the object's `type`, or (when `type` was left to its default) one of `union_tags`.
     """
     text = ""
     node = data
-    for position, part in enumerate(loc):
+    for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
             node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
             continue
-        if isinstance(node, dict) and part not in node and (
-            node.get("type") == part
-            # the tag was left out and defaulted (`"optimizer": {"lr": -1}`): a step the user
-            # did not write, with the field inside the union member still to come
-            or ("type" not in node and position + 1 < len(loc))
-        ):
+        if isinstance(node, dict) and part not in node and part == node.get("type", part if part in union_tags else None):
             continue  # union tag, not a key the user wrote
         text += f".{part}" if text else str(part)
         node = node.get(part) if isinstance(node, dict) else None
@@ -85,9 +81,10 @@ def located_error(text: str, *at: str | int) -> PydanticCustomError:
     return PydanticCustomError("located", "{text}", {"text": text, "at": list(at)})
 
 
-def format_validation_error(error: ValidationError, data: Any = None) -> list[str]:
+def format_validation_error(error: ValidationError, data: Any = None,
+                            union_tags: frozenset[str] = frozenset()) -> list[str]:
     lines = []
     for e in error.errors():
         loc = tuple(e["loc"]) + tuple((e.get("ctx") or {}).get("at", ()) if e["type"] == "located" else ())
-        lines.append(f"{dotted_path(loc, data)}: {_message(e)}")
+        lines.append(f"{dotted_path(loc, data, union_tags)}: {_message(e)}")
     return lines

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from modules.config.errors import ConfigError, format_validation_error
 from modules.config.migrations import migrate
-from modules.config.train_config import CURRENT_VERSION, TrainConfig
+from modules.config.train_config import CURRENT_VERSION, UNION_TAGS, TrainConfig
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
@@ -107,7 +107,7 @@ def validate_config(data: dict, source: str | None = None) -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, data), source) from None
+        raise ConfigError(format_validation_error(error, data, UNION_TAGS), source) from None
 
 
 def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:

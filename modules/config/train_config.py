@@ -8,7 +8,7 @@ breaking change that needs a migration (migrations.py).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -114,6 +114,16 @@ class AdamWConfig(StrictModel):
 
 # Each optimizer is its own model with its own parameters, told apart by `type`; more slot in here.
 OptimizerConfig = Annotated[Union[AdamWConfig], Field(discriminator="type")]
+
+
+
+def _union_tags(union: Any) -> frozenset[str]:
+    members = get_args(union)[0]  # Annotated[Union[...], Field] -> Union[...] (or the one member)
+    return frozenset(m.model_fields["type"].default for m in (get_args(members) or (members,)))
+
+
+# The `type` tags of the discriminated unions, so error paths can leave them out (errors.py).
+UNION_TAGS = _union_tags(OptimizerConfig)
 
 
 def _default_optimizer_type(data: Any) -> Any:
