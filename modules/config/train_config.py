@@ -17,6 +17,9 @@ from modules.config.errors import located_error
 CURRENT_VERSION = 1
 
 DType = Literal["float32", "bfloat16", "float16"]
+# How a part's base weights are stored. The dense ones are also the compute dtype; the quantized
+# ones (modules/quantization/) compute in `train_dtype`; auto picks by free memory (policy.py).
+WeightDType = Literal["float32", "bfloat16", "float16", "float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4", "auto"]
 
 
 class StrictModel(BaseModel):
@@ -29,7 +32,25 @@ class ModelPartConfig(StrictModel):
     path: str | None = Field(None, description="Load this part from here instead of the base model.")
     train: bool = False
     learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
-    weight_dtype: DType = "float32"
+    weight_dtype: WeightDType = Field(
+        "float32", description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
+        "float8 (e4m3 + scale), int8 (torchao weight-only), w8a8_int8/w8a8_fp8 (8-bit weights and "
+        "activations), nf4 (bitsandbytes 4-bit), or auto (what fits this machine).")
+    nf4_double_quant: bool = Field(True, description="nf4: quantize the block scales too (saves ~0.4 bit/weight).")
+    quantize_skip: list[str] = Field(
+        default_factory=list,
+        description="Regexes searched in 'part.module.name': matching Linear layers stay dense "
+        "(added to the model's own keep-in-high-precision lists).")
+
+    @field_validator("quantize_skip")
+    @classmethod
+    def _valid_skip_regexes(cls, patterns: list[str]) -> list[str]:
+        for index, pattern in enumerate(patterns):
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
+        return patterns
 
 
 class ModelConfig(StrictModel):

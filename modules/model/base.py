@@ -44,6 +44,9 @@ class ModelFamily(ABC):
     # named layer selections: preset -> regexes searched in "part.module.name"; the module
     # must also be a kind the adapter supports (Linear; Conv2d only where a preset says so).
     layer_presets: ClassVar[dict[str, tuple[list[str], bool]]]
+    # parameter count of each part of the full-size released model: what `info` and the auto
+    # precision policy size a part by before any weights are on disk
+    nominal_part_parameters: ClassVar[dict[str, int]]
 
     def __init__(self, config: TrainConfig):
         self.config = config

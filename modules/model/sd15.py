@@ -40,6 +40,8 @@ class SD15Family(ModelFamily):
         "all": ([r"^(unet|text_encoder)\."], True),
     }
 
+    nominal_part_parameters = {"text_encoder": 123_060_480, "unet": 859_520_964, "vae": 83_653_863}
+
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
 

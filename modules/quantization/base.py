@@ -1,0 +1,99 @@
+"""QuantizedLinear: the contract every quantized linear layer keeps (DESIGN.md, "Contracts").
+
+- `unquantized_weight(dtype, device)` returns the dense weight on exactly that device and dtype,
+  wherever the storage sits, and changes nothing stored. Adapters (DoRA, weight-decomposed LoKr)
+  and merges read the base weight only through it.
+- `offload_tensors()` names every tensor that travels with the layer (weight, bias, scales, quant
+  state), so an offloader moves them together and never splits a weight from its scale.
+- every scale is a registered buffer and is read only through `self.<name>`: no plain attribute
+  aliases it, because `Module.to()` and `load_state_dict()` rebind buffers, not attributes.
+- `state_dict()` loaded into a fresh layer of the same shape and options gives identical outputs.
+
+The compute dtype is a constructor argument (from the config), never inferred from a stored
+tensor: once storage is fp8 or packed uint8, "the dtype of the first parameter" means nothing.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class QuantizedLinear(nn.Module, ABC):
+    # the config's weight_dtype name this class implements ("float8", "nf4", ...)
+    mode: ClassVar[str]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
+        # the bias stays dense (it is tiny); frozen like the weight
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device), requires_grad=False)
+                     if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, compute_dtype: torch.dtype, **options) -> QuantizedLinear:
+        """A quantized copy of a dense Linear, stored on the Linear's device."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
+                    device=linear.weight.device, **options)
+        layer.quantize_weight(linear.weight.detach())
+        if linear.bias is not None:
+            layer.set_bias(linear.bias.detach())
+        return layer
+
+    @abstractmethod
+    @torch.no_grad()
+    def quantize_weight(self, weight: torch.Tensor) -> None:
+        """Store `weight` (dense, any dtype and device) quantized, on this layer's storage device."""
+
+    @torch.no_grad()
+    def set_bias(self, bias: torch.Tensor) -> None:
+        self.bias.data = bias.to(device=self.bias.device, dtype=self.compute_dtype)
+
+    @abstractmethod
+    def unquantized_weight(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """The dense weight on exactly `device` and `dtype`; stored tensors are not changed."""
+
+    def offload_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor that travels with the layer, by attribute name."""
+        tensors = dict(self.named_parameters(recurse=False))
+        tensors.update(self.named_buffers(recurse=False))
+        return {name: tensor for name, tensor in tensors.items() if tensor is not None}
+
+    def storage_device(self) -> torch.device:
+        return next(iter(self.offload_tensors().values())).device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # the weight is dequantized where the input is: with the layer parked in RAM and the
+        # input on the GPU, the math still runs on the GPU
+        weight = self.unquantized_weight(self.compute_dtype, x.device)
+        bias = None if self.bias is None else self.bias.to(device=x.device, dtype=self.compute_dtype)
+        return F.linear(x.to(self.compute_dtype), weight, bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}")
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A dense or quantized linear layer (what LoRA-style adapters attach to)."""
+    return isinstance(module, (nn.Linear, QuantizedLinear))
+
+
+def unquantized_weight(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """The dense weight of any Linear or Conv2d, quantized or not, on `device` in `dtype`.
+
+    torchao's int8 weight is a tensor subclass on a plain nn.Linear; `dequantize()` undoes it.
+    """
+    if isinstance(module, QuantizedLinear):
+        return module.unquantized_weight(dtype, device)
+    weight = module.weight
+    if hasattr(weight, "dequantize") and type(weight) not in (torch.Tensor, nn.Parameter):
+        weight = weight.dequantize()
+    return weight.detach().to(device=device, dtype=dtype)
