@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from modules.adapters.base import AdapterModule
+from modules.quantization.base import is_linear
 
 
 class LoRAModule(AdapterModule):
     def __init__(self, name: str, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         super().__init__(name, base, dropout=dropout)
-        if isinstance(base, nn.Linear):
+        if is_linear(base):
             rank = min(rank, base.in_features, base.out_features)
             self.lora_down = nn.Linear(base.in_features, rank, bias=False, device=device, dtype=dtype)
             self.lora_up = nn.Linear(rank, base.out_features, bias=False, device=device, dtype=dtype)

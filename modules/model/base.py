@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from modules.loading.diffusers_folder import component_folder, weights_fingerprint
+from modules.quantization.base import is_linear
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -142,10 +143,11 @@ class ModelFamily(ABC):
         else:
             regexes, with_conv = self.layer_presets[layer_preset]
             patterns = [re.compile(p) for p in regexes]
-        kinds = (nn.Linear, nn.Conv2d) if with_conv else (nn.Linear,)
         chosen = []
         for name, module in self.parts[part].named_modules():
-            if not isinstance(module, kinds) or (isinstance(module, nn.Conv2d) and module.groups != 1):
+            # a quantized Linear is a Linear to an adapter: it reads the base through the layer's forward
+            is_conv = isinstance(module, nn.Conv2d) and module.groups == 1
+            if not (is_linear(module) or (with_conv and is_conv)):
                 continue
             qualified = f"{part}.{name}"
             if any(p.search(qualified) for p in patterns):
