@@ -6,7 +6,7 @@
   python launch.py presets [list] | presets show NAME | presets save NAME --config FILE
   python launch.py schema
   python launch.py make-tiny-model --family sd15 --out DIR
-  python launch.py info
+  python launch.py info [--json] [--device DEV]
 """
 
 from __future__ import annotations
@@ -21,6 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from modules.util.library_logs import quiet_library_logs  # noqa: E402  (after the environment above)
+
+quiet_library_logs()
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -125,10 +129,15 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
-def cmd_info(_args) -> int:
-    from modules.cli.info import machine_info
+def cmd_info(args) -> int:
+    from modules.cli.info import format_info, machine_info
 
-    print(json.dumps(machine_info(), indent=2))
+    try:
+        info = machine_info(args.device)
+    except ValueError as error:  # an unusable --device
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(info, indent=2) if args.json else format_info(info))
     return 0
 
 
@@ -164,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", required=True)
     tiny.set_defaults(run=cmd_make_tiny_model)
 
-    sub.add_parser("info", help="families, presets, devices and dtypes on this machine").set_defaults(run=cmd_info)
+    info = sub.add_parser("info", help="families, presets, devices, and the weight dtypes that work here")
+    info.add_argument("--json", action="store_true", help="print JSON instead of text (for the GUI and scripts)")
+    info.add_argument("--device", default="auto",
+                      help="the train device to probe and size auto precision for (default: auto, as in training)")
+    info.set_defaults(run=cmd_info)
     return parser
 
 

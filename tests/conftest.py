@@ -7,11 +7,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+from modules.util.library_logs import quiet_library_logs  # noqa: E402
+
+quiet_library_logs()
+
+
+def pytest_configure(config):
+    # The fake device must be registered before the first backward pass of the process: autograd
+    # sizes its per-device queues then (tests/fake_device.py).
+    from fake_device import enable_fake_device
+
+    enable_fake_device()
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +60,26 @@ def train_config(model: Path, images: Path, workspace: Path, *overlays: dict):
         "train_device": "cpu",
     }
     return build_config([base, *overlays])
+
+
+@pytest.fixture(scope="session")
+def fake_device():
+    """A fake second device, ``torch.device("fakegpu")``, backed by CPU memory (tests/fake_device.py).
+
+    Mixing its tensors with non-scalar CPU tensors raises as CUDA does, so placement bugs show here.
+    """
+    from fake_device import enable_fake_device
+
+    return enable_fake_device()
+
+
+@torch.no_grad()
+def fixed_loss(trainer, draws: int = 16) -> float:
+    """Loss on the first item at fixed noise and timesteps, comparable before and after training."""
+    batch = trainer.dataset.collate([0], trainer.device)
+    generator = torch.Generator().manual_seed(1234)
+    total = 0.0
+    for _ in range(draws):
+        prediction, target = trainer.family.predict(batch.latents, trainer.conditioning(batch), generator)
+        total += torch.nn.functional.mse_loss(prediction, target).item()
+    return total / draws

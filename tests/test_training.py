@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import train_config
+from conftest import fixed_loss, train_config
 from safetensors import safe_open
 
 from modules.trainer.callbacks import TrainCallbacks
@@ -48,18 +48,6 @@ def run(config, callbacks=None, commands=None) -> GenericTrainer:
     trainer.train()
     trainer.end()
     return trainer
-
-
-@torch.no_grad()
-def fixed_loss(trainer: GenericTrainer, draws: int = 16) -> float:
-    """Loss on the first item at fixed noise and timesteps, comparable before and after training."""
-    batch = trainer.dataset.collate([0], trainer.device)
-    generator = torch.Generator().manual_seed(1234)
-    total = 0.0
-    for _ in range(draws):
-        prediction, target = trainer.family.predict(batch.latents, trainer.conditioning(batch), generator)
-        total += torch.nn.functional.mse_loss(prediction, target).item()
-    return total / draws
 
 
 @pytest.fixture(scope="module")

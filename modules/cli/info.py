@@ -1,4 +1,6 @@
-"""`launch.py info`: what this machine can train with: families, presets, devices, dtypes."""
+"""`launch.py info [--json] [--device DEV]`: what this machine can train with: families, presets,
+devices, and the base-weight precision modes that work on the train device, with the one auto
+would pick for each family. The GUI offers only the modes listed here."""
 
 from __future__ import annotations
 
@@ -6,6 +8,13 @@ import torch
 
 from modules.config.presets import list_presets
 from modules.model.registry import family_names, get_family_class
+from modules.quantization.capabilities import (
+    detect_capabilities,
+    mode_support,
+    working_modes,
+)
+from modules.quantization.policy import HEADROOM, plan_base_precision
+from modules.util.torch_utils import resolve_device
 
 
 def _dtype_works(dtype: torch.dtype, device: str) -> bool:
@@ -17,27 +26,101 @@ def _dtype_works(dtype: torch.dtype, device: str) -> bool:
         return False
 
 
-def machine_info() -> dict:
+def _train_device(name: str) -> torch.device:
+    """The device `info` reports on; a device that cannot hold a tensor is the user's error."""
+    try:
+        device = resolve_device(name)
+        torch.empty(1, device=device)
+    except (RuntimeError, AssertionError, ValueError) as error:  # torch says "not compiled with CUDA" by assert
+        raise ValueError(f"--device: {name!r} is not usable here: {error}") from None
+    return device
+
+
+def machine_info(train_device: str = "auto") -> dict:
+    """Everything `info` reports, as JSON-ready data. Raises ValueError for an unusable device."""
+    device = _train_device(train_device)
+    capabilities = detect_capabilities(device)
+    support = mode_support(capabilities)
+    working = working_modes(capabilities)
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     presets = list_presets()
+
+    families = {}
+    for name in family_names():
+        family = get_family_class(name)
+        sizes = getattr(family, "nominal_part_parameters", None) or {}
+        entry = {"label": family.label, "presets": [p.name for p in presets if p.family == name],
+                 # per family, because a family may one day rule a mode out; today all share the device's
+                 "weight_dtypes": list(working)}
+        if sizes:
+            plan = plan_base_precision("auto", name, sizes, capabilities.free_memory, capabilities)
+            entry["recommended"] = {"weight_dtype": plan.modes, "estimated_bytes": plan.estimated_bytes,
+                                    "budget_bytes": plan.budget_bytes, "fits": plan.fits,
+                                    "warnings": list(plan.warnings)}
+        else:
+            entry["recommended"] = None
+        families[name] = entry
+
     return {
         "torch": torch.__version__,
         "devices": {
-            device: {
-                "weight_dtypes": [name for name, dtype in
+            device_name: {
+                "weight_dtypes": [dtype_name for dtype_name, dtype in
                                   (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16))
-                                  if _dtype_works(dtype, device)],
-                **({"name": torch.cuda.get_device_name(device),
-                    "memory_gb": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)}
-                   if device.startswith("cuda") else {}),
+                                  if _dtype_works(dtype, device_name)],
+                **({"name": torch.cuda.get_device_name(device_name),
+                    "memory_gb": round(torch.cuda.get_device_properties(device_name).total_memory / 2**30, 1)}
+                   if device_name.startswith("cuda") else {}),
             }
-            for device in devices
+            for device_name in devices
         },
-        "families": {
-            name: {
-                "label": get_family_class(name).label,
-                "presets": [p.name for p in presets if p.family == name],
-            }
-            for name in family_names()
-        },
+        "train_device": capabilities.as_dict(),
+        "weight_dtypes": {mode: {"works": s.works, "fast_kernel": s.fast_kernel, "how": s.why}
+                          for mode, s in support.items()},
+        "auto_headroom": HEADROOM,
+        "families": families,
     }
+
+
+def _gib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def format_info(info: dict) -> str:
+    """The human-readable `info` (the default; `--json` prints `info` itself)."""
+    caps = info["train_device"]
+    cc = caps["compute_capability"]
+    lines = [
+        f"torch {info['torch']}",
+        (f"train device: {caps['device']} ({caps['device_name']}{f', sm_{cc[0]}{cc[1]}' if cc else ''}): "
+         f"{_gib(caps['free_memory'])} free of {_gib(caps['total_memory'])}"),
+        (f"  torchao int8: {_yes(caps['torchao_int8'])}   bitsandbytes nf4: {_yes(caps['bitsandbytes'])}   "
+         f"float8 dtypes: {_yes(caps['float8_dtypes'])}   torch._int_mm: {_yes(caps['int_mm'])}   "
+         f"torch._scaled_mm: {_yes(caps['scaled_mm'])}"),
+        "",
+        f"weight_dtype on {caps['device']}:",
+    ]
+    for mode, support in info["weight_dtypes"].items():
+        state = "works" if support["works"] else "no"
+        speed = {True: "fast kernel", False: "slow fallback", None: ""}[support["fast_kernel"]] if support["works"] else ""
+        lines.append(f"  {mode:10s} {state:6s}{speed:14s} {support['how']}")
+    lines += ["", "devices:"]
+    for name, device in info["devices"].items():
+        extra = f" ({device['name']}, {device['memory_gb']} GB)" if "name" in device else ""
+        lines.append(f"  {name}{extra}: {', '.join(device['weight_dtypes'])}")
+    lines += ["", "families:"]
+    for name, family in info["families"].items():
+        lines.append(f"  {name}: {family['label']}")
+        lines.append(f"    presets: {', '.join(family['presets']) or '-'}")
+        lines.append(f"    weight_dtype here: {', '.join(family['weight_dtypes'])}, auto")
+        recommended = family["recommended"]
+        if recommended:
+            modes = ", ".join(f"{part}={mode}" for part, mode in recommended["weight_dtype"].items())
+            lines.append(f"    auto on {caps['device']}: {modes} (~{_gib(recommended['estimated_bytes'])} of "
+                         f"a {_gib(recommended['budget_bytes'])} budget)")
+            lines += [f"    warning: {warning}" for warning in recommended["warnings"]]
+    return "\n".join(lines)

@@ -13,6 +13,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
@@ -20,6 +21,8 @@ from torch import nn
 
 from modules.loading.diffusers_folder import component_folder, weights_fingerprint
 from modules.quantization.base import is_linear
+from modules.quantization.replace import DENSE_MODES, QuantizationReport
+from modules.util.torch_utils import dtype_of
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -48,10 +51,14 @@ class ModelFamily(ABC):
     # parameter count of each part of the full-size released model: what `info` and the auto
     # precision policy size a part by before any weights are on disk
     nominal_part_parameters: ClassVar[dict[str, int]]
+    denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
 
-    def __init__(self, config: TrainConfig):
+    def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config
         self.parts: dict[str, nn.Module] = {}
+        # each part's storage mode with "auto" resolved (the trainer resolves it for the machine)
+        self.weight_modes = dict(weight_modes or {})
+        self.quantization_reports: dict[str, QuantizationReport] = {}
 
     @classmethod
     def default_parts(cls) -> dict[str, dict]:
@@ -73,13 +80,56 @@ class ModelFamily(ABC):
     def load(self) -> None:
         """Load every part onto the CPU in its weight dtype, frozen and in eval mode."""
 
+    def weight_mode(self, part: str) -> str:
+        mode = self.weight_modes.get(part, self.config.model.parts[part].weight_dtype)
+        if mode == "auto":
+            raise ValueError(f"model.parts.{part}.weight_dtype: 'auto' must be resolved before loading")
+        return mode
+
+    def part_parameters(self) -> dict[str, int]:
+        """Parameter count of each part, read from its checkpoint's headers (no weights are read);
+        the family's nominal count where a header cannot say (pickled .bin files)."""
+        from modules.loading.safetensors_stream import SafetensorsStream
+        from modules.loading.streamed_load import checkpoint_files
+
+        counts = {}
+        for spec in self.part_specs:
+            files = checkpoint_files(self.part_folder(spec.name), f"model.parts.{spec.name}")
+            if all(path.suffix == ".safetensors" for path in files):
+                streams = [SafetensorsStream(path) for path in files]
+                counts[spec.name] = sum(torch.Size(stream.shape(key)).numel() for stream in streams
+                                        for key in stream.keys() if not key.endswith(".scale_weight"))
+            else:
+                counts[spec.name] = self.nominal_part_parameters[spec.name]
+        return counts
+
+    def compute_dtype(self, part: str) -> torch.dtype:
+        """The dtype a part computes in: its dense storage dtype, or the config's train_dtype when
+        its weights are quantized (never read back from a parameter, which may be fp8 or uint8)."""
+        return DENSE_MODES.get(self.weight_mode(part)) or dtype_of(self.config.train_dtype)
+
+    def load_part(self, part: str, cls: type, rename: Callable[[str], str] | None = None,
+                  ignore_unexpected: list[str] | None = None) -> nn.Module:
+        """Stream a part from its folder into `cls`, quantized as its weight mode says."""
+        from modules.loading.streamed_load import empty_model, load_streamed
+
+        folder, where = self.part_folder(part), f"model.parts.{part}"
+        part_config = self.config.model.parts[part]
+        model, report = load_streamed(
+            empty_model(cls, folder, where), folder, part=part, where=where, mode=self.weight_mode(part),
+            compute_dtype=self.compute_dtype(part), quantize_skip=part_config.quantize_skip,
+            nf4_double_quant=part_config.nf4_double_quant, rename=rename, ignore_unexpected=ignore_unexpected,
+        )
+        if report is not None:
+            self.quantization_reports[part] = report
+        return model
+
     def fingerprint(self, *parts: str) -> str:
         """Identity of the named parts' weights and dtypes, for cache keys."""
         facts = []
         for part in parts:
             folder = self.part_folder(part)
-            facts.append([part, str(folder.resolve()), self.config.model.parts[part].weight_dtype,
-                          weights_fingerprint(folder)])
+            facts.append([part, str(folder.resolve()), self.weight_mode(part), weights_fingerprint(folder)])
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
     def to(self, device: torch.device) -> None:
@@ -135,6 +185,11 @@ class ModelFamily(ABC):
     def canonical_module_name(self, part: str, module_name: str) -> str:
         """The module's name as other tools spell it (library versions may rename modules)."""
         return module_name
+
+    def comfy_module_name(self, part: str, module_name: str) -> str:
+        """The module's key stem in ComfyUI's own adapter layout (`diffusion_model.<its module
+        path>`, `text_encoders.<its text encoder path>`). Families that have one override this."""
+        raise NotImplementedError(f"{self.label} has no ComfyUI key layout")
 
     def adapter_targets(self, part: str, layer_filter: list[str], layer_preset: str) -> list[tuple[str, nn.Module]]:
         """(module name, module) of `part` chosen by the filter (or the preset when no filter)."""

@@ -11,15 +11,30 @@ from pathlib import Path
 
 import torch
 
-from modules.loading.diffusers_folder import ModelLoadError, load_component
+from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
-from modules.util.torch_utils import dtype_of
 
 _UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
 _UNET_FF = r"^unet\..*\.ff\.net\.(0\.proj|2)$"
 _TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
 _TE_MLP = r"^text_encoder\..*\.mlp\.(fc1|fc2)$"
+
+# VAE attention weights under the names diffusers used before 0.14 (still in many SD1.5 folders)
+_LEGACY_VAE_ATTENTION = {"query": "to_q", "key": "to_k", "value": "to_v", "proj_attn": "to_out.0"}
+
+
+def _text_encoder_key(key: str) -> str:
+    # transformers 5 dropped CLIPTextModel's `text_model.` level; older exports keep it
+    return key.removeprefix("text_model.")
+
+
+def _vae_key(key: str) -> str:
+    module, _, tensor = key.rpartition(".")
+    head, _, last = module.rpartition(".")
+    if ".attentions." in module and last in _LEGACY_VAE_ATTENTION:
+        return f"{head}.{_LEGACY_VAE_ATTENTION[last]}.{tensor}"
+    return key
 
 
 class SD15Family(ModelFamily):
@@ -40,6 +55,7 @@ class SD15Family(ModelFamily):
         "all": ([r"^(unet|text_encoder)\."], True),
     }
 
+    denoiser_part = "unet"
     nominal_part_parameters = {"text_encoder": 123_060_480, "unet": 859_520_964, "vae": 83_653_863}
 
     text_parts = ("text_encoder",)
@@ -49,17 +65,10 @@ class SD15Family(ModelFamily):
         from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
-        parts = self.config.model.parts
-        self.parts["text_encoder"] = load_component(
-            CLIPTextModel, self.part_folder("text_encoder"), dtype_of(parts["text_encoder"].weight_dtype),
-            "model.parts.text_encoder",
-        )
-        self.parts["unet"] = load_component(
-            UNet2DConditionModel, self.part_folder("unet"), dtype_of(parts["unet"].weight_dtype), "model.parts.unet"
-        )
-        self.parts["vae"] = load_component(
-            AutoencoderKL, self.part_folder("vae"), dtype_of(parts["vae"].weight_dtype), "model.parts.vae"
-        )
+        self.parts["text_encoder"] = self.load_part("text_encoder", CLIPTextModel, rename=_text_encoder_key,
+                                                    ignore_unexpected=[r"^embeddings\.position_ids$"])
+        self.parts["unet"] = self.load_part("unet", UNet2DConditionModel)
+        self.parts["vae"] = self.load_part("vae", AutoencoderKL, rename=_vae_key)
         base = Path(self.config.model.base)
         for needed in ("tokenizer", "scheduler"):
             if not (base / needed).is_dir():
@@ -80,7 +89,7 @@ class SD15Family(ModelFamily):
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         vae = self.parts["vae"]
         # The distribution's mean, so a cached latent is the same every time it is rebuilt.
-        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mean
+        latents = vae.encode(pixels.to(self.compute_dtype("vae"))).latent_dist.mean
         return latents * vae.config.scaling_factor
 
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -104,9 +113,8 @@ class SD15Family(ModelFamily):
             0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator, device=latents.device
         )
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        prediction = self.unet(
-            noisy.to(self.unet.dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(self.unet.dtype)
-        ).sample
+        dtype = self.compute_dtype("unet")
+        prediction = self.unet(noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype)).sample
         if self.prediction_type == "v_prediction":
             target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
         else:
@@ -145,6 +153,14 @@ class SD15Family(ModelFamily):
         if part == "text_encoder" and not module_name.startswith("text_model."):
             return "text_model." + module_name
         return module_name
+
+    def comfy_module_name(self, part: str, module_name: str) -> str:
+        # ComfyUI keeps the original (ldm) UNet names and the CLIP-L state-dict paths
+        from modules.adapters.formats.ldm_unet import ldm_unet_module_name
+
+        if part == "unet":
+            return "diffusion_model." + ldm_unet_module_name(self.unet, module_name)
+        return "text_encoders.clip_l.transformer." + self.canonical_module_name(part, module_name)
 
     # --- tiny model --------------------------------------------------------------------------
 

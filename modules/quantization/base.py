@@ -70,15 +70,63 @@ class QuantizedLinear(nn.Module, ABC):
         return next(iter(self.offload_tensors().values())).device
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # the weight is dequantized where the input is: with the layer parked in RAM and the
-        # input on the GPU, the math still runs on the GPU
-        weight = self.unquantized_weight(self.compute_dtype, x.device)
-        bias = None if self.bias is None else self.bias.to(device=x.device, dtype=self.compute_dtype)
-        return F.linear(x.to(self.compute_dtype), weight, bias)
+        out = FrozenWeightMatmul.apply(x.to(self.compute_dtype), self, self.dense_matmul)
+        if self.bias is not None:
+            # added outside the Function so autograd handles it should a trainer unfreeze the bias
+            out = out + self.bias.to(device=x.device, dtype=self.compute_dtype)
+        return out
+
+    def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T without bias, `x` already in the compute dtype; no autograd (runs inside the Function).
+
+        The weight is dequantized where the input is: with the layer parked in RAM and the input on
+        the GPU, the math still runs on the GPU.
+        """
+        return F.linear(x, self.unquantized_weight(self.compute_dtype, x.device))
+
+    def _apply(self, fn, recurse=True):
+        # Module.half() / .float() / .to(dtype) cast every floating tensor, and fp8 counts as
+        # floating: a model-wide cast would turn fp8 codes into bf16 (storage doubles) and float32
+        # scales / absmax into fp16 (precision lost; bitsandbytes refuses them). Stored tensors keep
+        # their dtype and only the rest of `fn` (device moves, pinning) applies; the compute dtype
+        # comes from the constructor, never from the storage.
+        def keep_dtype(tensor: torch.Tensor) -> torch.Tensor:
+            applied = fn(tensor)
+            if applied.dtype != tensor.dtype:
+                # detach(): a new tensor object even without a move, as Module._apply expects
+                applied = tensor.detach().to(device=applied.device)
+            return applied
+
+        return super()._apply(keep_dtype, recurse)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, compute_dtype={self.compute_dtype}")
+
+
+class FrozenWeightMatmul(torch.autograd.Function):
+    """`matmul(x)` = x @ W^T for a frozen quantized W, with a gradient for `x` only.
+
+    Plain F.linear on the dequantized weight would make autograd keep that dense weight alive until
+    backward whenever `x` requires grad (adapters in earlier layers): every layer's dense copy at
+    once, which undoes the quantization. Here backward dequantizes again, from whatever storage the
+    layer has by then (an offloader may have moved it), in the compute dtype. The layer, not its
+    tensors, is what is kept, so `.to()` / `load_state_dict()` between forward and backward are seen.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: QuantizedLinear, matmul) -> torch.Tensor:
+        ctx.layer = layer
+        return matmul(x)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        layer = ctx.layer
+        grad_input = None
+        if ctx.needs_input_grad[0]:
+            weight = layer.unquantized_weight(layer.compute_dtype, grad_output.device)
+            grad_input = grad_output.to(layer.compute_dtype) @ weight
+        return grad_input, None, None
 
 
 def is_linear(module: nn.Module) -> bool:

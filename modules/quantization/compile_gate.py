@@ -1,0 +1,56 @@
+"""Whether a weight mode's training graph compiles here, found by trying it on one tiny layer.
+
+A static table would be wrong somewhere: whether bitsandbytes' or torchao's ops trace depends on
+their versions and on the device. So the trainer asks dynamo to trace the forward
+of one layer of the mode, on the train device, before compiling the real model; a graph
+break or a tracing error turns compile off for that part, with the reason in the log.
+Measured on torch 2.13 CPU (tests pin it): every mode here traces as one graph.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+
+def _probe_layer(mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
+    from modules.quantization.replace import DENSE_MODES, quantize_model_
+
+    model = nn.Sequential(nn.Linear(64, 64))
+    if mode in DENSE_MODES:
+        return model.to(device=device, dtype=DENSE_MODES[mode])
+    quantize_model_(model, "probe", mode, compute_dtype)
+    return model.to(device)
+
+
+def graph_blocker(module: nn.Module, example: torch.Tensor) -> str | None:
+    """Why `module`'s forward does not trace as one graph, or None when it does (dynamo traces
+    the forward; the backward graph is derived from it by AOT autograd)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    try:
+        explanation = torch._dynamo.explain(module)(example)
+    except Exception as error:  # any tracing failure means "does not compile", which is the answer
+        return f"tracing failed: {type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    finally:
+        torch._dynamo.reset()
+    if explanation.graph_break_count:
+        reasons = "; ".join(str(b.reason).splitlines()[0][:120] for b in explanation.break_reasons[:2])
+        return f"{explanation.graph_break_count} graph break(s): {reasons}"
+    return None
+
+
+@functools.cache
+def compile_blocker(mode: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> str | None:
+    """Why training with weights in `mode` cannot be compiled on `device`, or None."""
+    device = torch.device(device)
+    try:
+        layer = _probe_layer(mode, device, compute_dtype)
+    except Exception as error:  # the mode itself cannot run here: nothing to compile
+        return f"{mode} layers cannot be built on {device}: {error}"
+    example = torch.randn(32, 64, device=device, dtype=compute_dtype, requires_grad=True)
+    blocker = graph_blocker(layer, example)
+    return f"{mode} weights: {blocker}" if blocker else None

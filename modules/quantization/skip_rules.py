@@ -1,0 +1,58 @@
+"""Which Linear layers stay dense when a part's weights are quantized, and why.
+
+A layer stays dense when any of these says so (the union, so no source is forgotten; InvokeAI's
+fp8 storage honoured the first list and not the second, and quantized layers a model needs in
+high precision):
+1. the model class's `_skip_layerwise_casting_patterns` (diffusers: regexes searched in the
+   module name; layers too sensitive to store in low precision),
+2. the model class's `_keep_in_fp32_modules` (diffusers and transformers: module names that must
+   stay float32; these also keep float32 storage, see `keeps_float32`),
+3. DEFAULT_SKIP_PATTERNS: norms, embeddings, and the part's final projection, which are small
+   and hurt quality most when quantized,
+4. shapes the 8-bit matmul kernels cannot take (both dimensions must be multiples of 16),
+5. the user's `model.parts.<part>.quantize_skip` regexes, searched in "part.module.name".
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+DEFAULT_SKIP_PATTERNS = (r"norm", r"emb", r"^proj_out$", r"^final_layer(\.|$)")
+KERNEL_MULTIPLE = 16
+
+
+def _class_list(model: nn.Module, attribute: str) -> list[str]:
+    return list(getattr(type(model), attribute, None) or getattr(model, attribute, None) or [])
+
+
+def keeps_float32(model: nn.Module, module_name: str) -> bool:
+    """The model class asks for this module (or a parent) to stay float32."""
+    components = module_name.split(".")
+    for entry in _class_list(model, "_keep_in_fp32_modules"):
+        entry_parts = entry.split(".")
+        width = len(entry_parts)
+        if any(components[i:i + width] == entry_parts for i in range(len(components) - width + 1)):
+            return True
+    return False
+
+
+def skip_reason(model: nn.Module, part: str, module_name: str, layer: nn.Linear,
+                user_patterns: list[str]) -> str | None:
+    """Why this Linear stays dense, or None when it is quantized."""
+    for pattern in _class_list(model, "_skip_layerwise_casting_patterns"):
+        if re.search(pattern, module_name):
+            return f"{type(model).__name__}._skip_layerwise_casting_patterns ({pattern!r})"
+    if keeps_float32(model, module_name):
+        return f"{type(model).__name__}._keep_in_fp32_modules"
+    for pattern in DEFAULT_SKIP_PATTERNS:
+        if re.search(pattern, module_name):
+            return f"default skip list ({pattern!r})"
+    if layer.in_features % KERNEL_MULTIPLE or layer.out_features % KERNEL_MULTIPLE:
+        return f"shape {layer.out_features}x{layer.in_features} is not a multiple of {KERNEL_MULTIPLE}"
+    qualified = f"{part}.{module_name}"
+    for index, pattern in enumerate(user_patterns):
+        if re.search(pattern, qualified):
+            return f"model.parts.{part}.quantize_skip[{index}] ({pattern!r})"
+    return None
