@@ -13,7 +13,8 @@ from modules.quantization.capabilities import (
     mode_support,
     working_modes,
 )
-from modules.quantization.policy import HEADROOM, plan_base_precision
+from modules.offload.planning import auto_offload_fraction
+from modules.quantization.policy import BYTES_PER_PARAMETER, HEADROOM, plan_base_precision
 from modules.util.torch_utils import resolve_device
 
 
@@ -36,6 +37,14 @@ def _train_device(name: str) -> torch.device:
     return device
 
 
+def _auto_offload(modes: dict[str, str], sizes: dict[str, int], free_memory: int | None) -> dict[str, float]:
+    """offload_fraction auto per part at these modes, from nominal sizes (a part's blocks are
+    taken to hold all of its weights, which slightly overstates what can be parked)."""
+    part_bytes = {part: int(sizes[part] * BYTES_PER_PARAMETER[mode]) for part, mode in modes.items()}
+    total = sum(part_bytes.values())
+    return {part: auto_offload_fraction(size, size, total - size, free_memory) for part, size in part_bytes.items()}
+
+
 def machine_info(train_device: str = "auto") -> dict:
     """Everything `info` reports, as JSON-ready data. Raises ValueError for an unusable device."""
     device = _train_device(train_device)
@@ -56,7 +65,8 @@ def machine_info(train_device: str = "auto") -> dict:
             plan = plan_base_precision("auto", name, sizes, capabilities.free_memory, capabilities)
             entry["recommended"] = {"weight_dtype": plan.modes, "estimated_bytes": plan.estimated_bytes,
                                     "budget_bytes": plan.budget_bytes, "fits": plan.fits,
-                                    "warnings": list(plan.warnings)}
+                                    "warnings": list(plan.warnings),
+                                    "offload_fraction": _auto_offload(plan.modes, sizes, capabilities.free_memory)}
         else:
             entry["recommended"] = None
         families[name] = entry
@@ -123,4 +133,7 @@ def format_info(info: dict) -> str:
             lines.append(f"    auto on {caps['device']}: {modes} (~{_gib(recommended['estimated_bytes'])} of "
                          f"a {_gib(recommended['budget_bytes'])} budget)")
             lines += [f"    warning: {warning}" for warning in recommended["warnings"]]
+            offload = {part: f for part, f in recommended["offload_fraction"].items() if f}
+            lines.append("    offload_fraction auto: " + (", ".join(f"{p}={f:g}" for p, f in offload.items())
+                                                         if offload else "0 (everything fits)"))
     return "\n".join(lines)

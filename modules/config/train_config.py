@@ -42,6 +42,30 @@ class ModelPartConfig(StrictModel):
         description="Regexes searched in 'part.module.name': matching Linear layers stay dense "
         "(added to the model's own keep-in-high-precision lists).")
 
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute each block's activations in the backward pass instead of keeping them "
+        "(non-reentrant checkpointing per block): less memory, about a third more compute.")
+    offload_fraction: float | Literal["auto"] = Field(
+        0.0, description="Share (0..1) of the part's offloadable weight bytes parked on temp_device and "
+        "brought to the train device block by block; auto: the smallest share that fits the train device.")
+    activation_offloading: bool = Field(
+        False, description="With gradient_checkpointing: keep each block's saved input on temp_device "
+        "until the backward pass needs it.")
+
+    @field_validator("offload_fraction")
+    @classmethod
+    def _fraction_in_range(cls, value: float | str) -> float | str:
+        if isinstance(value, float) and not 0.0 <= value <= 1.0:
+            raise ValueError(f"must be between 0 and 1, or 'auto' (got {value})")
+        return value
+
+    @model_validator(mode="after")
+    def _activation_offloading_needs_checkpointing(self) -> "ModelPartConfig":
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise located_error("offloads the inputs that gradient checkpointing keeps; turn on "
+                                "gradient_checkpointing for this part", "activation_offloading")
+        return self
+
     @field_validator("quantize_skip")
     @classmethod
     def _valid_skip_regexes(cls, patterns: list[str]) -> list[str]:
@@ -100,11 +124,41 @@ class ModelConfig(StrictModel):
         return value
 
 
+class AdapterPartConfig(StrictModel):
+    """Per-part overrides of the adapter's size (`adapter.parts.text_encoder.rank`)."""
+
+    rank: int | None = Field(None, ge=1, description="None: adapter.rank.")
+    alpha: float | None = Field(None, gt=0, description="None: adapter.alpha.")
+
+
 class AdapterConfig(StrictModel):
-    type: Literal["lora"] = "lora"
-    rank: int = Field(16, ge=1)
-    alpha: float = Field(16.0, gt=0, description="Output is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0, lt=1)
+    type: Literal["lora", "loha", "lokr", "oft"] = Field(
+        "lora", description="lora (with dora: DoRA), loha, lokr (with dora: weight-decomposed LoKr), "
+        "oft (block-diagonal orthogonal rotation of the output channels).")
+    rank: int = Field(16, ge=1, description="lora, loha, lokr: the rank of the low-rank factors (oft: unused).")
+    alpha: float = Field(16.0, gt=0, description="Output is scaled by alpha / rank (oft: unused; lokr with "
+                         "both factors full: scale 1).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora: on the rank-sized hidden; the others: on "
+                           "the adapter's change of the output.")
+    rank_dropout: float = Field(0.0, ge=0, lt=1, description="Drop whole ranks (lora), delta rows (loha, "
+                                "lokr) or rotation blocks (oft) while training.")
+    module_dropout: float = Field(0.0, ge=0, lt=1, description="Skip a whole adapter for a step with this "
+                                  "probability while training.")
+    dora: bool = Field(False, description="Weight decomposition (magnitude and direction): DoRA for lora, "
+                       "weight-decomposed LoKr for lokr.")
+    dora_axis: Literal["output", "input"] = Field(
+        "output", description="The norm DoRA divides by: per output row (peft, diffusers, LyCORIS wd_on_out) "
+        "or per input column (OneTrainer's default; exact in ComfyUI/Forge).")
+    lokr_factor: int = Field(-1, description="lokr: split each dimension with this factor; -1: as square as possible.")
+    lokr_decompose_both: bool = Field(False, description="lokr: make the small factor low-rank too.")
+    lokr_full_matrix: bool = Field(False, description="lokr: keep the large factor a full matrix whatever the rank.")
+    oft_block_size: int = Field(32, ge=2, description="oft: channels per rotation block (the largest divisor "
+                                "of a layer's output channels not above this).")
+    parts: dict[str, AdapterPartConfig] = Field(
+        default_factory=dict, description="Per-part rank/alpha, e.g. {\"text_encoder\": {\"rank\": 8}}.")
+    init_from: str | None = Field(
+        None, description="Start from this adapter file (kohya/LyCORIS, ComfyUI or diffusers/peft keys, from "
+        "this or another trainer) and continue training it; it must fit the adapter configured here.")
     layer_preset: str = Field(
         "attn-mlp", description="A named layer selection of the family (attn, attn-mlp, all-linear, all)."
     )
@@ -123,6 +177,26 @@ class AdapterConfig(StrictModel):
             except re.error as error:
                 raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
         return patterns
+
+    @field_validator("lokr_factor")
+    @classmethod
+    def _valid_factor(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"must be -1 (as square as possible) or a positive factor (got {value})")
+        return value
+
+    @model_validator(mode="after")
+    def _dora_needs_a_decomposable_type(self) -> "AdapterConfig":
+        if self.dora and self.type not in ("lora", "lokr"):
+            raise located_error(f"only lora and lokr have a weight-decomposed form (type is {self.type!r})", "dora")
+        return self
+
+    def size_for(self, part: str) -> tuple[int, float]:
+        """(rank, alpha) for a model part, its overrides applied."""
+        override = self.parts.get(part)
+        rank = override.rank if override and override.rank is not None else self.rank
+        alpha = override.alpha if override and override.alpha is not None else self.alpha
+        return rank, alpha
 
 
 class AdamWConfig(StrictModel):
@@ -226,7 +300,11 @@ class DataConfig(StrictModel):
 
 class OutputConfig(StrictModel):
     path: str = "output/lora.safetensors"
-    format: Literal["kohya"] = "kohya"
+    format: Literal["kohya", "comfy", "diffusers"] = Field(
+        "kohya", description="Key layout of the saved adapter: kohya (lora_unet_..., LyCORIS names for "
+        "loha/lokr/oft; A1111, Forge, ComfyUI, diffusers for LoRA), comfy (ComfyUI's own "
+        "diffusion_model./text_encoders. keys), diffusers (peft lora_A/lora_B keys, scale folded in; "
+        "lora, DoRA on the output axis, loha, lokr).")
     dtype: DType = "float16"
 
 
@@ -250,9 +328,24 @@ class TrainConfig(StrictModel):
     workspace_dir: str = "workspace"
     cache_dir: str | None = Field(None, description="None: <workspace_dir>/cache.")
     train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device)")
+    temp_device: str = Field("cpu", description="Where offloaded layers and activations wait (any torch device).")
     train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
     seed: int = 42
     tensorboard: bool = True
+    compile: bool = Field(False, description="torch.compile the denoiser; turned off, with a warning saying "
+                          "why, for weight modes whose training graph does not compile.")
+
+    @model_validator(mode="after")
+    def _offloaded_trained_parts_recompute(self) -> "TrainConfig":
+        # A trained part's backward pass needs each block's weights again. With checkpointing the
+        # block is recomputed (its layers brought back) right before its backward; without it the
+        # layers would have left long before.
+        for name, part in self.model.parts.items():
+            if part.train and part.offload_fraction != 0 and not part.gradient_checkpointing:
+                raise located_error("layer offloading of a trained part needs gradient_checkpointing: true "
+                                    "(the backward pass recomputes each block while its layers are on the "
+                                    "train device)", "model", "parts", name, "offload_fraction")
+        return self
 
     @field_validator("optimizer", mode="before")
     @classmethod
@@ -268,7 +361,7 @@ class TrainConfig(StrictModel):
             raise ValueError(f"must be {CURRENT_VERSION} after migration (got {value})")
         return value
 
-    @field_validator("train_device")
+    @field_validator("train_device", "temp_device")
     @classmethod
     def _valid_device(cls, value: str) -> str:
         if value == "auto":

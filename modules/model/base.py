@@ -136,6 +136,11 @@ class ModelFamily(ABC):
         for module in self.parts.values():
             module.to(device)
 
+    def checkpoint_blocks(self, part: str) -> list[nn.Module]:
+        """The part's repeated blocks in execution order: the units gradient checkpointing
+        recomputes and the layer offloader parks. Empty: the part cannot offload."""
+        return []
+
     # --- data --------------------------------------------------------------------------------
 
     @abstractmethod

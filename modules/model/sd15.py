@@ -14,6 +14,7 @@ import torch
 from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
+from modules.util.torch_utils import make_generator
 
 _UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
 _UNET_FF = r"^unet\..*\.ff\.net\.(0\.proj|2)$"
@@ -84,6 +85,27 @@ class SD15Family(ModelFamily):
     def unet(self):
         return self.parts["unet"]
 
+    def checkpoint_blocks(self, part: str) -> list[torch.nn.Module]:
+        # the units diffusers and transformers checkpoint: each resnet and transformer block of the
+        # UNet (in the order the UNet runs them), each CLIP encoder layer
+        if part == "text_encoder":
+            return list(self.parts[part].encoder.layers)
+        if part != "unet":
+            return []
+        blocks = []
+        for stage in [*self.unet.down_blocks, self.unet.mid_block, *self.unet.up_blocks]:
+            resnets, attentions = list(stage.resnets), list(getattr(stage, "attentions", None) or [])
+            if stage is self.unet.mid_block:  # resnet, then (attention, resnet) pairs
+                blocks.append(resnets[0])
+                for attention, resnet in zip(attentions, resnets[1:]):
+                    blocks += [attention, resnet]
+                continue
+            for index, resnet in enumerate(resnets):
+                blocks.append(resnet)
+                if index < len(attentions):
+                    blocks.append(attentions[index])
+        return blocks
+
     # --- data --------------------------------------------------------------------------------
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
@@ -108,10 +130,12 @@ class SD15Family(ModelFamily):
 
     def predict(self, latents, text, generator):
         batch = latents.shape[0]
-        noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+        # drawn where the generator lives (the train device, or the CPU for backends without one)
+        noise = torch.randn(latents.shape, generator=generator, device=generator.device,
+                            dtype=latents.dtype).to(latents.device)
         timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator, device=latents.device
-        )
+            0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator, device=generator.device
+        ).to(latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         dtype = self.compute_dtype("unet")
         prediction = self.unet(noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype)).sample
@@ -138,7 +162,7 @@ class SD15Family(ModelFamily):
         return pipe
 
     def sample(self, prompt, device):
-        generator = torch.Generator(device=device).manual_seed(prompt.seed)
+        generator = make_generator(device, prompt.seed)
         return self.pipeline()(
             prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
             num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,

@@ -9,6 +9,7 @@ end():    final save.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -17,12 +18,21 @@ import torch
 import torch.nn.functional as F
 
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
-from modules.adapters.formats.kohya import save_kohya_lora
+from modules.adapters.formats.files import check_output_format, load_adapter_file, network_metadata, save_adapter_file
+from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, prepare_dataset
 from modules.model.registry import get_family_class
+from modules.offload.checkpointing import checkpoint_blocks_
+from modules.offload.conductor import LayerOffloadConductor
+from modules.offload.layer_tensors import block_bytes
+from modules.offload.planning import auto_offload_fraction
 from modules.optim.optimizers import build_optimizer
+from modules.quantization.capabilities import detect_capabilities
+from modules.quantization.compile_gate import compile_blocker
+from modules.quantization.policy import plan_base_precision
+from modules.quantization.replace import DENSE_MODES
 from modules.optim.schedulers import build_scheduler
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
@@ -33,7 +43,7 @@ from modules.trainer.guards import TrainingError, check_finite, check_first_step
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.timed_actions import TimedAction
-from modules.util.torch_utils import autocast, dtype_of, resolve_device
+from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
 
 class GenericTrainer:
@@ -67,7 +77,10 @@ class GenericTrainer:
                               if part.train and self.family.spec(name).adapter_prefix]
         if not self.trained_parts:
             raise TrainingError("model.parts: no part that carries adapters has train: true (nothing to train)")
+        self.family.weight_modes = self.resolve_weight_modes()
         self.family.load()
+        for part, report in self.family.quantization_reports.items():
+            self.callbacks.on_status(report.summary(part))
         self.setup_optimizations()
         self.setup_train_device()
         self.setup_model()
@@ -78,15 +91,102 @@ class GenericTrainer:
         self.save_action = TimedAction(config.schedule.save_every)
         self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard)
 
+    def resolve_weight_modes(self) -> dict[str, str]:
+        """Each part's storage mode for this machine: "auto" resolved, and a mode that cannot work
+        here refused before anything is loaded (policy.py has the table)."""
+        requested = {name: part.weight_dtype for name, part in self.config.model.parts.items()}
+        if all(mode in DENSE_MODES for mode in requested.values()):
+            return requested  # nothing to probe: dense storage works everywhere torch runs
+        capabilities = detect_capabilities(self.device)
+        sizes = self.family.part_parameters() if "auto" in requested.values() else {}
+        try:
+            plan = plan_base_precision(requested, self.family.name, sizes, capabilities.free_memory, capabilities)
+        except ValueError as error:
+            raise ConfigError(str(error).splitlines()) from None
+        for warning in plan.warnings:
+            self.callbacks.on_warning(warning)
+        self.callbacks.on_status("base weights: " + ", ".join(f"{part} {mode}" for part, mode in plan.modes.items()))
+        return plan.modes
+
     def setup_optimizations(self) -> None:
-        """Per part: weight dtypes are applied at load; gradient checkpointing and quantization slot in here."""
+        """Per part: weight modes are applied at load (quantized layers replace Linear there);
+        gradient checkpointing (with activation offloading); torch.compile where it can work."""
+        parts = self.config.model.parts
+        temp_device = torch.device(self.config.temp_device)
+        for name, part in parts.items():
+            if part.gradient_checkpointing:
+                blocks = self.family.checkpoint_blocks(name)
+                if not blocks:
+                    raise ConfigError([f"model.parts.{name}.gradient_checkpointing: the {self.family.name} family "
+                                       f"lists no blocks to checkpoint in {name}"])
+                checkpoint_blocks_(blocks, temp_device if part.activation_offloading else None)
+        if not self.config.compile:
+            return
+        for part in dict.fromkeys([self.family.denoiser_part, *self.trained_parts]):
+            blocker = compile_blocker(self.family.weight_mode(part), str(self.device),
+                                      self.family.compute_dtype(part))
+            if parts[part].offload_fraction != 0:
+                blocker = "layer offloading moves weights between blocks, which the compiled graph cannot see"
+            if blocker:
+                self.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
+                continue
+            self.family.parts[part].compile()
+            self.callbacks.on_status(f"compile: model.parts.{part} compiles on first use")
 
     def setup_train_device(self) -> None:
-        self.family.to(self.device)
+        """Move each part to the train device; a part with offload_fraction > 0 gets a
+        LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
+        self.conductors: dict[str, LayerOffloadConductor] = {}
+        for name, module in self.family.parts.items():
+            fraction = self._offload_fraction(name)
+            if fraction > 0:
+                conductor = LayerOffloadConductor(self.family.checkpoint_blocks(name), fraction, self.device,
+                                                  torch.device(self.config.temp_device), name)
+                conductor.start()
+                owned = conductor.owned_modules()
+                for child in module.modules():
+                    if id(child) not in owned:
+                        child._apply(lambda t: t.to(self.device), recurse=False)
+                self.conductors[name] = conductor
+                self.callbacks.on_status(conductor.describe())
+            else:
+                module.to(self.device)
+
+    def _offload_fraction(self, part: str) -> float:
+        requested = self.config.model.parts[part].offload_fraction
+        if requested == 0:
+            return 0.0
+        blocks = self.family.checkpoint_blocks(part)
+        if not blocks:
+            raise ConfigError([f"model.parts.{part}.offload_fraction: the {self.family.name} family has no "
+                               f"blocks to offload in {part}"])
+        if requested != "auto":
+            return requested
+        part_bytes = block_bytes(self.family.parts[part])
+        other = sum(block_bytes(m) for n, m in self.family.parts.items() if n != part)
+        free = detect_capabilities(self.device).free_memory
+        fraction = auto_offload_fraction(part_bytes, sum(block_bytes(b) for b in blocks), other, free)
+        self.callbacks.on_status(f"model.parts.{part}.offload_fraction: auto -> {fraction:g}")
+        return fraction
+
+    @contextlib.contextmanager
+    def offload_paused(self):
+        """Every offloaded block parked while sampling (the pipeline needs the room and runs its own
+        forward-only passes), and the next step's first blocks brought back after."""
+        for conductor in self.conductors.values():
+            conductor.evict()
+        try:
+            yield
+        finally:
+            for conductor in self.conductors.values():
+                conductor.materialize()
 
     def setup_model(self) -> None:
         config = self.config
         self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device)
+        check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
+        if config.adapter.init_from:
+            load_adapter_file(config.adapter.init_from, self.adapters, self.family)
         for part in self.trained_parts:
             self.family.parts[part].train()
         groups = []
@@ -116,7 +216,7 @@ class GenericTrainer:
         if schedule.max_steps:
             self.total_steps = min(self.total_steps, schedule.max_steps)
         self.scheduler = build_scheduler(self.config.lr_scheduler, self.optimizer, self.total_steps)
-        self.generator = torch.Generator(device=self.device).manual_seed(self.config.seed)
+        self.generator = make_generator(self.device, self.config.seed)
         if self.resume_state is not None:
             self._restore(self.resume_state)
 
@@ -248,7 +348,9 @@ class GenericTrainer:
             self.callbacks.on_warning("sampling.prompts: no prompt to sample")
             return []
         self.callbacks.on_status("sampling")
-        paths = sample_prompts(self.family, self.config.sampling.prompts, self.workspace / "samples", self.step, self.device)
+        with self.offload_paused():
+            paths = sample_prompts(self.family, self.config.sampling.prompts, self.workspace / "samples", self.step,
+                                   self.device)
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths
@@ -266,9 +368,7 @@ class GenericTrainer:
             path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
         family = self.family
         metadata = {
-            "ss_network_module": "networks.lora",
-            "ss_network_dim": str(self.config.adapter.rank),
-            "ss_network_alpha": str(self.config.adapter.alpha),
+            **network_metadata(self.config.adapter),
             "ss_base_model_version": family.kohya_base_version,
             "ss_sd_model_name": Path(self.config.model.base).name,
             "ss_steps": str(self.step),
@@ -276,7 +376,7 @@ class GenericTrainer:
             "modelspec.architecture": family.modelspec_architecture,
             "difftrainer.family": family.name,
         }
-        saved = save_kohya_lora(path, self.adapters.state_dict(), dtype_of(output.dtype), metadata)
+        saved = save_adapter_file(path, self.adapters, family, output.format, dtype_of(output.dtype), metadata)
         self.callbacks.on_save(str(saved))
         return saved
 

@@ -33,3 +33,12 @@ def autocast(device: torch.device, dtype: torch.dtype):
         return torch.autocast(device_type=device.type, dtype=dtype)
     except RuntimeError:
         return contextlib.nullcontext()
+
+
+def make_generator(device: torch.device, seed: int) -> torch.Generator:
+    """A seeded generator on `device`, or on the CPU for backends that have none of their own
+    (random draws then happen on the CPU and move; CUDA and the CPU keep their own streams)."""
+    try:
+        return torch.Generator(device=device).manual_seed(seed)
+    except RuntimeError:
+        return torch.Generator().manual_seed(seed)

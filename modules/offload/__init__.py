@@ -1,0 +1,1 @@
+"""Layer offloading (LayerOffloadConductor) and gradient checkpointing."""

@@ -1,0 +1,158 @@
+"""LayerOffloadConductor: keeps a part's parked blocks on the temp device and brings each to the
+train device just before it runs, following schedule.py.
+
+Parked blocks are chosen once (choose_parked: `offload_fraction` of the offloadable bytes, spread
+over the stack). Their frozen base tensors get a permanent copy on the temp device (pinned host
+memory on CUDA); bringing a block in copies it to the train device, and sending it away just
+points the tensors back at that copy, so eviction costs no transfer. The base weights are frozen,
+so the copy never goes stale; a trainable parked tensor is refused.
+
+Every layer of a block gets a forward pre-hook (the block's own hooks would not fire when a
+checkpoint recomputes its forward); the first layer of a block to run arranges the window, the
+rest find it arranged. The pass is read from autograd: inside the backward pass (gradient
+checkpointing recomputes a block there) the blocks come in reverse; a forward with grad enabled
+is a training step whose backward follows; without grad, another forward follows.
+
+On CUDA the second block of the window is prefetched on a side stream and the compute stream
+waits on its event before using it; elsewhere moves are plain synchronous copies.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.offload.layer_tensors import LayerTensor, block_bytes, layer_tensors
+from modules.offload.schedule import Pass, choose_parked, resident_after, resident_when_running
+
+
+class OffloadError(RuntimeError):
+    pass
+
+
+def current_pass() -> Pass:
+    if torch._C._current_graph_task_id() != -1:  # we are inside autograd's backward
+        return Pass.BACKWARD
+    return Pass.FORWARD_THEN_BACKWARD if torch.is_grad_enabled() else Pass.FORWARD_ONLY
+
+
+class LayerOffloadConductor:
+    def __init__(self, blocks: list[nn.Module], fraction: float, train_device: torch.device,
+                 temp_device: torch.device, name: str = "part"):
+        self.blocks = blocks
+        self.name = name
+        self.train_device, self.temp_device = torch.device(train_device), torch.device(temp_device)
+        self.cuda = self.train_device.type == "cuda"
+        self.parked = choose_parked([block_bytes(b) for b in blocks], fraction)
+        self.parked_set = set(self.parked)
+        self._tensors: dict[int, list[LayerTensor]] = {i: list(layer_tensors(blocks[i])) for i in self.parked}
+        self._home: dict[int, list[torch.Tensor]] = {}  # block -> its tensors' copies on the temp device
+        self.resident: set[int] = set()
+        self._events: dict[int, torch.cuda.Event] = {}
+        self._stream = torch.cuda.Stream(self.train_device) if self.cuda else None
+        self._handles = []
+        self.moves = 0  # blocks brought to the train device (for tests and benchmarks)
+        self.trace: list[tuple[Pass, int, tuple[int, ...]]] = []  # (pass, block, resident) when recording
+        self.recording = False
+        self._arranged_for: tuple[int, Pass] | None = None
+
+    # --- set-up ----------------------------------------------------------------------------
+
+    def owned_modules(self) -> set[int]:
+        """ids of the modules whose tensors this conductor moves (the rest of the part is moved
+        to the train device once, by the trainer)."""
+        return {id(t.module) for tensors in self._tensors.values() for t in tensors}
+
+    def start(self) -> None:
+        """Park the chosen blocks on the temp device (each keeps that copy) and hook every block."""
+        for index in self.parked:
+            home = []
+            for tensor in self._tensors[index]:
+                value = tensor.get()
+                if value.requires_grad:
+                    raise OffloadError(f"model.parts.{self.name}.offload_fraction: {type(tensor.module).__name__}."
+                                       f"{tensor.name} trains; only frozen base weights can be parked")
+                value = value.detach().to(self.temp_device)
+                if self.cuda and self.temp_device.type == "cpu":
+                    value = value.pin_memory()  # async host-to-device copies need pinned memory
+                tensor.put(value)
+                home.append(value)
+            self._home[index] = home
+        for index, block in enumerate(self.blocks):
+            hook = self._make_hook(index)
+            layers = {id(t.module): t.module for t in layer_tensors(block)}
+            self._handles += [layer.register_forward_pre_hook(hook) for layer in layers.values()]
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD))
+
+    def stop(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _make_hook(self, index: int):
+        def before_block(module, args):
+            kind = current_pass()
+            if self._arranged_for == (index, kind):
+                return  # another layer of the same block, same pass
+            self._arranged_for = (index, kind)
+            target = resident_when_running(len(self.blocks), self.parked, index, kind)
+            if self.recording:
+                self.trace.append((kind, index, target))
+            self._arrange(target, needed=index)
+        return before_block
+
+    # --- moves -------------------------------------------------------------------------------
+
+    def _arrange(self, target: tuple[int, ...], needed: int | None = None) -> None:
+        for index in sorted(self.resident - set(target)):
+            self._send_away(index)
+        for index in target:
+            if index not in self.resident:
+                self._bring(index, prefetch=index != needed)
+        if needed in self._events:
+            torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(needed))
+
+    def _bring(self, index: int, prefetch: bool) -> None:
+        tensors, home = self._tensors[index], self._home[index]
+        if self.cuda:
+            compute = torch.cuda.current_stream(self.train_device)
+            stream = self._stream if prefetch else compute
+            with torch.cuda.stream(stream):
+                values = [h.to(self.train_device, non_blocking=True) for h in home]
+            for tensor, value in zip(tensors, values):
+                value.record_stream(compute)  # freed only after the compute stream is done with it
+                tensor.put(value)
+            if prefetch:
+                event = torch.cuda.Event()
+                event.record(stream)
+                self._events[index] = event
+        else:
+            for tensor, value in zip(tensors, home):
+                tensor.put(value.to(self.train_device))
+        self.resident.add(index)
+        self.moves += 1
+
+    def _send_away(self, index: int) -> None:
+        if index in self._events:  # a prefetch never waited for: finish it before dropping its memory
+            torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(index))
+        for tensor, value in zip(self._tensors[index], self._home[index]):
+            tensor.put(value)
+        self.resident.discard(index)
+
+    # --- around sampling and saving ---------------------------------------------------------------
+
+    def evict(self) -> None:
+        """Every parked block back on the temp device (before sampling or saving)."""
+        self._arranged_for = None
+        self._arrange(())
+
+    def materialize(self) -> None:
+        """The blocks the next training step starts with back on the train device (after)."""
+        self._arranged_for = None
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD))
+
+    def describe(self) -> str:
+        parked_bytes = sum(block_bytes(self.blocks[i]) for i in self.parked)
+        total = sum(block_bytes(b) for b in self.blocks)
+        return (f"model.parts.{self.name}: {len(self.parked)} of {len(self.blocks)} blocks parked on "
+                f"{self.temp_device} ({parked_bytes / 2**20:.1f} of {total / 2**20:.1f} MiB)")

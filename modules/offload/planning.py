@@ -1,0 +1,23 @@
+"""The `auto` offload fraction: the smallest share of a part's blocks to park so the train device
+holds everything else with headroom."""
+
+from __future__ import annotations
+
+import math
+
+HEADROOM = 0.8  # the share of free memory weights may take; the rest is activations and slack
+STEP = 0.05  # fractions are rounded up to this, so small estimate errors do not matter
+
+
+def auto_offload_fraction(part_bytes: int, offloadable_bytes: int, other_bytes: int,
+                          free_memory: int | None) -> float:
+    """part_bytes: the part's weights; offloadable_bytes: those inside its blocks (what can be
+    parked); other_bytes: what else lives on the train device (other parts, adapters).
+    Returns 0.0 where everything fits or free memory is unknown, at most 1.0."""
+    if free_memory is None or offloadable_bytes <= 0:
+        return 0.0
+    budget = HEADROOM * free_memory - other_bytes
+    excess = part_bytes - budget
+    if excess <= 0:
+        return 0.0
+    return min(1.0, math.ceil(excess / offloadable_bytes / STEP - 1e-9) * STEP)
