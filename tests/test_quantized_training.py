@@ -118,3 +118,26 @@ def test_compile_is_applied_where_the_mode_traces(tmp_path, tiny_model, shape_im
     trainer.start()
     assert not log.warnings
     assert trainer.family.parts["unet"]._compiled_call_impl is not None
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4", "w8a8_int8"])
+def test_training_on_a_second_device_keeps_every_tensor_there(mode, fake_device, tmp_path, tiny_model, one_image):
+    # The fake device raises on any op that mixes its tensors with CPU ones, as CUDA does: a scale
+    # left behind by a move, or an adapter created where a weight was parked, fails here.
+    config = train_config(tiny_model, one_image, tmp_path, {
+        "model": {"parts": {"unet": {"weight_dtype": mode}}},
+        "schedule": {"epochs": 3, "batch_size": 1},
+        "train_device": str(fake_device),
+    })
+    trainer = GenericTrainer(config, Log())
+    trainer.start()
+    unet = trainer.family.parts["unet"]
+    before_weights = base_weights(unet)
+    trainer.train()
+    stored = [t for m in unet.modules() for t in (m.offload_tensors().values() if hasattr(m, "offload_tensors")
+                                                   else [*m.parameters(recurse=False), *m.buffers(recurse=False)])]
+    assert all(t.device.type == fake_device.type for t in stored)
+    assert all(p.device.type == fake_device.type for p in trainer.adapters.parameters())
+    assert trainer.step == 3 and torch.isfinite(torch.tensor(trainer.last_loss))
+    after_weights = base_weights(unet)
+    assert all(torch.equal(before_weights[k].cpu(), after_weights[k].cpu()) for k in before_weights)
