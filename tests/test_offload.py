@@ -269,3 +269,25 @@ def test_info_reports_the_auto_offload_fraction_the_family_would_need():
     assert _auto_offload(modes, sizes, 64 * 2**30) == dict.fromkeys(sizes, 0.0)
     tight = _auto_offload(modes, sizes, 2 * 2**30)  # 1.6 GiB budget for ~2.1 GB of weights
     assert 0 < tight["unet"] < 1 and tight["unet"] * 100 % 5 == pytest.approx(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("quantized", [False, True])
+def test_on_cuda_pinned_prefetched_blocks_give_the_same_step_as_no_offloading(quantized):
+    device = torch.device("cuda")
+    model, blocks = toy_stack(quantized)
+    reference, _ = toy_stack(quantized)
+    reference.to(device)
+    conductor = start(model, blocks, device)
+    assert all(home.is_pinned() for index in conductor.parked for home in conductor._home[index])
+    x = torch.randn(8, 32, device=device, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    for _ in range(3):  # several steps: the second block of each window arrives by the side stream
+        out, expected = model(x), reference(x_ref)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.cuda.synchronize()
+    assert conductor.moves > len(conductor.parked)

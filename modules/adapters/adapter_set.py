@@ -1,8 +1,9 @@
 """AdapterSet: the adapters of one run, chosen by layer filter over the trained parts.
 
 Its state dict is the canonical one, keyed the way kohya/LyCORIS files are
-(`lora_unet_down_blocks_0_..._to_q.lora_down.weight`), so backups, saved files and loading
-another trainer's file all speak the same names.
+(`lora_unet_down_blocks_0_..._to_q.lora_down.weight`, `....hada_w1_a`, `....lokr_w1`,
+`....oft_blocks`, `....dora_scale`), so backups, saved files and loading another trainer's file
+all speak the same names; formats/ converts it to and from the ComfyUI and diffusers layouts.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from modules.adapters.base import AdapterModule
-from modules.adapters.lora import LoRAModule
+from modules.adapters.registry import create_adapter
 from modules.util.torch_utils import dtype_of
 
 if TYPE_CHECKING:
@@ -30,10 +31,12 @@ class AdapterSet:
     def __init__(self) -> None:
         self.modules = nn.ModuleDict()
         self.part_of: dict[str, str] = {}  # adapter name -> model part
+        self.module_name_of: dict[str, str] = {}  # adapter name -> module name inside its part
 
-    def add(self, part: str, adapter: AdapterModule) -> None:
+    def add(self, part: str, adapter: AdapterModule, module_name: str | None = None) -> None:
         self.modules[adapter.name] = adapter
         self.part_of[adapter.name] = part
+        self.module_name_of[adapter.name] = module_name if module_name is not None else adapter.name
 
     def __len__(self) -> int:
         return len(self.modules)
@@ -67,7 +70,9 @@ class AdapterSet:
         problems = []
         for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape-mismatched", mismatched)):
             if keys:
-                problems.append(f"{label} keys: " + ", ".join(keys[:6]) + (f", ... ({len(keys)} in all)" if len(keys) > 6 else ""))
+                shown = [f"{k} {tuple(state[k].shape)} vs {tuple(own[k].shape)}" if label == "shape-mismatched"
+                         else k for k in keys[:6]]
+                problems.append(f"{label} keys: " + ", ".join(shown) + (f", ... ({len(keys)} in all)" if len(keys) > 6 else ""))
         if problems:
             raise AdapterSetError(f"{source} does not fit this run's adapters: " + "; ".join(problems))
         with torch.no_grad():
@@ -77,16 +82,24 @@ class AdapterSet:
 def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts: list[str],
                       device: torch.device) -> AdapterSet:
     """Create adapters on `device` for the layers of `trained_parts` the filter selects, and hook them."""
+    unknown = sorted(set(adapter.parts) - {spec.name for spec in family.part_specs if spec.adapter_prefix})
+    if unknown:
+        known = ", ".join(spec.name for spec in family.part_specs if spec.adapter_prefix)
+        raise AdapterSetError(f"adapter.parts.{unknown[0]}: no part of {family.label} carries adapters by that "
+                              f"name (parts: {known})")
     adapters = AdapterSet()
     matched_filters: set[int] = set()
+    dtype = dtype_of(adapter.dtype)
     for part in trained_parts:
         for module_name, module in family.adapter_targets(part, adapter.layer_filter, adapter.layer_preset):
             qualified = f"{part}.{module_name}"
             matched_filters.update(i for i, p in enumerate(adapter.layer_filter) if re.search(p, qualified))
-            adapters.add(part, LoRAModule(
-                family.adapter_name(part, module_name), module, adapter.rank, adapter.alpha, adapter.dropout,
-                device=device, dtype=dtype_of(adapter.dtype),
-            ))
+            name = family.adapter_name(part, module_name)
+            try:
+                created = create_adapter(adapter, part, name, module, device, dtype)
+            except ValueError as error:
+                raise AdapterSetError(f"{qualified}: {error}") from None
+            adapters.add(part, created, module_name)
     unmatched = [f"adapter.layer_filter[{i}]: {p!r} matches no layer of the trained parts ({', '.join(trained_parts)})"
                  for i, p in enumerate(adapter.layer_filter) if i not in matched_filters]
     if unmatched:

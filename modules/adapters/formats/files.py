@@ -1,0 +1,269 @@
+"""Adapter files in the three key layouts other tools read, saved from and loaded into an AdapterSet.
+
+kohya      `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and the LyCORIS
+           names for the other algorithms on the same stems: `.hada_w1_a` ... `.hada_w2_b`,
+           `.lokr_w1` | `.lokr_w1_a`+`_b`, `.lokr_w2` | `.lokr_w2_a`+`_b`, `.oft_blocks`,
+           `.dora_scale`. A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
+comfy      ComfyUI's own layout: the same tensor names on the model's own module paths,
+           `diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_up.weight`,
+           `text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha`.
+diffusers  peft keys under the pipeline component: `unet.<module>.lora_A.weight` (formats/diffusers.py).
+
+The AdapterSet's state dict is the kohya layout, so kohya is the identity here. Loading takes
+any of the three (also mixed, and kohya stems spelled with ldm block names or SimpleTuner's
+`lycoris_` prefix), maps every key to an adapter of this run, and refuses the file naming every
+key that maps to none; then the strict AdapterSet load names what is missing or misshapen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from modules.adapters.adapter_set import AdapterSet, AdapterSetError
+from modules.adapters.formats import diffusers as peft_keys
+from modules.saving.atomic import write_with
+
+if TYPE_CHECKING:
+    from modules.config.train_config import AdapterConfig
+    from modules.model.base import ModelFamily
+
+FORMATS = ("kohya", "comfy", "diffusers")
+CANONICAL_KEYS = (
+    "lora_down.weight", "lora_up.weight", "alpha", "dora_scale",
+    "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b",
+    "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "oft_blocks",
+)
+# tensor names of LyCORIS features this trainer does not train: named when a file has them
+_UNSUPPORTED = {
+    "lora_mid.weight": "LoCon's Tucker (CP) middle layer", "hada_t1": "LoHa's Tucker (CP) core",
+    "hada_t2": "LoHa's Tucker (CP) core", "lokr_t2": "LoKr's Tucker (CP) core", "rescale": "rescaled OFT",
+    "oft_diag": "A1111's old OFT layout", "diff": "a full weight difference", "diff_b": "a bias difference",
+}
+# the algorithm a tensor name belongs to (dora_scale and alpha belong to several)
+_ALGORITHM = {"lora_down.weight": "lora", "lora_up.weight": "lora", "lora_A.weight": "lora", "lora_B.weight": "lora",
+              "oft_blocks": "oft"}
+_ALGORITHM.update({k: "loha" for k in CANONICAL_KEYS if k.startswith("hada_")})
+_ALGORITHM.update({k: "lokr" for k in CANONICAL_KEYS if k.startswith("lokr_")})
+
+
+class AdapterFileError(AdapterSetError):
+    pass
+
+
+# --- key stems -------------------------------------------------------------------------------
+
+def _comfy_stem(family: ModelFamily, part: str, module_name: str) -> str | None:
+    try:
+        return family.comfy_module_name(part, module_name)
+    except NotImplementedError:
+        return None
+
+
+def stems(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, str]:
+    """adapter name -> its key stem in `fmt`."""
+    out = {}
+    for name in adapters.modules:
+        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
+        if fmt == "kohya":
+            out[name] = name
+        elif fmt == "comfy":
+            stem = _comfy_stem(family, part, module_name)
+            if stem is None:
+                raise AdapterFileError(f"output.format: 'comfy': {family.label} has no ComfyUI key layout yet; "
+                                       "use 'kohya'")
+            out[name] = stem
+        elif fmt == "diffusers":
+            out[name] = f"{part}.{family.canonical_module_name(part, module_name)}"
+        else:
+            raise AdapterFileError(f"output.format: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    return out
+
+
+def _stems_for_loading(adapters: AdapterSet, family: ModelFamily) -> dict[str, tuple[str, str]]:
+    """Every stem a file may use for each adapter: stem -> (adapter name, layout)."""
+    lookup: dict[str, tuple[str, str]] = {}
+    for name in adapters.modules:
+        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
+        lookup[name] = (name, "kohya")
+        comfy = _comfy_stem(family, part, module_name)
+        if comfy is not None:
+            lookup[comfy] = (name, "kohya")
+            if comfy.startswith("diffusion_model."):
+                # the denoiser's kohya stems in ldm block names (A1111-era files), and SimpleTuner's `lycoris_` ones
+                prefix = family.spec(part).adapter_prefix
+                lookup[f"{prefix}_{comfy.removeprefix('diffusion_model.').replace('.', '_')}"] = (name, "kohya")
+                lookup[f"lycoris_{module_name.replace('.', '_')}"] = (name, "kohya")
+        for spelled in {family.canonical_module_name(part, module_name), module_name}:
+            lookup[f"{part}.{spelled}"] = (name, "diffusers")
+    return lookup
+
+
+# --- saving ----------------------------------------------------------------------------------
+
+def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> None:
+    """Refuse, before training, an output format that cannot hold these adapters."""
+    stems(adapters, family, fmt)
+    if fmt == "diffusers":
+        for adapter in adapters:
+            axis = getattr(adapter, "dora_axis", None)
+            why = peft_keys.unsupported(adapter.algorithm, axis, axis is not None)
+            if why:
+                raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+
+
+def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:
+    check_output_format(fmt, adapters, family)
+    named = stems(adapters, family, fmt)
+    out = {}
+    for name, adapter in adapters.modules.items():
+        local = {k: v.detach() for k, v in adapter.state_dict().items()}
+        if fmt == "diffusers":
+            local = peft_keys.to_peft(adapter, local)
+        out.update({f"{named[name]}.{key}": tensor for key, tensor in local.items()})
+    return out
+
+
+def network_metadata(config: AdapterConfig) -> dict[str, str]:
+    """kohya's ss_network_* fields; LyCORIS's `algo` args for what is not plain LoRA."""
+    if config.type == "lora" and not config.dora:
+        return {"ss_network_module": "networks.lora", "ss_network_dim": str(config.rank),
+                "ss_network_alpha": str(config.alpha)}
+    args = {"algo": {"lora": "locon", "oft": "diag-oft"}.get(config.type, config.type)}
+    if config.dora:
+        args.update(dora_wd=True, wd_on_output=config.dora_axis == "output")
+    if config.type == "lokr":
+        args.update(factor=config.lokr_factor, decompose_both=config.lokr_decompose_both,
+                    full_matrix=config.lokr_full_matrix)
+    dim = config.oft_block_size if config.type == "oft" else config.rank
+    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(config.alpha),
+            "ss_network_args": json.dumps(args)}
+
+
+def save_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamily, fmt: str, dtype: torch.dtype,
+                      metadata: dict[str, str]) -> Path:
+    state = file_state(adapters, family, fmt)
+    tensors = {k: v.to("cpu", dtype).contiguous() for k, v in state.items()}
+    write_with(path, lambda temp: save_file(tensors, str(temp), metadata={**metadata, "difftrainer.format": fmt}))
+    return Path(path)
+
+
+# --- loading ---------------------------------------------------------------------------------
+
+def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and the header metadata of a .safetensors file (never unpickles anything)."""
+    path = Path(path)
+    if not path.is_file():
+        raise AdapterFileError(f"{where}: {path} is not a file")
+    if path.suffix != ".safetensors":
+        raise AdapterFileError(f"{where}: {path.name}: only .safetensors adapter files are read "
+                               "(pickled .pt/.ckpt files can run code when loaded)")
+    try:
+        with safe_open(str(path), "pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {key: file.get_tensor(key) for key in file.keys()}
+    except (SafetensorError, OSError) as error:
+        raise AdapterFileError(f"{where}: {path.name} is not a readable safetensors file ({error})") from None
+    return tensors, metadata
+
+
+def _split(key: str, lookup: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """(stem, tensor name) for a file key whose stem is known, trying each known tensor name."""
+    for suffix in (*CANONICAL_KEYS, *peft_keys.LOCAL_KEYS):
+        if key.endswith("." + suffix) and key[: -len(suffix) - 1] in lookup:
+            return key[: -len(suffix) - 1], suffix
+    return None
+
+
+def _listing(keys: list[str]) -> str:
+    return ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+
+
+def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: AdapterSet, family: ModelFamily,
+                    source: str, where: str = "adapter.init_from") -> dict[str, torch.Tensor]:
+    """A file's tensors in any of the layouts -> this run's canonical (kohya) adapter state."""
+    lookup = _stems_for_loading(adapters, family)
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    layout_of: dict[str, set[str]] = {}
+    unmapped = []
+    for key, tensor in tensors.items():
+        found = _split(key, lookup)
+        if found is None:
+            suffix = next((s for s in _UNSUPPORTED if key.endswith("." + s)), None)
+            unmapped.append(f"{key} ({_UNSUPPORTED[suffix]}, not supported)" if suffix else key)
+            continue
+        stem, suffix = found
+        name, layout = lookup[stem]
+        grouped.setdefault(name, {})[suffix] = tensor
+        layout_of.setdefault(name, set()).add(layout)
+    if unmapped:
+        raise AdapterFileError(f"{where}: {source}: {len(unmapped)} key(s) map to no layer this run puts an adapter on "
+                               f"(adapter.layer_preset / layer_filter, model.parts.*.train): {_listing(unmapped)}")
+    mixed = sorted(name for name, layouts in layout_of.items() if len(layouts) > 1)
+    if mixed:
+        raise AdapterFileError(f"{where}: {source}: {_listing(mixed)} given twice, in two key layouts")
+    _check_algorithms(grouped, adapters, source, where)
+    header = metadata.get("lora_adapter_metadata")
+    peft_metadata = json.loads(header) if header else None
+    state = {}
+    for name, local in grouped.items():
+        adapter = adapters.modules[name]
+        if layout_of[name] == {"diffusers"}:
+            scale = peft_keys.metadata_scale(peft_metadata, adapters.part_of[name],
+                                             family.canonical_module_name(adapters.part_of[name],
+                                                                          adapters.module_name_of[name]))
+            local = peft_keys.from_peft(adapter, local, scale)
+        elif "alpha" not in local and "alpha" in adapter.state_dict():
+            local["alpha"] = torch.tensor(_default_alpha(adapter, local))
+        state.update({f"{name}.{key}": tensor for key, tensor in local.items()})
+    return state
+
+
+def _default_alpha(adapter, local: dict[str, torch.Tensor]) -> float:
+    """kohya's rule for a file without alpha: alpha = rank (scale 1); no constraint for OFT."""
+    if adapter.algorithm == "oft":
+        return 0.0
+    for key in ("lora_down.weight", "hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
+        if key in local:
+            return float(local[key].shape[0])
+    return float(adapter.alpha)  # LoKr with both factors full: alpha is not used
+
+
+def _check_algorithms(grouped: dict[str, dict[str, torch.Tensor]], adapters: AdapterSet, source: str, where: str) -> None:
+    """Name the setting to change when the file holds another algorithm or another DoRA than the run."""
+    problems = set()
+    for name, local in grouped.items():
+        adapter = adapters.modules[name]
+        found = {_ALGORITHM[k] for k in local if k in _ALGORITHM}
+        if found and found != {adapter.algorithm}:
+            problems.add(f"it holds {'/'.join(sorted(found))} adapters (e.g. {name}) and adapter.type is "
+                         f"{adapter.algorithm!r}")
+        has_dora = "dora_scale" in local or "lora_magnitude_vector" in local
+        axis = getattr(adapter, "dora_axis", None)
+        if has_dora and axis is None:
+            problems.add(f"it has weight decomposition (dora_scale, e.g. {name}); set adapter.dora: true")
+        elif axis is not None and not has_dora:
+            problems.add(f"it has no weight decomposition (no dora_scale at {name}); set adapter.dora: false")
+        elif has_dora and axis == "input" and "lora_magnitude_vector" in local:
+            problems.add(f"its magnitudes are peft's, on the output axis (e.g. {name}); set adapter.dora_axis: output")
+        elif has_dora and "dora_scale" in local:
+            shape = tuple(local["dora_scale"].shape)
+            file_axis = "output" if shape[0] == adapter.out_dim and (len(shape) < 2 or shape[1] == 1) else "input"
+            if file_axis != axis and adapter.out_dim != 1:
+                problems.add(f"its dora_scale is on the {file_axis} axis (e.g. {name}: {shape}); "
+                             f"set adapter.dora_axis: {file_axis}")
+    if problems:
+        raise AdapterFileError(f"{where}: {source} does not fit adapter settings: " + "; ".join(sorted(problems)))
+
+
+def load_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamily,
+                      where: str = "adapter.init_from") -> None:
+    """Load a file of any supported layout into the adapters, strictly."""
+    tensors, metadata = read_adapter_file(path, where)
+    state = canonical_state(tensors, metadata, adapters, family, Path(path).name, where)
+    adapters.load_state_dict(state, source=f"{where}: {Path(path).name}")

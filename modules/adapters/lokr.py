@@ -1,0 +1,100 @@
+"""LoKr (LyCORIS): dW = scale * kron(w1, w2), the Kronecker product of a small and a large factor;
+with `weight_decompose`, DoRA's magnitude/direction split on top (weight-decomposed LoKr).
+
+The layer's out and in dimensions are each split into two factors by `factorize` (the rule of
+LyCORIS as peft implements it, which diffusers' LoKr loader reproduces): out = out_l * out_k, in = in_m * in_n, with
+w1 (out_l, in_m) the small factor and w2 (out_k, in_n[, kh, kw]) the large one. w2 is stored as
+a low-rank product w2_a @ w2_b unless the rank is at least half its larger side (or
+`full_matrix`); w1 is full unless `decompose_both` and the rank is under half its larger side.
+scale = alpha / rank when a factor is low-rank; 1 when both are full (LyCORIS stores alpha = rank
+then, and ComfyUI and diffusers ignore it). w2 (or w2_b) starts at zero: a fresh adapter is exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from modules.adapters.base import AdapterModule
+from modules.adapters.weight_decompose import Axis, WeightDecomposed
+
+
+def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
+    """(m, n) with m * n = dimension. A factor that divides the dimension is m (peft's rule, which
+    diffusers' LoKr loader reproduces; LyCORIS puts the smaller one first there); otherwise m <= n
+    is the largest divisor not above `factor` (any, when -1) reached before passing the square
+    root, so -1 gives the most nearly square split."""
+    if factor > 0 and dimension % factor == 0:
+        return factor, dimension // factor
+    limit = dimension if factor <= 0 else factor
+    m = 1
+    for divisor in range(2, dimension + 1):
+        if dimension % divisor:
+            continue
+        if divisor > limit:
+            break
+        m = divisor
+        if divisor >= dimension // divisor:
+            break
+    return tuple(sorted((m, dimension // m)))
+
+
+class LoKrModule(WeightDecomposed, AdapterModule):
+    algorithm = "lokr"
+
+    def __init__(self, name: str, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 rank_dropout: float = 0.0, module_dropout: float = 0.0, factor: int = -1,
+                 decompose_both: bool = False, full_matrix: bool = False, weight_decompose: bool = False,
+                 dora_axis: Axis = "output"):
+        super().__init__(name, base, dropout=dropout, rank_dropout=rank_dropout, module_dropout=module_dropout)
+        out_l, out_k = factorize(self.out_dim, factor)
+        in_m, in_n = factorize(self.in_dim, factor)
+        kernel = math.prod(self.kernel_size)
+        self.w2_shape = (out_k, in_n, *self.kernel_size)
+        self.rank = rank
+        self.use_w1 = not (decompose_both and rank < max(out_l, in_m) / 2)
+        self.use_w2 = full_matrix or not rank < max(out_k, in_n) / 2
+        factory = {"device": device, "dtype": dtype}
+        if self.use_w1:
+            self.lokr_w1 = nn.Parameter(torch.empty(out_l, in_m, **factory))
+            nn.init.kaiming_uniform_(self.lokr_w1, a=math.sqrt(5))
+        else:
+            self.lokr_w1_a = nn.Parameter(torch.empty(out_l, rank, **factory))
+            self.lokr_w1_b = nn.Parameter(torch.empty(rank, in_m, **factory))
+            nn.init.kaiming_uniform_(self.lokr_w1_a, a=math.sqrt(5))
+            nn.init.kaiming_uniform_(self.lokr_w1_b, a=math.sqrt(5))
+        if self.use_w2:
+            self.lokr_w2 = nn.Parameter(torch.zeros(*self.w2_shape, **factory))
+        else:
+            self.lokr_w2_a = nn.Parameter(torch.empty(out_k, rank, **factory))
+            self.lokr_w2_b = nn.Parameter(torch.zeros(rank, in_n * kernel, **factory))
+            nn.init.kaiming_uniform_(self.lokr_w2_a, a=math.sqrt(5))
+        if self.use_w1 and self.use_w2:
+            alpha = float(rank)  # no low-rank factor, no scaling: stored as LyCORIS stores it
+        self.register_buffer("alpha", torch.tensor(float(alpha), device=device), persistent=True)
+        self._refresh_scale()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_scale())
+        if weight_decompose:
+            self.setup_decomposition(dora_axis, device, dtype)
+
+    def _refresh_scale(self) -> None:
+        self.scale = 1.0 if self.use_w1 and self.use_w2 else float(self.alpha) / self.rank
+
+    def delta_weight(self, training: bool = False) -> torch.Tensor:
+        w1 = self.lokr_w1 if self.use_w1 else self.lokr_w1_a @ self.lokr_w1_b
+        # a conv's kernel rides on w2's columns: kron of the flattened factors is the 4-D kron
+        w2 = self.lokr_w2.flatten(1) if self.use_w2 else self.lokr_w2_a @ self.lokr_w2_b
+        weight = torch.kron(w1, w2) * self.scale
+        return self.row_dropout(weight, training).view(self.weight_shape)
+
+    def adapt(self, module, x, output, training):
+        if self.dora_axis is None:
+            return super().adapt(module, x, output, training)
+        delta_out = self.delta(x, training) if self.dora_axis == "output" else None
+        return self.decomposed_output(module, x, output, delta_out, training)
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.decomposed_weight() if self.dora_axis else super().merged_weight()
