@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""difftrainer: one entry point for the CLI (and, later, the GUI).
+"""difftrainer: one entry point for the desktop GUI (no arguments) and the CLI.
 
+  python launch.py                      the desktop GUI (ui/app.py)
   python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--protocol jsonl]
   python launch.py demo [--workspace DIR]
   python launch.py presets [list] | presets show NAME | presets save NAME --config FILE
   python launch.py schema
   python launch.py make-tiny-model --family sd15 --out DIR
   python launch.py info [--json] [--device DEV]
+  python launch.py remote --host user@box --config my.json | remote --attach --config my.json
 """
 
 from __future__ import annotations
@@ -46,7 +48,11 @@ def _usage_error(message: str):
 
 def cmd_train(args) -> int:
     from modules.cli.console import ConsoleCallbacks
-    from modules.cli.train_command import install_stop_signals, resolve_config, run_training
+    from modules.cli.train_command import (
+        install_stop_signals,
+        resolve_config,
+        run_training,
+    )
     from modules.trainer.callbacks import FanOut
     from modules.trainer.commands import TrainCommands
     from modules.trainer.event_protocol import JsonlEvents, read_commands
@@ -141,6 +147,12 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_remote(args) -> int:
+    from modules.remote.cli import cmd_remote as run_remote
+
+    return run_remote(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="launch.py", description="difftrainer: train LoRA adapters for diffusion models")
     sub = parser.add_subparsers(dest="command")
@@ -178,15 +190,40 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="auto",
                       help="the train device to probe and size auto precision for (default: auto, as in training)")
     info.set_defaults(run=cmd_info)
+
+    from modules.remote.cli import add_remote_parser
+
+    add_remote_parser(sub).set_defaults(run=cmd_remote)
     return parser
 
 
+def start_gui() -> int:
+    """`launch.py` with no arguments: the desktop GUI, or a clear message where it cannot open."""
+    from ui import display_available
+
+    if not display_available():
+        print("error: no display for the desktop GUI (DISPLAY is not set). To train headless, run\n"
+              "  python launch.py train --config my.json [--preset NAME]\n"
+              "(see `python launch.py --help`), or start the GUI on a machine with a display.", file=sys.stderr)
+        return 1
+    try:
+        from ui.app import main as gui_main
+    except ImportError as error:  # tkinter or customtkinter missing
+        print(f"error: the desktop GUI cannot start: {error}\n"
+              "  install python3-tk and `pip install -r requirements.txt`, or train headless with "
+              "`python launch.py train --config my.json`.", file=sys.stderr)
+        return 1
+    return gui_main()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        return start_gui()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()
-        print("\n(The desktop GUI is not built yet; use the commands above.)", file=sys.stderr)
         return 0
     try:
         return args.run(args)

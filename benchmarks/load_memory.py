@@ -4,7 +4,8 @@
 
 Prints one JSON line: `final_mb` (resident growth the loaded model accounts for), `peak_mb`
 (the highest resident growth during the load), `peak_over_final` (their ratio), and the weight
-bytes of the UNet (`unet_mb`, and `linear_mb` for its Linear layers alone, as stored).
+bytes of the UNet (`unet_mb`, and `linear_mb` for its Linear layers alone, as stored), and for the quantized layers
+their bytes relative to the same layers in bfloat16 (`quantized_over_bf16`).
 The baseline is taken after every import, with the kernel's peak counter reset
 (/proc/self/clear_refs), so only the load itself counts. Linux only.
 """
@@ -23,17 +24,19 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def stored_bytes(module) -> tuple[int, int]:
-    """(all weight bytes, Linear-layer weight bytes) as stored, quantized or not."""
+def stored_bytes(module) -> tuple[int, int, int, int]:
+    """Bytes as stored: all weights, Linear layers, the quantized layers, and those same quantized
+    layers' weights had they been stored in bfloat16 (what the quantization goals compare with)."""
     from torch import nn
 
     from modules.quantization.base import QuantizedLinear
+    from modules.quantization.torchao_int8 import is_torchao_int8
 
     def tensor_bytes(tensor) -> int:
         parts = [getattr(tensor, name) for name in getattr(tensor, "tensor_data_names", [])]  # torchao int8
         return sum(t.numel() * t.element_size() for t in parts) if parts else tensor.numel() * tensor.element_size()
 
-    total = linear = 0
+    total = linear = quantized = as_bf16 = 0
     for child in module.modules():
         tensors = (child.offload_tensors().values() if isinstance(child, QuantizedLinear)
                    else [*child.parameters(recurse=False), *child.buffers(recurse=False)])
@@ -41,7 +44,10 @@ def stored_bytes(module) -> tuple[int, int]:
         total += size
         if isinstance(child, (nn.Linear, QuantizedLinear)):
             linear += size
-    return total, linear
+            if isinstance(child, QuantizedLinear) or is_torchao_int8(child):
+                quantized += size
+                as_bf16 += 2 * (child.in_features * child.out_features + (child.out_features if child.bias is not None else 0))
+    return total, linear, quantized, as_bf16
 
 
 def main() -> None:
@@ -64,7 +70,7 @@ def main() -> None:
     from modules.util.memory import process_memory
 
     if is_quantized_mode(args.mode):
-        from modules.quantization.replace import quantized_layer_class, quantize_model_  # noqa: F401
+        from modules.quantization.replace import quantize_model_, quantized_layer_class  # noqa: F401
         if args.mode == "int8":
             import torchao.quantization  # noqa: F401
         else:
@@ -83,11 +89,12 @@ def main() -> None:
     gc.collect()
     after = process_memory()
     final, peak = after["rss"] - before["rss"], after["peak_rss"] - before["rss"]
-    unet_bytes, linear_bytes = stored_bytes(family.parts["unet"])
+    unet_bytes, linear_bytes, quantized_bytes, as_bf16 = stored_bytes(family.parts["unet"])
     print(json.dumps({
         "mode": args.mode, "final_mb": round(final / 2**20, 1), "peak_mb": round(peak / 2**20, 1),
         "peak_over_final": round(peak / final, 3), "unet_mb": round(unet_bytes / 2**20, 1),
         "linear_mb": round(linear_bytes / 2**20, 1),
+        "quantized_over_bf16": round(quantized_bytes / as_bf16, 3) if as_bf16 else None,
     }))
 
 

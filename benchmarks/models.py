@@ -40,7 +40,9 @@ SIZES = {
 
 def build_model(size: str, out: str | Path) -> Path:
     """Write the `size` model to `out` in diffusers layout; return the folder."""
-    from modules.model.sd15 import SD15Family  # heavy import (torch, diffusers): only when building
+    from modules.model.sd15 import (
+        SD15Family,  # heavy import (torch, diffusers): only when building
+    )
 
     spec = SIZES[size]
     return SD15Family.make_tiny_model(out, unet=spec["unet"], text=spec["text"], vae=spec["vae"], seed=0)

@@ -3,8 +3,9 @@
     python -m benchmarks.quantization [--work DIR] [--steps 8] [--modes float32 bfloat16 float8 ...]
 
 Per mode, each in a fresh process:
-- weight bytes of the UNet's Linear layers and of the whole UNet, relative to bfloat16
-  (goal: fp8/int8 <= 0.52x, nf4 <= 0.30x for what is quantized);
+- weight bytes of the quantized layers relative to the same layers in bfloat16 (goal: fp8/int8
+  <= 0.52x, nf4 <= 0.30x), and of the whole UNet relative to a bfloat16 UNet (everything not
+  quantized is stored in train_dtype, bfloat16 here);
 - median training step time (LoRA, attention + MLP, train_dtype float32) relative to dense
   float32, skipping the first step;
 - peak resident memory of the load relative to the final model (benchmarks/load_memory.py).
@@ -67,6 +68,7 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/difftrainer-bench")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--memory-only", action="store_true", help="skip the training steps")
     parser.add_argument("--child-steps", nargs=4, metavar=("MODEL", "IMAGES", "WORK", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_steps:
@@ -86,18 +88,25 @@ def main() -> None:
     for mode in args.modes:
         memory = json.loads(subprocess.run(
             [sys.executable, "-m", "benchmarks.load_memory", "--model", str(model), "--mode", mode,
-             "--train-dtype", "float32"], cwd=REPO, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
-        times = json.loads(child(["--steps", str(args.steps), "--child-steps", str(model), str(images), str(work), mode])[-1])
-        rows[mode] = {**memory, "step_s": statistics.median(times[1:])}
+             "--train-dtype", "bfloat16"], cwd=REPO, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        if args.memory_only:
+            rows[mode] = {**memory, "step_s": None}
+        else:
+            times = json.loads(child(["--steps", str(args.steps), "--child-steps", str(model), str(images), str(work),
+                                      mode])[-1])
+            rows[mode] = {**memory, "step_s": statistics.median(times[1:])}
         print(json.dumps(rows[mode]), flush=True)
     bf16, dense = rows.get("bfloat16"), rows.get("float32")
-    print("\n| mode | Linear bytes / bf16 | UNet bytes / bf16 | step time / float32 | load peak / final |")
+    print("\n| mode | quantized layers / bf16 | UNet bytes / bf16 UNet | step time / float32 | load peak / final |")
     print("|---|---|---|---|---|")
     for mode, row in rows.items():
-        linear = f"{row['linear_mb'] / bf16['linear_mb']:.3f}" if bf16 else "-"
+        quantized = f"{row['quantized_over_bf16']:.3f}" if row.get("quantized_over_bf16") else "-"
         unet = f"{row['unet_mb'] / bf16['unet_mb']:.3f}" if bf16 else "-"
-        step = f"{row['step_s'] / dense['step_s']:.2f} ({row['step_s']:.2f} s)" if dense else f"{row['step_s']:.2f} s"
-        print(f"| {mode} | {linear} | {unet} | {step} | {row['peak_over_final']:.3f} |")
+        if row["step_s"] is None:
+            step = "-"
+        else:
+            step = f"{row['step_s'] / dense['step_s']:.2f} ({row['step_s']:.2f} s)" if dense else f"{row['step_s']:.2f} s"
+        print(f"| {mode} | {quantized} | {unet} | {step} | {row['peak_over_final']:.3f} |")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,17 @@ def shape_images(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="session")
+def one_image(tmp_path_factory, shape_images) -> Path:
+    """A concept folder with one image and its caption, for short overfitting runs."""
+    import shutil
+
+    folder = tmp_path_factory.mktemp("one-image")
+    for path in sorted(shape_images.iterdir())[:2]:  # the first png and its caption
+        shutil.copy(path, folder / path.name)
+    return folder
+
+
 def train_config(model: Path, images: Path, workspace: Path, *overlays: dict):
     """A small, fast config on the tiny model; overlays deep-merge on top."""
     from modules.config.loading import build_config
@@ -80,6 +91,6 @@ def fixed_loss(trainer, draws: int = 16) -> float:
     generator = torch.Generator().manual_seed(1234)
     total = 0.0
     for _ in range(draws):
-        prediction, target = trainer.family.predict(batch.latents, trainer.conditioning(batch), generator)
+        prediction, target, *_ = trainer.family.predict(batch.latents, trainer.conditioning(batch), generator)
         total += torch.nn.functional.mse_loss(prediction, target).item()
     return total / draws

@@ -13,7 +13,12 @@ from conftest import train_config
 from safetensors.torch import load_file, save_file
 
 from modules.adapters.adapter_set import AdapterSetError, build_adapter_set
-from modules.adapters.formats.files import AdapterFileError, file_state, load_adapter_file, save_adapter_file
+from modules.adapters.formats.files import (
+    AdapterFileError,
+    file_state,
+    load_adapter_file,
+    save_adapter_file,
+)
 from modules.adapters.formats.ldm_unet import ldm_unet_module_name
 from modules.config.train_config import AdapterConfig
 

@@ -24,6 +24,7 @@ from modules.config.loading import (
 from modules.config.migrations import migrate
 from modules.config.train_config import CURRENT_VERSION
 
+
 @pytest.fixture(autouse=True)
 def _isolated_user_dir(tmp_path, monkeypatch):
     """User presets live under DIFFTRAINER_HOME; never read or write the real one."""

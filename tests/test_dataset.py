@@ -16,7 +16,6 @@ from modules.data.concepts import ConceptItem, DataError
 from modules.data.dataset import Entry, TrainDataset, prepare_dataset
 from modules.data.synthetic_images import draw_shape, write_shape_images
 
-
 # --- the tensor cache -----------------------------------------------------------------------
 
 def test_cache_round_trip(tmp_path):

@@ -4,9 +4,6 @@ left on the wrong side raises as it would on CUDA."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import train_config
@@ -208,13 +205,6 @@ def test_the_unet_blocks_are_listed_in_the_order_the_unet_runs_them(tiny_model, 
 
 
 # --- training -----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def one_image(tmp_path_factory, shape_images) -> Path:
-    folder = tmp_path_factory.mktemp("one-image")
-    for path in sorted(shape_images.iterdir())[:2]:
-        shutil.copy(path, folder / path.name)
-    return folder
 
 
 def offload_run(tmp_path, tiny_model, images, device, unet: dict, steps=3, adapter=None, text=None):

@@ -4,9 +4,6 @@ adapters are created on the train device and read parked base weights through
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import train_config
@@ -23,14 +20,6 @@ ADAPTERS = {
     "lokr-wd": {"type": "lokr", "dora": True},
     "oft": {"type": "oft", "oft_block_size": 8},
 }
-
-
-@pytest.fixture(scope="module")
-def one_image(tmp_path_factory, shape_images) -> Path:
-    folder = tmp_path_factory.mktemp("one-image")
-    for path in sorted(shape_images.iterdir())[:2]:
-        shutil.copy(path, folder / path.name)
-    return folder
 
 
 @pytest.mark.parametrize("mode", QUANTIZED_MODES)

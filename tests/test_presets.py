@@ -12,7 +12,12 @@ import pytest
 
 from modules.config.errors import ConfigError
 from modules.config.loading import build_config
-from modules.config.presets import find_preset, list_presets, load_preset_overlay, save_preset
+from modules.config.presets import (
+    find_preset,
+    list_presets,
+    load_preset_overlay,
+    save_preset,
+)
 from modules.config.train_config import CURRENT_VERSION, TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]

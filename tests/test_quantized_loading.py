@@ -22,7 +22,11 @@ from modules.model.sd15 import SD15Family
 from modules.quantization.base import QuantizedLinear, unquantized_weight
 from modules.quantization.linear_fp8 import LinearFp8
 from modules.quantization.replace import QUANTIZED_MODES, quantize_model_
-from modules.quantization.torchao_int8 import QuantizationError, is_torchao_int8, quantize_int8_
+from modules.quantization.torchao_int8 import (
+    QuantizationError,
+    is_torchao_int8,
+    quantize_int8_,
+)
 
 
 class Toy(nn.Module):
@@ -254,3 +258,18 @@ def test_adapter_on_a_torchao_int8_layer_gets_gradients():
     model(x).sum().backward()
     assert adapter.lora_up.weight.grad.abs().sum() > 0 and adapter.lora_down.weight.grad.abs().sum() > 0
     assert x.grad is not None and not model[0].weight.requires_grad
+
+
+def test_weight_files_prefer_the_plain_name_and_fall_back_to_a_variant(tmp_path):
+    from modules.loading.streamed_load import checkpoint_files
+
+    for name in ("diffusion_pytorch_model.fp16.safetensors", "diffusion_pytorch_model.safetensors", "x.bin"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in checkpoint_files(tmp_path, "w")] == ["diffusion_pytorch_model.safetensors"]
+    (tmp_path / "diffusion_pytorch_model.safetensors").unlink()
+    assert [p.name for p in checkpoint_files(tmp_path, "w")] == ["diffusion_pytorch_model.fp16.safetensors"]
+    (tmp_path / "diffusion_pytorch_model.fp16.safetensors").unlink()
+    assert [p.name for p in checkpoint_files(tmp_path, "w")] == ["x.bin"]
+    (tmp_path / "x.bin").unlink()
+    with pytest.raises(ModelLoadError, match=r"^w: no weights"):
+        checkpoint_files(tmp_path, "w")

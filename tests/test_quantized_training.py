@@ -3,9 +3,6 @@ resolves, refuses and gates modes as the policy says."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import fixed_loss, train_config
@@ -28,14 +25,6 @@ class Log(TrainCallbacks):
 
     def on_warning(self, message):
         self.warnings.append(message)
-
-
-@pytest.fixture(scope="module")
-def one_image(tmp_path_factory, shape_images) -> Path:
-    folder = tmp_path_factory.mktemp("one-image")
-    for path in sorted(shape_images.iterdir())[:2]:  # the first png and its caption
-        shutil.copy(path, folder / path.name)
-    return folder
 
 
 def base_weights(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,8 +74,9 @@ def test_auto_resolves_before_loading_and_says_what_it_chose(tmp_path, tiny_mode
 
 
 def test_a_mode_this_machine_cannot_run_is_refused_naming_the_part(tmp_path, tiny_model, shape_images, monkeypatch):
-    import modules.trainer.generic_trainer as generic_trainer
     from dataclasses import replace
+
+    import modules.trainer.generic_trainer as generic_trainer
 
     without_torchao = replace(detect_capabilities("cpu"), torchao_int8=False)
     monkeypatch.setattr(generic_trainer, "detect_capabilities", lambda device: without_torchao)

@@ -8,13 +8,17 @@ import torch
 
 from modules.config.presets import list_presets
 from modules.model.registry import family_names, get_family_class
+from modules.offload.planning import auto_offload_fraction
 from modules.quantization.capabilities import (
     detect_capabilities,
     mode_support,
     working_modes,
 )
-from modules.offload.planning import auto_offload_fraction
-from modules.quantization.policy import BYTES_PER_PARAMETER, HEADROOM, plan_base_precision
+from modules.quantization.policy import (
+    BYTES_PER_PARAMETER,
+    HEADROOM,
+    plan_base_precision,
+)
 from modules.util.torch_utils import resolve_device
 
 

@@ -1,7 +1,8 @@
 """`launch.py train`: run one training from presets, config files and overrides, headless.
 
 SIGINT or SIGTERM asks the run to stop at the next step; it then writes a backup (and the
-output) and exits 0. A second SIGINT exits at once; atomic writes mean no file is left half-written.
+output) and exits 0. A second SIGINT exits at once with code 130 (and an `error` event): atomic
+writes mean no file is left half-written, and the backups already written stay whole.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from modules.config.presets import load_preset_overlay
 from modules.config.train_config import TrainConfig
 from modules.trainer.callbacks import TrainCallbacks
 from modules.trainer.commands import TrainCommands
+
+EXIT_INTERRUPTED = 130  # as a shell reports a process ended by SIGINT
 
 
 def resolve_config(config_files: list[str], preset: str | None, overrides: list[str], resume: bool = False) -> TrainConfig:
@@ -36,10 +39,18 @@ def install_stop_signals(commands: TrainCommands, log=lambda text: print(text, f
 
 
 def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: TrainCommands | None = None) -> Path:
-    from modules.trainer.generic_trainer import GenericTrainer  # heavy imports only when training
+    from modules.trainer.generic_trainer import (
+        GenericTrainer,  # heavy imports only when training
+    )
 
     commands = commands or TrainCommands()
     trainer = GenericTrainer(config, callbacks, commands)
-    trainer.start()
-    trainer.train()
-    return trainer.end()
+    try:
+        trainer.start()
+        trainer.train()
+        return trainer.end()
+    except KeyboardInterrupt:
+        # the second Ctrl-C: whatever was being written is left under its temp name (atomic writes),
+        # so the output and the backups that exist are whole; no backup of this step is written
+        callbacks.on_error(f"interrupted at step {trainer.step}: quit without a backup of this step")
+        raise SystemExit(EXIT_INTERRUPTED) from None

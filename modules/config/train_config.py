@@ -22,6 +22,15 @@ DType = Literal["float32", "bfloat16", "float16"]
 WeightDType = Literal["float32", "bfloat16", "float16", "float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4", "auto"]
 
 
+def valid_regexes(patterns: list[str]) -> list[str]:
+    for index, pattern in enumerate(patterns):
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
+    return patterns
+
+
 class StrictModel(BaseModel):
     """Unknown keys are errors: a typo in a preset must not be silently ignored."""
 
@@ -69,17 +78,13 @@ class ModelPartConfig(StrictModel):
     @field_validator("quantize_skip")
     @classmethod
     def _valid_skip_regexes(cls, patterns: list[str]) -> list[str]:
-        for index, pattern in enumerate(patterns):
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
-        return patterns
+        return valid_regexes(patterns)
 
 
 class ModelConfig(StrictModel):
     family: str = "sd15"
-    base: str = Field("", description="A diffusers model folder.")
+    base: str = Field("", description="A diffusers model folder, or one .safetensors file in the original "
+                      "(single-file) layout; parts a single file lacks come from model.parts.<part>.path.")
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
     parts: dict[str, ModelPartConfig] = Field(default_factory=dict)
 
@@ -171,12 +176,7 @@ class AdapterConfig(StrictModel):
     @field_validator("layer_filter")
     @classmethod
     def _valid_regexes(cls, patterns: list[str]) -> list[str]:
-        for index, pattern in enumerate(patterns):
-            try:
-                re.compile(pattern)
-            except re.error as error:
-                raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
-        return patterns
+        return valid_regexes(patterns)
 
     @field_validator("lokr_factor")
     @classmethod
@@ -199,17 +199,115 @@ class AdapterConfig(StrictModel):
         return rank, alpha
 
 
+Betas = tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]]
+
+
 class AdamWConfig(StrictModel):
     type: Literal["adamw"] = "adamw"
     lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: Betas = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(1e-2, ge=0)
 
 
-# Each optimizer is its own model with its own parameters, told apart by `type`; more slot in here.
-OptimizerConfig = Annotated[Union[AdamWConfig], Field(discriminator="type")]
+class AdamW8bitConfig(StrictModel):
+    """bitsandbytes' AdamW with 8-bit (blockwise quantized) moments: ~1/4 of AdamW's state memory."""
 
+    type: Literal["adamw_8bit"] = "adamw_8bit"
+    lr: float = Field(1e-4, gt=0)
+    betas: Betas = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(1e-2, ge=0)
+
+
+class AdafactorConfig(StrictModel):
+    """torch.optim.Adafactor: factored second moments, no first moment (very little state)."""
+
+    type: Literal["adafactor"] = "adafactor"
+    lr: float = Field(1e-2, gt=0)
+    beta2_decay: float = Field(-0.8, lt=0, description="Exponent of the second-moment decay schedule.")
+    eps: tuple[float | None, float] = (None, 1e-3)
+    d: float = Field(1.0, gt=0, description="Clipping threshold of the update's RMS.")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class ProdigyConfig(StrictModel):
+    """Prodigy (prodigyopt): estimates the step size itself; lr is a multiplier, 1.0 as a rule."""
+
+    type: Literal["prodigy"] = "prodigy"
+    lr: float = Field(1.0, gt=0)
+    betas: Betas = (0.9, 0.999)
+    beta3: float | None = Field(None, ge=0, lt=1, description="None: sqrt(beta2).")
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    decouple: bool = True
+    use_bias_correction: bool = False
+    safeguard_warmup: bool = False
+    d_coef: float = Field(1.0, gt=0)
+    d0: float = Field(1e-6, gt=0)
+
+
+class ScheduleFreeAdamWConfig(StrictModel):
+    """Schedule-free AdamW (schedulefree): no LR schedule needed (use lr_scheduler constant); samples
+    and saves use its averaged weights."""
+
+    type: Literal["schedule_free_adamw"] = "schedule_free_adamw"
+    lr: float = Field(2.5e-3, gt=0)
+    betas: Betas = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+
+
+class LionConfig(StrictModel):
+    """Lion (lion-pytorch): sign updates, one moment; wants ~3-10x smaller lr than AdamW."""
+
+    type: Literal["lion"] = "lion"
+    lr: float = Field(3e-5, gt=0)
+    betas: Betas = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class CAMEConfig(StrictModel):
+    """CAME (came-pytorch): confidence-guided, factored, memory-light."""
+
+    type: Literal["came"] = "came"
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float, float] = (0.9, 0.999, 0.9999)
+    eps: tuple[float, float] = (1e-30, 1e-16)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+# Each optimizer is its own model with its own parameters, told apart by `type`; more slot in here.
+OptimizerConfig = Annotated[
+    Union[AdamWConfig, AdamW8bitConfig, AdafactorConfig, ProdigyConfig, ScheduleFreeAdamWConfig, LionConfig,
+          CAMEConfig],
+    Field(discriminator="type"),
+]
+
+
+class LossConfig(StrictModel):
+    type: Literal["mse", "huber", "l1"] = "mse"
+    huber_delta: float = Field(1.0, gt=0, description="huber: where the loss turns from squared to linear.")
+    min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR weighting (e.g. 5); epsilon and "
+                                        "v-prediction families only.")
+    debiased_estimation: bool = Field(False, description="Weight each sample by 1/sqrt(SNR); epsilon and "
+                                      "v-prediction families only.")
+    noise_offset: float = Field(0.0, ge=0, description="Add this much per-channel constant noise (e.g. 0.05).")
+    timesteps: Literal["default", "uniform", "logit_normal"] = Field(
+        "default", description="How training timesteps are drawn; default: uniform for DDPM families, "
+        "logit-normal for flow-matching ones.")
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    flow_shift: float | None = Field(None, gt=0, description="Flow-matching families: shift the drawn "
+                                     "noise levels by this instead of the model's own (dynamic) shift.")
+
+
+class EmaConfig(StrictModel):
+    enabled: bool = False
+    decay: float = Field(0.999, gt=0, lt=1)
+    update_every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
+    device: Literal["train", "cpu"] = Field("train", description="Where the averaged copy lives.")
 
 
 def _union_tags(union: Any) -> frozenset[str]:
@@ -228,8 +326,13 @@ def _default_optimizer_type(data: Any) -> Any:
 
 
 class LrSchedulerConfig(StrictModel):
-    type: Literal["constant", "linear", "cosine"] = "constant"
+    type: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = "constant"
     warmup_steps: int = Field(0, ge=0)
+    cycles: int = Field(1, ge=1, description="cosine_with_restarts: how many cosine cycles.")
+    power: float = Field(1.0, gt=0, description="polynomial: the decay's exponent (1 = linear).")
+    min_factor: float = Field(0.0, ge=0, le=1, description="The lr never decays below this share of itself.")
+    scale_by_batch_size: bool = Field(False, description="Multiply the learning rates by batch_size x "
+                                      "gradient_accumulation (the effective batch), as kohya's scale_lr does.")
 
 
 class ConceptConfig(StrictModel):
@@ -319,6 +422,8 @@ class TrainConfig(StrictModel):
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
     lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
+    ema: EmaConfig = Field(default_factory=EmaConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
     concepts: list[ConceptConfig] = Field(default_factory=list)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)

@@ -10,7 +10,6 @@ import contextlib
 from pathlib import Path
 
 
-
 class ModelLoadError(ValueError):
     pass
 

@@ -28,7 +28,12 @@ from modules.loading.diffusers_folder import ModelLoadError, _quiet_loaders
 from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.replace import (
-    DENSE_MODES, QuantizationReport, is_quantized_mode, load_dense_weight, new_quantized_layer, plan_layers,
+    DENSE_MODES,
+    QuantizationReport,
+    is_quantized_mode,
+    load_dense_weight,
+    new_quantized_layer,
+    plan_layers,
 )
 from modules.quantization.skip_rules import keeps_float32
 from modules.util.memory import return_freed_memory_to_os
@@ -75,22 +80,29 @@ class _TorchBinSource:
         return self._tensors.pop(name)
 
 
+_VARIANT = re.compile(r"\.(fp16|bf16|non_ema|ema)\.")
+
+
 def checkpoint_files(folder: Path, where: str) -> list[Path]:
-    """The weight files of a component folder: a safetensors index's shards, one safetensors
-    file, or (older exports) pickled .bin files."""
-    indexes = sorted(folder.glob("*.safetensors.index.json"))
-    if indexes:
-        weight_map = json.loads(indexes[0].read_text())["weight_map"]
-        return [folder / name for name in dict.fromkeys(weight_map.values())]
-    files = sorted(p for p in folder.glob("*.safetensors") if not re.search(r"\.(fp16|bf16|non_ema)\.", p.name))
-    if not files:
-        files = sorted(folder.glob("*.bin"))
-    if not files:
-        raise ModelLoadError(f"{where}: no weights (*.safetensors or *.bin) in {folder}")
-    if len(files) > 1:
-        names = ", ".join(p.name for p in files)
-        raise ModelLoadError(f"{where}: several weight files and no index in {folder}: {names}")
-    return files
+    """The weight files of a component folder: a safetensors index's shards or one safetensors
+    file, else (older exports) pickled .bin files. Plain names win over variants
+    (`.fp16.safetensors`, as diffusers writes them beside the full-precision file); a folder that
+    has only a variant uses it."""
+    for suffix in ("safetensors", "bin"):
+        for variant in (False, True):
+            indexes = sorted(p for p in folder.glob(f"*.{suffix}.index.json") if bool(_VARIANT.search(p.name)) == variant)
+            if indexes:
+                weight_map = json.loads(indexes[0].read_text())["weight_map"]
+                return [folder / name for name in dict.fromkeys(weight_map.values())]
+            files = sorted(p for p in folder.glob(f"*.{suffix}") if bool(_VARIANT.search(p.name)) == variant)
+            if len(files) > 1 and variant:
+                files = files[:1]  # fp16 before bf16 before ema: any one of them is the whole model
+            if len(files) > 1:
+                names = ", ".join(p.name for p in files)
+                raise ModelLoadError(f"{where}: several weight files and no index in {folder}: {names}")
+            if files:
+                return files
+    raise ModelLoadError(f"{where}: no weights (*.safetensors or *.bin) in {folder}")
 
 
 def _open(path: Path, where: str):
@@ -136,8 +148,11 @@ def _dequantize_scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode: str,
                   compute_dtype: torch.dtype, quantize_skip: list[str] | None = None,
                   nf4_double_quant: bool = True, rename: Callable[[str], str] | None = None,
-                  ignore_unexpected: list[str] | None = None) -> tuple[nn.Module, QuantizationReport | None]:
-    """Fill the meta `model` from the checkpoint in `folder`.
+                  ignore_unexpected: list[str] | None = None,
+                  sources: list | None = None) -> tuple[nn.Module, QuantizationReport | None]:
+    """Fill the meta `model` from the checkpoint in `folder` (or from `sources`: objects with
+    keys(), __contains__ and read(), such as single_file.ConvertedPart; `folder` then only names
+    where the weights came from in messages).
 
     mode: a dense dtype name (float32/bfloat16/float16), or a quantized mode whose Linear layers
     compute in `compute_dtype` while every other floating tensor is stored in `compute_dtype` too.
@@ -158,8 +173,9 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
         report.quantized = targets
     ignore = [re.compile(p) for p in (ignore_unexpected or [])]
     unexpected, mismatched, seen = [], [], set()
-    for path in checkpoint_files(folder, where):
-        source = _open(path, where)
+    if sources is None:
+        sources = (_open(path, where) for path in checkpoint_files(folder, where))
+    for source in sources:
         for file_key in source.keys():
             if file_key.rpartition(".")[2] == _MARKER:
                 continue
@@ -192,8 +208,30 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
                 _assign(model, key, dense_value.to(_target_dtype(model, key, dense_value.dtype, dense)))
             del value, codes
         del source
+    _tie_weights(model, expected, seen)
     _refuse_mismatch(model, where, folder, sorted(set(expected) - seen), unexpected, mismatched)
     return model.requires_grad_(False).eval(), report
+
+
+def _tie_weights(model: nn.Module, expected: dict, seen: set[str]) -> None:
+    """transformers models tie some weights after loading (T5's encoder.embed_tokens is its
+    `shared` embedding) and their files hold only one name: the other becomes the same tensor."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if not isinstance(tied, dict):
+        return
+    for alias, source in tied.items():
+        if alias not in expected or source not in expected:
+            continue
+        if source in seen and alias not in seen:
+            target, origin = alias, source
+        elif alias in seen and source not in seen:
+            target, origin = source, alias
+        else:
+            continue
+        module_name, _, attr = target.rpartition(".")
+        origin_module, _, origin_attr = origin.rpartition(".")
+        setattr(model.get_submodule(module_name), attr, getattr(model.get_submodule(origin_module), origin_attr))
+        seen.add(target)
 
 
 def _refuse_mismatch(model: nn.Module, where: str, folder: Path, missing: list[str], unexpected: list[str],

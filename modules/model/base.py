@@ -12,16 +12,23 @@ import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
 
-from modules.loading.diffusers_folder import component_folder, weights_fingerprint
+from modules.loading.diffusers_folder import (
+    ModelLoadError,
+    component_folder,
+    weights_fingerprint,
+)
+from modules.model.noise import draw_noise, draw_unit_times
 from modules.quantization.base import is_linear
 from modules.quantization.replace import DENSE_MODES, QuantizationReport
+from modules.quantization.skip_rules import FAMILY_SKIP_ATTRIBUTE
 from modules.util.torch_utils import dtype_of
 
 if TYPE_CHECKING:
@@ -52,6 +59,10 @@ class ModelFamily(ABC):
     # precision policy size a part by before any weights are on disk
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
+    flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # per part: regexes (searched in the module name) of Linear layers that stay dense when the
+    # part is quantized, beyond the model class's own lists and the defaults (skip_rules.py)
+    quantize_skip_patterns: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config
@@ -59,6 +70,9 @@ class ModelFamily(ABC):
         # each part's storage mode with "auto" resolved (the trainer resolves it for the machine)
         self.weight_modes = dict(weight_modes or {})
         self.quantization_reports: dict[str, QuantizationReport] = {}
+        # where a single file's part configs come from; None: resources/model_configs/<family>/
+        self.model_configs_dir: Path | None = None
+        self._single_file_stream = None
 
     @classmethod
     def default_parts(cls) -> dict[str, dict]:
@@ -71,10 +85,67 @@ class ModelFamily(ABC):
     # --- loading -----------------------------------------------------------------------------
 
     def part_folder(self, part: str):
+        """The part's diffusers folder; for a part read from a single file, the folder of its
+        config.json (the weights come from the file)."""
         spec = self.spec(part)
+        if self.from_single_file(part):
+            folder = self.model_config_folder() / spec.subfolder
+            if not (folder / "config.json").is_file():
+                raise ModelLoadError(f"model.base: a single file, and {folder} has no config.json to build "
+                                     f"{part} from (or set model.parts.{part}.path to a diffusers folder)")
+            return folder
         return component_folder(
             self.config.model.base, spec.subfolder, self.config.model.parts[part].path, f"model.parts.{part}.path"
         )
+
+    # --- single files ------------------------------------------------------------------------
+
+    def single_file_part(self, part: str):
+        """How `part` sits in a single-file checkpoint in the original layout: a
+        modules.loading.single_file.SingleFilePart (key prefixes, diffusers' converter), or None
+        where the family reads no single files."""
+        return None
+
+    @property
+    def single_file(self) -> Path | None:
+        """model.base when it is one checkpoint file rather than a diffusers folder."""
+        from modules.loading.single_file import is_single_file
+
+        return Path(self.config.model.base) if is_single_file(self.config.model.base) else None
+
+    def from_single_file(self, part: str) -> bool:
+        return self.single_file is not None and not self.config.model.parts[part].path
+
+    def model_config_folder(self) -> Path:
+        """The diffusers-layout configs (and tokenizers/scheduler where shipped) a single file's
+        parts are built from: resources/model_configs/<family>/ unless model_configs_dir says."""
+        if self.model_configs_dir is not None:
+            return Path(self.model_configs_dir)
+        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / self.name
+
+    def single_file_stream(self):
+        from modules.loading.single_file import open_single_file
+
+        if self._single_file_stream is None:
+            self._single_file_stream = open_single_file(self.single_file)
+            self._check_single_file_parts()
+        return self._single_file_stream
+
+    def _check_single_file_parts(self) -> None:
+        """Before any weights load: every part the file lacks must have its own `path`."""
+        from modules.loading.single_file import part_keys
+
+        stream, missing = self._single_file_stream, []
+        if not any(self.single_file_part(spec.name) for spec in self.part_specs):
+            raise ModelLoadError(f"model.base: {stream.path.name} is a file; {self.label} loads from a "
+                                 "diffusers folder only")
+        for spec in self.part_specs:
+            layout = self.single_file_part(spec.name)
+            if self.from_single_file(spec.name) and (layout is None or not part_keys(stream, layout)):
+                missing.append(f"model.parts.{spec.name}.path: {stream.path.name} holds no {spec.name} weights; "
+                               f"name a diffusers {spec.subfolder}/ folder (config.json and weights) here")
+        if missing:
+            raise ModelLoadError("; ".join(missing))
 
     @abstractmethod
     def load(self) -> None:
@@ -94,6 +165,13 @@ class ModelFamily(ABC):
 
         counts = {}
         for spec in self.part_specs:
+            if self.from_single_file(spec.name):
+                from modules.loading.single_file import part_parameter_count
+
+                layout = self.single_file_part(spec.name)
+                counts[spec.name] = (part_parameter_count(self.single_file_stream(), layout) if layout
+                                     else self.nominal_part_parameters[spec.name])
+                continue
             files = checkpoint_files(self.part_folder(spec.name), f"model.parts.{spec.name}")
             if all(path.suffix == ".safetensors" for path in files):
                 streams = [SafetensorsStream(path) for path in files]
@@ -115,10 +193,19 @@ class ModelFamily(ABC):
 
         folder, where = self.part_folder(part), f"model.parts.{part}"
         part_config = self.config.model.parts[part]
+        model, sources = empty_model(cls, folder, where), None
+        setattr(model, FAMILY_SKIP_ATTRIBUTE, self.quantize_skip_patterns.get(part, ()))
+        if self.from_single_file(part):  # original-layout keys, converted to diffusers names
+            from modules.loading.single_file import convert_part
+
+            stream = self.single_file_stream()
+            sources = [convert_part(stream, self.single_file_part(part), model, where)]
+            folder = stream.path
         model, report = load_streamed(
-            empty_model(cls, folder, where), folder, part=part, where=where, mode=self.weight_mode(part),
+            model, folder, part=part, where=where, mode=self.weight_mode(part),
             compute_dtype=self.compute_dtype(part), quantize_skip=part_config.quantize_skip,
             nf4_double_quant=part_config.nf4_double_quant, rename=rename, ignore_unexpected=ignore_unexpected,
+            sources=sources,
         )
         if report is not None:
             self.quantization_reports[part] = report
@@ -128,13 +215,33 @@ class ModelFamily(ABC):
         """Identity of the named parts' weights and dtypes, for cache keys."""
         facts = []
         for part in parts:
+            if self.from_single_file(part):
+                file = self.single_file
+                facts.append([part, str(file.resolve()), self.weight_mode(part),
+                              [file.stat().st_size, file.stat().st_mtime_ns]])
+                continue
             folder = self.part_folder(part)
             facts.append([part, str(folder.resolve()), self.weight_mode(part), weights_fingerprint(folder)])
         return hashlib.sha256(json.dumps(facts).encode()).hexdigest()[:16]
 
-    def to(self, device: torch.device) -> None:
-        for module in self.parts.values():
-            module.to(device)
+    def support_folder(self, name: str) -> Path:
+        """A folder the model needs besides weights (tokenizer/, scheduler/): in the diffusers base
+        folder; for a single file, in the family's config folder or beside a part's `path`."""
+        base = self.config.model.base
+        if self.single_file is None:
+            candidates = [Path(base) / name] if base else []
+        else:
+            candidates = [self.model_config_folder() / name] + [
+                Path(p.path).parent / name for p in self.config.model.parts.values() if p.path]
+        for candidate in candidates:
+            if candidate.is_dir():
+                return candidate
+        if self.single_file is None:
+            raise ModelLoadError(f"model.base: {base} has no {name}/ folder")
+        raise ModelLoadError(
+            f"model.base: {self.single_file.name} is a single file and no {name}/ folder was found (looked in "
+            f"{', '.join(str(c) for c in candidates)}); set a text encoder's model.parts.<part>.path to the "
+            f"component folder of a diffusers model that has {name}/ beside it")
 
     def checkpoint_blocks(self, part: str) -> list[nn.Module]:
         """The part's repeated blocks in execution order: the units gradient checkpointing
@@ -167,12 +274,25 @@ class ModelFamily(ABC):
 
     # --- training ----------------------------------------------------------------------------
 
+    def training_noise(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """The step's noise, with the config's loss.noise_offset."""
+        return draw_noise(latents, generator, self.config.loss.noise_offset)
+
+    def training_times(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """`batch` draws in (0, 1) from loss.timesteps (default: uniform, logit-normal for flow
+        matching); each family maps them onto its own timesteps or noise levels."""
+        loss = self.config.loss
+        distribution = loss.timesteps if loss.timesteps != "default" else (
+            "logit_normal" if self.flow_matching else "uniform")
+        return draw_unit_times(batch, generator, distribution, loss.logit_mean, loss.logit_std)
+
     @abstractmethod
     def predict(
         self, latents: torch.Tensor, text: dict[str, torch.Tensor], generator: torch.Generator
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Noise the latents (noise and timesteps drawn from `generator`), run the denoiser,
-        and return (prediction, target)."""
+        """Noise the latents (noise and timesteps drawn from `generator` through training_noise and
+        training_times), run the denoiser, and return a Prediction (prediction, target, the
+        timesteps' SNR where the family has one)."""
 
     # --- sampling ----------------------------------------------------------------------------
 

@@ -7,6 +7,9 @@ import importlib
 
 _FAMILIES = {
     "sd15": ("modules.model.sd15", "SD15Family"),
+    "sdxl": ("modules.model.sdxl", "SDXLFamily"),
+    "flux": ("modules.model.flux", "FluxFamily"),
+    "z_image": ("modules.model.z_image", "ZImageFamily"),
 }
 
 

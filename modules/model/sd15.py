@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.base import ModelFamily, PartSpec
+from modules.model.noise import Prediction
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
 from modules.util.torch_utils import make_generator
 
@@ -70,16 +70,28 @@ class SD15Family(ModelFamily):
                                                     ignore_unexpected=[r"^embeddings\.position_ids$"])
         self.parts["unet"] = self.load_part("unet", UNet2DConditionModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKL, rename=_vae_key)
-        base = Path(self.config.model.base)
-        for needed in ("tokenizer", "scheduler"):
-            if not (base / needed).is_dir():
-                raise ModelLoadError(f"model.base: {base} has no {needed}/ folder")
-        self.tokenizer = CLIPTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
-        self.noise_scheduler = DDPMScheduler.from_pretrained(str(base), subfolder="scheduler", local_files_only=True)
+        tokenizer, scheduler = self.support_folder("tokenizer"), self.support_folder("scheduler")
+        self.tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
+        self.noise_scheduler = DDPMScheduler.from_pretrained(str(scheduler), local_files_only=True)
         configured = self.config.model.prediction_type
         self.prediction_type = (
             self.noise_scheduler.config.prediction_type if configured == "auto" else configured
         )
+
+    def single_file_part(self, part: str):
+        # the original SD1.x checkpoint layout (A1111, ComfyUI, model sites), read with diffusers' converters
+        from diffusers.loaders import single_file_utils as convert
+
+        from modules.loading.single_file import SingleFilePart
+
+        return {
+            "unet": SingleFilePart(("model.diffusion_model.",),
+                                   lambda sd, model: convert.convert_ldm_unet_checkpoint(sd, dict(model.config))),
+            "vae": SingleFilePart(("first_stage_model.",),
+                                  lambda sd, model: convert.convert_ldm_vae_checkpoint(sd, dict(model.config))),
+            "text_encoder": SingleFilePart(("cond_stage_model.transformer.",),
+                                           lambda sd, model: convert.convert_ldm_clip_checkpoint(sd)),
+        }.get(part)
 
     @property
     def unet(self):
@@ -128,22 +140,25 @@ class SD15Family(ModelFamily):
 
     # --- training ----------------------------------------------------------------------------
 
+    def training_timesteps(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """Integer DDPM timesteps from the configured distribution (uniform by default)."""
+        steps = self.noise_scheduler.config.num_train_timesteps
+        return (self.training_times(batch, generator) * steps).long().clamp(0, steps - 1)
+
+    def snr(self, timesteps: torch.Tensor) -> torch.Tensor:
+        alphas = self.noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+        return alphas / (1 - alphas)
+
     def predict(self, latents, text, generator):
         batch = latents.shape[0]
-        # drawn where the generator lives (the train device, or the CPU for backends without one)
-        noise = torch.randn(latents.shape, generator=generator, device=generator.device,
-                            dtype=latents.dtype).to(latents.device)
-        timesteps = torch.randint(
-            0, self.noise_scheduler.config.num_train_timesteps, (batch,), generator=generator, device=generator.device
-        ).to(latents.device)
+        noise = self.training_noise(latents, generator)
+        timesteps = self.training_timesteps(batch, generator).to(latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         dtype = self.compute_dtype("unet")
         prediction = self.unet(noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype)).sample
-        if self.prediction_type == "v_prediction":
-            target = self.noise_scheduler.get_velocity(latents, noise, timesteps)
-        else:
-            target = noise
-        return prediction, target
+        v_prediction = self.prediction_type == "v_prediction"
+        target = self.noise_scheduler.get_velocity(latents, noise, timesteps) if v_prediction else noise
+        return Prediction(prediction, target, self.snr(timesteps), v_prediction)
 
     # --- sampling ----------------------------------------------------------------------------
 
@@ -192,7 +207,12 @@ class SD15Family(ModelFamily):
     def make_tiny_model(cls, out: str | Path, unet: dict | None = None, text: dict | None = None,
                         vae: dict | None = None, seed: int = 0) -> Path:
         """A random SD1.5-architecture pipeline in diffusers layout, built offline."""
-        from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers import (
+            AutoencoderKL,
+            DDPMScheduler,
+            StableDiffusionPipeline,
+            UNet2DConditionModel,
+        )
         from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
         out = Path(out)

@@ -23,7 +23,12 @@ import torch
 from torch import nn
 
 from modules.offload.layer_tensors import LayerTensor, block_bytes, layer_tensors
-from modules.offload.schedule import Pass, choose_parked, resident_after, resident_when_running
+from modules.offload.schedule import (
+    Pass,
+    choose_parked,
+    resident_after,
+    resident_when_running,
+)
 
 
 class OffloadError(RuntimeError):

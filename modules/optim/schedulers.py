@@ -11,7 +11,7 @@ from modules.config.train_config import LrSchedulerConfig
 
 def lr_factor(config: LrSchedulerConfig, step: int, total_steps: int) -> float:
     """Multiplier for optimizer step `step` (0-based). Warmup ramps from 1/(warmup+1), never
-    from zero, so the first step already moves the weights."""
+    from zero, so the first step already moves the weights; decays never go below min_factor."""
     warmup = config.warmup_steps
     if step < warmup:
         return (step + 1) / (warmup + 1)
@@ -20,8 +20,16 @@ def lr_factor(config: LrSchedulerConfig, step: int, total_steps: int) -> float:
     span = max(1, total_steps - warmup)
     progress = min(1.0, (step - warmup) / span)
     if config.type == "linear":
-        return 1.0 - progress
-    return 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+        decay = 1.0 - progress
+    elif config.type == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif config.type == "cosine_with_restarts":
+        # each of `cycles` cycles decays from 1 to 0 and restarts; the last one ends at 0
+        within = (progress * config.cycles) % 1.0 if progress < 1.0 else 1.0
+        decay = 0.5 * (1.0 + math.cos(math.pi * within))
+    else:  # polynomial
+        decay = (1.0 - progress) ** config.power
+    return config.min_factor + (1.0 - config.min_factor) * decay
 
 
 def build_scheduler(config: LrSchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int):

@@ -8,7 +8,8 @@ high precision):
 2. the model class's `_keep_in_fp32_modules` (diffusers and transformers: module names that must
    stay float32; these also keep float32 storage, see `keeps_float32`),
 3. DEFAULT_SKIP_PATTERNS: norms, embeddings, and the part's final projection, which are small
-   and hurt quality most when quantized,
+   and hurt quality most when quantized; and the model family's own patterns for the part
+   (set on the model as FAMILY_SKIP_ATTRIBUTE, e.g. Z-Image's `all_final_layer`),
 4. shapes the 8-bit matmul kernels cannot take (both dimensions must be multiples of 16),
 5. the user's `model.parts.<part>.quantize_skip` regexes, searched in "part.module.name".
 """
@@ -20,6 +21,8 @@ import re
 from torch import nn
 
 DEFAULT_SKIP_PATTERNS = (r"norm", r"emb", r"^proj_out$", r"^final_layer(\.|$)")
+# a model instance may carry its family's extra skip regexes (searched in the module name) here
+FAMILY_SKIP_ATTRIBUTE = "_family_quantize_skip"
 KERNEL_MULTIPLE = 16
 
 
@@ -49,6 +52,9 @@ def skip_reason(model: nn.Module, part: str, module_name: str, layer: nn.Linear,
     for pattern in DEFAULT_SKIP_PATTERNS:
         if re.search(pattern, module_name):
             return f"default skip list ({pattern!r})"
+    for pattern in getattr(model, FAMILY_SKIP_ATTRIBUTE, None) or ():
+        if re.search(pattern, module_name):
+            return f"the model family's skip list ({pattern!r})"
     if layer.in_features % KERNEL_MULTIPLE or layer.out_features % KERNEL_MULTIPLE:
         return f"shape {layer.out_features}x{layer.in_features} is not a multiple of {KERNEL_MULTIPLE}"
     qualified = f"{part}.{module_name}"

@@ -15,10 +15,14 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
-from modules.adapters.formats.files import check_output_format, load_adapter_file, network_metadata, save_adapter_file
+from modules.adapters.formats.files import (
+    check_output_format,
+    load_adapter_file,
+    network_metadata,
+    save_adapter_file,
+)
 from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.data.concepts import check_concepts
@@ -28,18 +32,25 @@ from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.offload.layer_tensors import block_bytes
 from modules.offload.planning import auto_offload_fraction
-from modules.optim.optimizers import build_optimizer
+from modules.optim.ema import EMA
+from modules.optim.optimizers import build_optimizer, evaluation_weights
+from modules.optim.schedulers import build_scheduler
 from modules.quantization.capabilities import detect_capabilities
 from modules.quantization.compile_gate import compile_blocker
 from modules.quantization.policy import plan_base_precision
 from modules.quantization.replace import DENSE_MODES
-from modules.optim.schedulers import build_scheduler
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
 from modules.saving.backup import newest_backup, read_backup, write_backup
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
-from modules.trainer.guards import TrainingError, check_finite, check_first_step, snapshot
+from modules.trainer.guards import (
+    TrainingError,
+    check_finite,
+    check_first_step,
+    snapshot,
+)
+from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.timed_actions import TimedAction
@@ -61,6 +72,8 @@ class GenericTrainer:
         self.last_loss = float("nan")
         self.family = None
         self.adapters: AdapterSet | None = None
+        self.ema: EMA | None = None
+        self.conductors: dict[str, LayerOffloadConductor] = {}
         self.dataset: TrainDataset | None = None
 
     # --- start -------------------------------------------------------------------------------
@@ -77,6 +90,10 @@ class GenericTrainer:
                               if part.train and self.family.spec(name).adapter_prefix]
         if not self.trained_parts:
             raise TrainingError("model.parts: no part that carries adapters has train: true (nothing to train)")
+        weighting = snr_weighting_requested(config.loss)
+        if weighting and self.family.flow_matching:
+            raise ConfigError([f"{weighting}: SNR weighting is for epsilon and v-prediction models; "
+                               f"{config.model.family} trains with flow matching"])
         self.family.weight_modes = self.resolve_weight_modes()
         self.family.load()
         for part, report in self.family.quantization_reports.items():
@@ -123,10 +140,11 @@ class GenericTrainer:
         if not self.config.compile:
             return
         for part in dict.fromkeys([self.family.denoiser_part, *self.trained_parts]):
-            blocker = compile_blocker(self.family.weight_mode(part), str(self.device),
-                                      self.family.compute_dtype(part))
             if parts[part].offload_fraction != 0:
                 blocker = "layer offloading moves weights between blocks, which the compiled graph cannot see"
+            else:
+                blocker = compile_blocker(self.family.weight_mode(part), str(self.device),
+                                          self.family.compute_dtype(part))
             if blocker:
                 self.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
                 continue
@@ -170,6 +188,13 @@ class GenericTrainer:
         return fraction
 
     @contextlib.contextmanager
+    def evaluation_weights(self):
+        """The adapter weights samples and saved files use: the EMA when on, and a schedule-free
+        optimizer's averaged point; the trained values come back after."""
+        with evaluation_weights(self.optimizer), (self.ema.swapped_in() if self.ema else contextlib.nullcontext()):
+            yield
+
+    @contextlib.contextmanager
     def offload_paused(self):
         """Every offloaded block parked while sampling (the pipeline needs the room and runs its own
         forward-only passes), and the next step's first blocks brought back after."""
@@ -190,12 +215,18 @@ class GenericTrainer:
         for part in self.trained_parts:
             self.family.parts[part].train()
         groups = []
+        # kohya's scale_lr: the same per-sample step size whatever the effective batch
+        lr_scale = (config.schedule.batch_size * config.schedule.gradient_accumulation
+                    if config.lr_scheduler.scale_by_batch_size else 1)
         for part in self.trained_parts:
             params = self.adapters.parameters(part)
             if params:
-                lr = config.model.parts[part].learning_rate or config.optimizer.lr
+                lr = (config.model.parts[part].learning_rate or config.optimizer.lr) * lr_scale
                 groups.append({"params": params, "lr": lr, "name": part})
         self.optimizer = build_optimizer(config.optimizer, groups)
+        self.ema = (EMA(self.adapters.parameters(), config.ema.decay,
+                        self.device if config.ema.device == "train" else torch.device("cpu"))
+                    if config.ema.enabled else None)
         # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train_dtype == "float16")
         self.resume_state = self._load_resume_state() if config.backup.resume else None
@@ -243,6 +274,11 @@ class GenericTrainer:
         if self.device.type == "cuda" and state.get("cuda_rng") is not None:
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+        if self.ema is not None:
+            if state.get("ema") is None:
+                self.callbacks.on_warning("ema.enabled: the backup has no EMA; the average starts from the resumed weights")
+            else:
+                self.ema.load_state_dict(state["ema"])
 
     def _training_state(self) -> dict:
         return {
@@ -255,6 +291,7 @@ class GenericTrainer:
             "step": self.step,
             "epoch": self.epoch,
             "batch_in_epoch": self.batch_in_epoch,
+            "ema": self.ema.state_dict() if self.ema is not None else None,
         }
 
     # --- train -------------------------------------------------------------------------------
@@ -295,6 +332,8 @@ class GenericTrainer:
                 if first_step_snapshot is not None and not skipped:
                     check_first_step(self.adapters.named_parameters(), first_step_snapshot)
                     first_step_snapshot = None
+                if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
+                    self.ema.update()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 epoch_finished = self.batch_in_epoch >= len(batches)
@@ -311,8 +350,8 @@ class GenericTrainer:
     def _forward(self, indices: list[int], compute_dtype: torch.dtype) -> torch.Tensor:
         batch = self.dataset.collate(indices, self.device)
         with autocast(self.device, compute_dtype):
-            prediction, target = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
-        return F.mse_loss(prediction.float(), target.float())
+            out = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
+        return training_loss(out, self.config.loss)
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains."""
@@ -348,7 +387,7 @@ class GenericTrainer:
             self.callbacks.on_warning("sampling.prompts: no prompt to sample")
             return []
         self.callbacks.on_status("sampling")
-        with self.offload_paused():
+        with self.offload_paused(), self.evaluation_weights():
             paths = sample_prompts(self.family, self.config.sampling.prompts, self.workspace / "samples", self.step,
                                    self.device)
         for path in paths:
@@ -376,7 +415,8 @@ class GenericTrainer:
             "modelspec.architecture": family.modelspec_architecture,
             "difftrainer.family": family.name,
         }
-        saved = save_adapter_file(path, self.adapters, family, output.format, dtype_of(output.dtype), metadata)
+        with self.evaluation_weights():
+            saved = save_adapter_file(path, self.adapters, family, output.format, dtype_of(output.dtype), metadata)
         self.callbacks.on_save(str(saved))
         return saved
 

@@ -1,0 +1,356 @@
+"""FLUX.1 (dev / schnell): CLIP-L pooled embedding + T5 sequence, FluxTransformer2DModel on packed
+2x2 latent patches with image/text position ids, guidance embedding (dev), 16-channel VAE with
+shift and scale; rectified-flow training (target = noise - latents) with logit-normal sigmas
+shifted by the image's sequence length as the model's scheduler config says.
+
+Adapter key names (kohya layout): `lora_transformer_<diffusers module>` (OneTrainer's names,
+read by ComfyUI and by diffusers' `load_lora_weights` for attention layers), `lora_te1_...`
+(CLIP-L), `lora_te2_...` (T5). ComfyUI's own layout fuses q/k/v, so per-projection adapters
+have no name there: use the kohya or diffusers format.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from modules.model.base import ModelFamily, PartSpec
+from modules.model.noise import Prediction
+from modules.model.sd15 import _text_encoder_key, _vae_key
+from modules.model.tiny_tokenizer import write_char_clip_tokenizer
+from modules.model.tiny_tokenizers import write_char_sentencepiece_tokenizer
+from modules.util.torch_utils import make_generator
+
+_DIT_ATTN = r"^transformer\..*\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
+_DIT_MLP = (r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)$",
+            r"^transformer\.single_transformer_blocks\.\d+\.(proj_mlp|proj_out)$")
+_CLIP_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
+_CLIP_MLP = r"^text_encoder\..*\.mlp\.(fc1|fc2)$"
+_T5_ATTN = r"^text_encoder_2\..*\.SelfAttention\.(q|k|v|o)$"
+_T5_MLP = r"^text_encoder_2\..*\.DenseReluDense\.(wi_0|wi_1|wo)$"
+
+TRAINING_GUIDANCE = 1.0  # the guidance embedding's input while training dev (kohya's and OneTrainer's default)
+
+
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, H, W) -> (B, H/2 * W/2, C * 4): the transformer's 2x2 patches."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack_latents(packed: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    b, _, d = packed.shape
+    c = d // 4
+    return packed.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, height, width)
+
+
+def image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
+    """(H/2 * W/2, 3) position ids of the packed latent patches: (0, row, column)."""
+    ids = torch.zeros(height // 2, width // 2, 3)
+    ids[..., 1] = torch.arange(height // 2)[:, None]
+    ids[..., 2] = torch.arange(width // 2)[None, :]
+    return ids.reshape(-1, 3).to(device, dtype)
+
+
+def flow_sigmas(config, unit: torch.Tensor, sequence_length: int, shift: float | None = None) -> torch.Tensor:
+    """Training noise levels for rectified flow from `unit` draws in (0, 1) (logit-normal by
+    default, see ModelFamily.training_times), shifted as the model's FlowMatchEulerDiscreteScheduler
+    config shifts its sampling schedule (by the image's sequence length where it shifts dynamically,
+    else by its fixed `shift`), or by `shift` when the config's loss.flow_shift sets one."""
+    if shift is None and config.get("use_dynamic_shifting"):
+        slope = (config["max_shift"] - config["base_shift"]) / (config["max_image_seq_len"] - config["base_image_seq_len"])
+        mu = config["base_shift"] + slope * (sequence_length - config["base_image_seq_len"])
+        return math.exp(mu) / (math.exp(mu) + (1 / unit - 1))
+    shift = shift if shift is not None else config.get("shift", 1.0)
+    return shift * unit / (1 + (shift - 1) * unit)
+
+
+def flux_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The original (BFL / ComfyUI) FLUX.1 transformer layout -> diffusers' names: what diffusers'
+    convert_flux_transformer_checkpoint_to_diffusers does, with the widths read from the tensors
+    instead of fixed at the released 3072 (so any size converts; tests compare the two on the
+    released shapes). Keys it does not know are passed through, for the strict load to name."""
+    state = {k.removeprefix("model.diffusion_model."): v for k, v in checkpoint.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(source: str, target: str) -> None:
+        for attr in ("weight", "bias"):
+            if f"{source}.{attr}" in state:
+                out[f"{target}.{attr}"] = state.pop(f"{source}.{attr}")
+
+    def norm(source: str, target: str) -> None:
+        if f"{source}.scale" in state:
+            out[f"{target}.weight"] = state.pop(f"{source}.scale")
+
+    def split(source: str, targets: list[str], sizes: list[int]) -> None:
+        for attr in ("weight", "bias"):
+            if f"{source}.{attr}" in state:
+                for target, piece in zip(targets, torch.split(state.pop(f"{source}.{attr}"), sizes, dim=0)):
+                    out[f"{target}.{attr}"] = piece
+
+    take("img_in", "x_embedder")
+    take("txt_in", "context_embedder")
+    for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                           ("guidance_in", "guidance_embedder")):
+        take(f"{source}.in_layer", f"time_text_embed.{target}.linear_1")
+        take(f"{source}.out_layer", f"time_text_embed.{target}.linear_2")
+    for i in sorted({int(k.split(".")[1]) for k in state if k.startswith("double_blocks.")}):
+        b, d = f"double_blocks.{i}", f"transformer_blocks.{i}"
+        take(f"{b}.img_mod.lin", f"{d}.norm1.linear")
+        take(f"{b}.txt_mod.lin", f"{d}.norm1_context.linear")
+        inner = state[f"{b}.img_attn.proj.weight"].shape[0]
+        split(f"{b}.img_attn.qkv", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"], [inner] * 3)
+        split(f"{b}.txt_attn.qkv", [f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj", f"{d}.attn.add_v_proj"],
+              [inner] * 3)
+        norm(f"{b}.img_attn.norm.query_norm", f"{d}.attn.norm_q")
+        norm(f"{b}.img_attn.norm.key_norm", f"{d}.attn.norm_k")
+        norm(f"{b}.txt_attn.norm.query_norm", f"{d}.attn.norm_added_q")
+        norm(f"{b}.txt_attn.norm.key_norm", f"{d}.attn.norm_added_k")
+        take(f"{b}.img_attn.proj", f"{d}.attn.to_out.0")
+        take(f"{b}.txt_attn.proj", f"{d}.attn.to_add_out")
+        take(f"{b}.img_mlp.0", f"{d}.ff.net.0.proj")
+        take(f"{b}.img_mlp.2", f"{d}.ff.net.2")
+        take(f"{b}.txt_mlp.0", f"{d}.ff_context.net.0.proj")
+        take(f"{b}.txt_mlp.2", f"{d}.ff_context.net.2")
+    for i in sorted({int(k.split(".")[1]) for k in state if k.startswith("single_blocks.")}):
+        b, d = f"single_blocks.{i}", f"single_transformer_blocks.{i}"
+        take(f"{b}.modulation.lin", f"{d}.norm.linear")
+        inner = state[f"{b}.linear2.weight"].shape[0]
+        mlp = state[f"{b}.linear1.weight"].shape[0] - 3 * inner
+        split(f"{b}.linear1", [f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v", f"{d}.proj_mlp"],
+              [inner, inner, inner, mlp])
+        norm(f"{b}.norm.query_norm", f"{d}.attn.norm_q")
+        norm(f"{b}.norm.key_norm", f"{d}.attn.norm_k")
+        take(f"{b}.linear2", f"{d}.proj_out")
+    take("final_layer.linear", "proj_out")
+    for attr in ("weight", "bias"):  # the original's (shift, scale) is diffusers' (scale, shift)
+        key = f"final_layer.adaLN_modulation.1.{attr}"
+        if key in state:
+            shift, scale = state.pop(key).chunk(2, dim=0)
+            out[f"norm_out.linear.{attr}"] = torch.cat([scale, shift], dim=0)
+    out.update(state)
+    return out
+
+
+class FluxFamily(ModelFamily):
+    flow_matching = True
+    name = "flux"
+    label = "FLUX.1"
+    part_specs = (
+        PartSpec("text_encoder", "text_encoder", "lora_te1"),
+        PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),
+        PartSpec("transformer", "transformer", "lora_transformer", default_train=True),
+        PartSpec("vae", "vae", None),
+    )
+    bucket_quantum = 64
+    kohya_base_version = "flux1"
+    modelspec_architecture = "flux-1-dev/lora"
+    layer_presets = {
+        "attn": ([_DIT_ATTN, _CLIP_ATTN, _T5_ATTN], False),
+        "attn-mlp": ([_DIT_ATTN, *_DIT_MLP, _CLIP_ATTN, _CLIP_MLP, _T5_ATTN, _T5_MLP], False),
+        "all-linear": ([r"^(transformer|text_encoder|text_encoder_2)\."], False),
+        "all": ([r"^(transformer|text_encoder|text_encoder_2)\."], True),
+    }
+    denoiser_part = "transformer"
+    nominal_part_parameters = {"text_encoder": 123_060_480, "text_encoder_2": 4_893_906_944,
+                               "transformer": 11_901_408_320, "vae": 83_819_683}
+    text_parts = ("text_encoder", "text_encoder_2")
+    image_parts = ("vae",)
+
+    def load(self) -> None:
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            FluxTransformer2DModel,
+        )
+        from transformers import (
+            AutoTokenizer,
+            CLIPTextModel,
+            CLIPTokenizer,
+            T5EncoderModel,
+        )
+
+        self.parts["text_encoder"] = self.load_part("text_encoder", CLIPTextModel, rename=_text_encoder_key,
+                                                    ignore_unexpected=[r"^embeddings\.position_ids$"])
+        self.parts["text_encoder_2"] = self.load_part("text_encoder_2", T5EncoderModel,
+                                                      ignore_unexpected=[r"^decoder\.", r"^lm_head\."])
+        self.parts["transformer"] = self.load_part("transformer", FluxTransformer2DModel)
+        self.parts["vae"] = self.load_part("vae", AutoencoderKL, rename=_vae_key)
+        self.tokenizer = CLIPTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
+        self.tokenizer_2 = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer_2")),
+                                                         local_files_only=True)
+        self.noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
+            str(self.support_folder("scheduler")), local_files_only=True)
+
+    def single_file_part(self, part: str):
+        # BFL / ComfyUI files: the transformer (bare or under model.diffusion_model.); ComfyUI's
+        # all-in-one checkpoints also carry vae., text_encoders.clip_l. and text_encoders.t5xxl.
+        from diffusers.loaders import single_file_utils as convert
+
+        from modules.loading.single_file import SingleFilePart
+
+        return {
+            "transformer": SingleFilePart(
+                ("model.diffusion_model.", "double_blocks.", "single_blocks.", "img_in.", "txt_in.", "time_in.",
+                 "vector_in.", "guidance_in.", "final_layer."),
+                lambda sd, model: flux_transformer_to_diffusers(sd)),
+            "vae": SingleFilePart(("vae.",), lambda sd, model: convert.convert_ldm_vae_checkpoint(sd, dict(model.config))),
+            "text_encoder": SingleFilePart(
+                ("text_encoders.clip_l.transformer.",),
+                lambda sd, model: convert.convert_ldm_clip_checkpoint(sd, remove_prefix="text_encoders.clip_l.transformer.")),
+            "text_encoder_2": SingleFilePart(("text_encoders.t5xxl.transformer.",),
+                                             lambda sd, model: convert.convert_sd3_t5_checkpoint_to_diffusers(sd)),
+        }.get(part)
+
+    @property
+    def transformer(self):
+        return self.parts["transformer"]
+
+    @property
+    def max_sequence_length(self) -> int:
+        return min(self.tokenizer_2.model_max_length, 512)
+
+    def checkpoint_blocks(self, part: str) -> list[torch.nn.Module]:
+        if part == "transformer":
+            return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+        if part == "text_encoder":
+            return list(self.parts[part].encoder.layers)
+        if part == "text_encoder_2":
+            return list(self.parts[part].encoder.block)
+        return []
+
+    # --- data --------------------------------------------------------------------------------
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        vae = self.parts["vae"]
+        latents = vae.encode(pixels.to(self.compute_dtype("vae"))).latent_dist.mean
+        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        clip = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
+                              truncation=True, return_tensors="pt").input_ids
+        t5 = self.tokenizer_2(captions, padding="max_length", max_length=self.max_sequence_length,
+                              truncation=True, return_tensors="pt").input_ids
+        return {"input_ids": clip, "input_ids_2": t5}
+
+    def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # as FluxPipeline.encode_prompt: CLIP's pooled output, T5's last hidden states
+        clip, t5 = self.parts["text_encoder"], self.parts["text_encoder_2"]
+        pooled = clip(tokens["input_ids"].to(clip.device), output_hidden_states=False).pooler_output
+        hidden = t5(tokens["input_ids_2"].to(t5.device), output_hidden_states=False)[0]
+        return {"pooled": pooled, "hidden_states": hidden}
+
+    # --- training ----------------------------------------------------------------------------
+
+    def sample_sigmas(self, batch: int, sequence_length: int, generator: torch.Generator) -> torch.Tensor:
+        return flow_sigmas(self.noise_scheduler.config, self.training_times(batch, generator), sequence_length,
+                           self.config.loss.flow_shift)
+
+    def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's velocity prediction for (B, C, H, W) latents at `sigmas`."""
+        dtype = self.compute_dtype("transformer")
+        height, width = noisy.shape[-2:]
+        hidden = text["hidden_states"].to(dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((noisy.shape[0],), TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
+        packed = self.transformer(
+            hidden_states=pack_latents(noisy).to(dtype), timestep=sigmas.to(dtype), guidance=guidance,
+            pooled_projections=text["pooled"].to(dtype), encoder_hidden_states=hidden,
+            txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=dtype),
+            img_ids=image_ids(height, width, noisy.device, dtype), return_dict=False,
+        )[0]
+        return unpack_latents(packed, height, width)
+
+    def predict(self, latents, text, generator):
+        noise = self.training_noise(latents, generator)
+        sequence_length = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
+        sigmas = self.sample_sigmas(latents.shape[0], sequence_length, generator).to(latents.device)
+        expanded = sigmas.view(-1, 1, 1, 1).to(latents.dtype)
+        noisy = (1 - expanded) * latents + expanded * noise
+        return Prediction(self.denoise(noisy, sigmas, text), noise - latents)
+
+    # --- sampling ----------------------------------------------------------------------------
+
+    def pipeline(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+
+        pipe = FluxPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config),
+            vae=self.parts["vae"], text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
+            text_encoder_2=self.parts["text_encoder_2"], tokenizer_2=self.tokenizer_2, transformer=self.transformer,
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def sample(self, prompt, device):
+        generator = make_generator(device, prompt.seed)
+        return self.pipeline()(
+            prompt=prompt.prompt, num_inference_steps=prompt.steps, guidance_scale=prompt.cfg,
+            width=prompt.width, height=prompt.height, generator=generator,
+            max_sequence_length=self.max_sequence_length,
+        ).images[0]
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    def canonical_module_name(self, part: str, module_name: str) -> str:
+        if part == "text_encoder" and not module_name.startswith("text_model."):
+            return "text_model." + module_name
+        return module_name
+
+    # --- tiny model --------------------------------------------------------------------------
+
+    @classmethod
+    def make_tiny_model(cls, out: str | Path, transformer: dict | None = None, seed: int = 0) -> Path:
+        """A random FLUX.1-dev-architecture pipeline in diffusers layout, built offline."""
+        from diffusers import (
+            AutoencoderKL,
+            FlowMatchEulerDiscreteScheduler,
+            FluxPipeline,
+            FluxTransformer2DModel,
+        )
+        from transformers import (
+            AutoTokenizer,
+            CLIPTextConfig,
+            CLIPTextModel,
+            CLIPTokenizer,
+            T5Config,
+            T5EncoderModel,
+        )
+
+        out = Path(out)
+        torch.manual_seed(seed)
+        vocab_size = write_char_clip_tokenizer(out / "tokenizer")
+        tokenizer = CLIPTokenizer.from_pretrained(str(out / "tokenizer"))
+        clip = CLIPTextModel(CLIPTextConfig(
+            vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
+        ))
+        t5_vocab = write_char_sentencepiece_tokenizer(out / "tokenizer_2", max_length=32)
+        tokenizer_2 = AutoTokenizer.from_pretrained(str(out / "tokenizer_2"))
+        t5 = T5EncoderModel(T5Config(
+            vocab_size=t5_vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
+            decoder_start_token_id=0,
+        ))
+        transformer_config = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+        transformer_config.update(transformer or {})
+        vae = AutoencoderKL(
+            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=16, norm_num_groups=32, sample_size=64,
+            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
+        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer,
+                            text_encoder_2=t5, tokenizer_2=tokenizer_2,
+                            transformer=FluxTransformer2DModel(**transformer_config))
+        pipe.save_pretrained(str(out))
+        return out

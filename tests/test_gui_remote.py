@@ -1,0 +1,48 @@
+"""A remote run started and watched from the window: the GUI's Remote section points at a real
+sshd on 127.0.0.1 (tests/test_remote.py's fixture; the "box" is this machine), Start runs
+`launch.py remote` as the child, and progress, samples and the adapter come back as for a local run."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from test_gui import display, home, pump, run_to_end  # noqa: F401  (fixtures and helpers)
+from test_remote import sshd  # noqa: F401  (the fixture)
+
+
+def test_remote_run_from_the_window(display, home, sshd, tiny_model, shape_images, tmp_path):  # noqa: F811
+    from modules.config.loading import build_config
+    from ui.app import App
+
+    target = sshd(tmp_path / "box")
+    app = App(machine_info={"families": {}, "devices": {"cpu": {}}}, restore=False)
+    try:
+        config = build_config([{
+            "model": {"base": str(tiny_model)}, "concepts": [{"path": str(shape_images)}],
+            "data": {"resolution": 64}, "adapter": {"rank": 4, "alpha": 2}, "optimizer": {"lr": 5e-3},
+            "schedule": {"epochs": 2, "batch_size": 2, "sample_every": "4 steps"},
+            "sampling": {"prompts": [{"prompt": "a red circle", "steps": 2, "width": 64, "height": 64}]},
+            "workspace_dir": str(tmp_path / "ws"), "tensorboard": False, "train_device": "cpu",
+            "output": {"path": str(tmp_path / "out" / "remote.safetensors"), "dtype": "float32"}}])
+        app.cfg.load(config.model_dump(mode="json"))
+        remote = app.tabs["General"].remote_vars
+        for key, value in {"host": target.host, "port": str(target.port), "remote_dir": target.remote_dir,
+                           "identity_file": target.identity_file, "known_hosts": target.known_hosts,
+                           "python": sys.executable}.items():
+            remote[key].set(value)
+        pump(app, timeout=0.05)
+        assert app.remote_problem() is None
+        assert app.start(), app.refused
+        assert app.client.argv[2] == "remote"
+        assert run_to_end(app, timeout=240) == 0, app.tabs["Run"].log_text()[-3000:]
+        names = [e["event"] for e in app.run_events]
+        assert names[0] == "started" and names[-1] == "finished" and names.count("progress") == 4
+        assert app.tabs["Run"].steps == [1, 2, 3, 4]
+        samples = [e["path"] for e in app.run_events if e["event"] == "sample"]
+        assert samples and all(Path(p).is_file() for p in samples)  # brought back, local paths
+        assert app.tabs["Run"].samples == samples
+        assert (tmp_path / "out" / "remote.safetensors").is_file()
+        assert app.status_label.cget("text") == "Finished." and app.dialogs == []
+    finally:
+        app.destroy()

@@ -1,0 +1,531 @@
+"""The main window: preset bar, family and method selectors, the tabs, and the run bar.
+
+Training runs only as a child process (`launch.py train --protocol jsonl`, ui/run_client.py).
+Its reader thread queues events; `_poll`, scheduled with `after` on the Tk main thread, is the
+only code that turns them into widget updates, so no widget is ever touched from another thread.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import subprocess
+import sys
+import threading
+import time
+import tkinter as tk
+import traceback
+from pathlib import Path
+from tkinter import filedialog, messagebox
+
+import customtkinter as ctk
+
+from modules.config.errors import ConfigError
+from modules.config.loading import build_config, config_overlay, read_json_file
+from modules.config.presets import list_presets, load_preset_overlay, save_preset, user_dir
+from modules.model.registry import family_names, get_family_class
+from modules.saving.atomic import write_text
+from ui.components import ERROR_COLOR, ErrorDialog
+from ui.run_client import ROOT, RunClient, local_train_argv
+from ui.state import ConfigState, default_data
+from ui.tabs.adapter import AdapterTab
+from ui.tabs.backup import BackupTab
+from ui.tabs.concepts import ConceptsTab
+from ui.tabs.general import GeneralTab
+from ui.tabs.model import ModelTab
+from ui.tabs.offload import OffloadTab
+from ui.tabs.run import RunTab
+from ui.tabs.sampling import SamplingTab
+from ui.tabs.training import TrainingTab
+
+TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab), ("Training", TrainingTab),
+        ("Adapter", AdapterTab), ("Offload", OffloadTab), ("Sampling", SamplingTab), ("Backup", BackupTab),
+        ("Run", RunTab)]
+
+# training method -> (adapter.type, adapter.dora)
+METHODS = {"LoRA": ("lora", False), "DoRA": ("lora", True), "LoHa": ("loha", False), "LoKr": ("lokr", False),
+           "OFT": ("oft", False)}
+
+
+def gui_dir() -> Path:
+    return user_dir() / "gui"
+
+
+def format_seconds(seconds) -> str:
+    if seconds is None:
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def fetch_machine_info() -> dict:
+    """`launch.py info --json` in a child process, so probing the device never blocks the window."""
+    result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "info", "--json"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    if result.returncode != 0:
+        raise RuntimeError(result.stderr.strip() or f"launch.py info exited with {result.returncode}")
+    return json.loads(result.stdout)
+
+
+class App(ctk.CTk):
+    def __init__(self, machine_info: dict | None = None, restore: bool = True):
+        self.settings = self._read_json(gui_dir() / "settings.json") or {}
+        ctk.set_appearance_mode(self.settings.get("appearance", "dark"))
+        ctk.set_widget_scaling(float(self.settings.get("ui_scale", 1.0)))
+        super().__init__()
+        self.title("difftrainer")
+        self.geometry(self.settings.get("geometry", "1180x820"))
+        self.minsize(900, 600)
+        self.callback_errors: list[str] = []
+        self.dialogs: list[ErrorDialog] = []
+        self.refused: list[str] = []
+        self.client: RunClient | None = None
+        self.run_events: list[dict] = []
+        self.total_steps = 0
+        self._closing = False
+        self._info_queue: queue.Queue = queue.Queue()
+
+        self.cfg = ConfigState(default_data())
+        self._preset_bar()
+        self._selectors()
+        self.tabview = ctk.CTkTabview(self, anchor="nw")
+        self.tabview.pack(fill="both", expand=True, padx=8, pady=(0, 4))
+        self.tabs = {}
+        for name, cls in TABS:
+            self.tabs[name] = cls(self.tabview.add(name), self)
+        self._run_bar()
+        self.cfg.validate_listeners.append(self._validated)
+        if restore:
+            last = self._read_json(gui_dir() / "last_config.json")
+            if last is not None:
+                self.cfg.restore(last)
+        self.cfg.validate()
+        self.protocol("WM_DELETE_WINDOW", self.on_close)
+
+        if machine_info is not None:
+            self.cfg.set_machine_info(machine_info)
+        else:
+            threading.Thread(target=self._fetch_info, name="machine-info", daemon=True).start()
+            self.after(200, self._poll_info)
+
+    # --- the bars --------------------------------------------------------------------------------
+
+    def _preset_bar(self) -> None:
+        bar = ctk.CTkFrame(self)
+        bar.pack(fill="x", padx=8, pady=(8, 4))
+        ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(8, 4))
+        self.preset_var = tk.StringVar(self)
+        self.preset_menu = ctk.CTkOptionMenu(bar, variable=self.preset_var, values=["-"], width=220)
+        self.preset_menu.pack(side="left", padx=4, pady=6)
+        self.load_button = ctk.CTkButton(bar, text="Load", width=70, command=self.load_selected_preset)
+        self.load_button.pack(side="left", padx=4)
+        self.save_as_button = ctk.CTkButton(bar, text="Save as…", width=90, command=self.save_preset_as)
+        self.save_as_button.pack(side="left", padx=4)
+        self.reset_button = ctk.CTkButton(bar, text="Reset", width=70, command=self.reset_defaults)
+        self.reset_button.pack(side="left", padx=4)
+        ctk.CTkButton(bar, text="Import…", width=80, command=self.import_config).pack(side="left", padx=(16, 4))
+        ctk.CTkButton(bar, text="Export…", width=80, command=self.export_config).pack(side="left", padx=4)
+        self.refresh_presets()
+
+    def _selectors(self) -> None:
+        bar = ctk.CTkFrame(self, fg_color="transparent")
+        bar.pack(fill="x", padx=8, pady=(0, 4))
+        ctk.CTkLabel(bar, text="Model family").pack(side="left", padx=(8, 4))
+        self.family_labels = {get_family_class(name).label: name for name in family_names()}
+        self.family_menu = ctk.CTkOptionMenu(bar, values=list(self.family_labels), command=self._family_chosen,
+                                             width=200)
+        self.family_menu.pack(side="left", padx=4)
+        ctk.CTkLabel(bar, text="Training method").pack(side="left", padx=(16, 4))
+        self.method_menu = ctk.CTkOptionMenu(bar, values=list(METHODS), command=self._method_chosen, width=110)
+        self.method_menu.pack(side="left", padx=4)
+        self.problem_label = ctk.CTkLabel(bar, text="", text_color=ERROR_COLOR, anchor="e", justify="right")
+        self.problem_label.pack(side="right", padx=8)
+
+    def _run_bar(self) -> None:
+        bar = ctk.CTkFrame(self)
+        bar.pack(fill="x", padx=8, pady=(0, 8))
+        self.start_button = ctk.CTkButton(bar, text="Start training", width=130, command=self.start_or_stop,
+                                          fg_color="#2e7d32", hover_color="#1b5e20")
+        self.start_button.pack(side="left", padx=8, pady=8)
+        self.command_buttons = {}
+        for command, text in (("sample", "Sample now"), ("backup", "Backup now"), ("save", "Save now")):
+            button = ctk.CTkButton(bar, text=text, width=100, state="disabled",
+                                   command=lambda c=command: self.send_command(c))
+            button.pack(side="left", padx=4)
+            self.command_buttons[command] = button
+        right = ctk.CTkFrame(bar, fg_color="transparent")
+        right.pack(side="left", fill="x", expand=True, padx=8)
+        self.progress = ctk.CTkProgressBar(right)
+        self.progress.set(0)
+        self.progress.pack(fill="x", pady=(6, 2))
+        self.status_label = ctk.CTkLabel(right, text="Ready.", anchor="w")
+        self.status_label.pack(fill="x")
+
+    # --- presets and files -----------------------------------------------------------------------
+
+    def refresh_presets(self) -> None:
+        names = []
+        for preset in list_presets():
+            if preset.name not in names:
+                names.append(preset.name)
+        self.preset_menu.configure(values=names or ["-"])
+        if self.preset_var.get() not in names and names:
+            self.preset_var.set(names[0])
+
+    def load_preset(self, name: str) -> None:
+        """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from."""
+        try:
+            data = build_config([load_preset_overlay(name)]).model_dump(mode="json")
+        except ConfigError as error:
+            self.show_error(f"Cannot load preset {name!r}", str(error))
+            return
+        self.cfg.load(data)
+        self.set_status(f"Loaded preset {name!r}.")
+
+    def load_selected_preset(self) -> None:
+        self.load_preset(self.preset_var.get())
+
+    def save_preset_as(self, name: str | None = None) -> Path | None:
+        if self.cfg.config is None:
+            self._refuse("Cannot save the preset", self.cfg.problems)
+            return None
+        if name is None:
+            name = ctk.CTkInputDialog(text="Name of the new preset:", title="Save preset").get_input()
+            if not name:
+                return None
+        try:
+            path = save_preset(self.cfg.config, name.strip())
+        except ConfigError as error:
+            self.show_error("Cannot save the preset", str(error))
+            return None
+        self.refresh_presets()
+        self.preset_var.set(name.strip())
+        self.set_status(f"Saved preset {name.strip()!r} to {path}.")
+        return path
+
+    def reset_defaults(self) -> None:
+        self.cfg.load(default_data(self.cfg.get("model.family") or "sd15"))
+        self.set_status("Reset to the defaults.")
+
+    def import_config(self, path: str | None = None) -> None:
+        path = path or filedialog.askopenfilename(parent=self, filetypes=[("config", "*.json"), ("all files", "*")])
+        if not path:
+            return
+        try:
+            data = build_config([read_json_file(path)]).model_dump(mode="json")
+        except ConfigError as error:
+            self.show_error("Cannot import the config", str(error))
+            return
+        self.cfg.load(data)
+        self.set_status(f"Imported {path}.")
+
+    def export_config(self, path: str | None = None) -> None:
+        if self.cfg.config is None:
+            self._refuse("Cannot export the config", self.cfg.problems)
+            return
+        path = path or filedialog.asksaveasfilename(parent=self, defaultextension=".json",
+                                                    filetypes=[("config", "*.json")])
+        if not path:
+            return
+        write_text(Path(path), self.cfg.config_json() + "\n")
+        self.set_status(f"Exported the config to {path}.")
+
+    # --- selectors -------------------------------------------------------------------------------
+
+    def _family_chosen(self, label: str) -> None:
+        family = self.family_labels[label]
+        if family == self.cfg.get("model.family"):
+            return
+        overlay = config_overlay(self.cfg.config) if self.cfg.config else {}
+        overlay.setdefault("model", {})["family"] = family
+        overlay["model"].pop("parts", None)  # parts are the family's own
+        try:
+            data = build_config([overlay]).model_dump(mode="json")
+        except ConfigError:
+            data = default_data(family)
+        self.cfg.load(data)
+
+    def _method_chosen(self, method: str) -> None:
+        kind, dora = METHODS[method]
+        if not dora:
+            self.cfg.set("adapter.dora", False)
+        self.cfg.set("adapter.type", kind)
+        if dora:
+            self.cfg.set("adapter.dora", True)
+        self.cfg.refresh()
+
+    def _validated(self) -> None:
+        data = self.cfg.data
+        family = data.get("model", {}).get("family")
+        for label, name in self.family_labels.items():
+            if name == family and self.family_menu.get() != label:
+                self.family_menu.set(label)
+        adapter = data.get("adapter", {})
+        method = {"lora": "DoRA" if adapter.get("dora") else "LoRA", "loha": "LoHa", "lokr": "LoKr",
+                  "oft": "OFT"}.get(adapter.get("type"))
+        if method and self.method_menu.get() != method:
+            self.method_menu.set(method)
+        problems = self.cfg.problems
+        text = ""
+        if problems:
+            first = problems[0] if len(problems[0]) <= 90 else problems[0][:89] + "…"
+            text = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}: {first}" + (" …" if len(problems) > 1 else "")
+        self.problem_label.configure(text=text)
+
+    # --- machine info ------------------------------------------------------------------------------
+
+    def _fetch_info(self) -> None:
+        try:
+            self._info_queue.put(("ok", fetch_machine_info()))
+        except Exception as error:  # reported in the window, the GUI still works
+            self._info_queue.put(("error", str(error)))
+
+    def _poll_info(self) -> None:
+        try:
+            kind, payload = self._info_queue.get_nowait()
+        except queue.Empty:
+            self.after(200, self._poll_info)
+            return
+        if kind == "ok":
+            self.cfg.set_machine_info(payload)
+        else:
+            self.tabs["Run"].append_log(f"launch.py info failed: {payload}")
+
+    # --- the run -------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None and self.client.running
+
+    def start_or_stop(self) -> None:
+        if self.running:
+            self.stop()
+        else:
+            self.start()
+
+    def remote_target(self):
+        """The ssh target of the Remote section (General tab), or None to train on this machine.
+        Raises RemoteError for a host or port that cannot be used."""
+        remote = self.settings.get("remote") or {}
+        if not remote.get("host"):
+            return None
+        from modules.remote.ssh import SshTarget
+
+        port = remote.get("port") or None
+        if port is not None:
+            if not str(port).isdigit():
+                from modules.remote.ssh import RemoteError
+
+                raise RemoteError(f"port: {port!r} is not a port number")
+            port = int(port)
+        return SshTarget(remote["host"], port=port, remote_dir=remote.get("remote_dir") or "difftrainer-remote",
+                         identity_file=remote.get("identity_file") or None,
+                         known_hosts=remote.get("known_hosts") or None, python=remote.get("python") or "python3")
+
+    def remote_problem(self) -> str | None:
+        try:
+            self.remote_target()
+        except Exception as error:  # RemoteError, or modules/remote missing
+            return f"remote: {error}"
+        return None
+
+    def run_argv(self, config_file: Path) -> list[str]:
+        """The child's command line: local `launch.py train`, or `launch.py remote` over ssh
+        (modules/remote), which speaks the same protocol with local paths in its events."""
+        target = self.remote_target()
+        if target is None:
+            return local_train_argv(config_file)
+        from modules.remote.run import remote_run_argv
+
+        return remote_run_argv(target, config_file)
+
+    def start(self) -> bool:
+        if self.running:
+            return False
+        problems = self.cfg.start_problems()
+        remote = self.remote_problem()
+        if remote:
+            problems = problems + [remote]
+        if problems:
+            self._refuse("Training cannot start", problems)
+            return False
+        self.refused = []
+        run_dir = user_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+        suffix = 1
+        while run_dir.exists():
+            run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
+            suffix += 1
+        run_dir.mkdir(parents=True)
+        config_file = run_dir / "config.json"
+        write_text(config_file, self.cfg.config_json() + "\n")
+        self.save_last_config()
+        self.run_events = []
+        self.total_steps = 0
+        run_tab = self.tabs["Run"]
+        run_tab.clear()
+        target = self.remote_target()
+        run_tab.append_log(f"[run folder: {run_dir}]" + (f" [remote: {target.label}]" if target else ""))
+        self.client = RunClient(self.run_argv(config_file), cwd=ROOT, run_dir=run_dir)
+        self.client.start()
+        self.tabview.set("Run")
+        self.start_button.configure(text="Stop", fg_color="#b23b3b", hover_color="#8e2b2b")
+        for button in self.command_buttons.values():
+            button.configure(state="normal")
+        self.progress.set(0)
+        self.set_status("Starting…")
+        self.after(100, self._poll)
+        return True
+
+    def stop(self) -> None:
+        if self.running and self.client.stop():
+            self.set_status("Stopping at the next step (a backup will be written)…")
+            self.start_button.configure(state="disabled")
+
+    def send_command(self, command: str) -> None:
+        if self.running and self.client.send(command):
+            self.tabs["Run"].append_log(f"[asked for: {command}]")
+
+    def _poll(self) -> None:
+        client = self.client
+        if client is None:
+            return
+        ended = None
+        for kind, payload in client.drain():
+            if kind == "event":
+                self._event(payload)
+            elif kind == "log":
+                self.tabs["Run"].append_log(payload)
+            elif kind == "exit":
+                ended = payload
+        if ended is None:
+            self.after(100, self._poll)
+        else:
+            self._ended(ended)
+
+    def _event(self, event: dict) -> None:
+        self.run_events.append(event)
+        name = event.get("event")
+        run_tab = self.tabs["Run"]
+        if name == "started":
+            self.total_steps = event.get("total_steps") or 0
+            self.set_status(f"Started: {self.total_steps} steps.")
+        elif name == "progress":
+            step, total = event.get("step", 0), event.get("total_steps") or self.total_steps or 1
+            self.progress.set(min(1.0, step / total))
+            loss = event.get("loss")
+            parts = [f"step {step}/{total}", f"epoch {event.get('epoch', 0) + 1}/{event.get('epochs', '?')}"]
+            if loss is not None:
+                parts.append(f"loss {loss:.4f}")
+            if event.get("it_per_s"):
+                parts.append(f"{event['it_per_s']:.2f} it/s")
+            parts.append(f"ETA {format_seconds(event.get('eta_s'))}")
+            self.set_status("   ".join(parts))
+            run_tab.add_loss(step, loss)
+        elif name == "sample":  # the run's own log (stderr) says what it wrote
+            run_tab.add_sample(event["path"])
+        elif name in ("backup", "saved"):
+            self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
+        elif name == "error":
+            self.show_error("Training failed", event.get("message", ""))
+        elif name == "finished":
+            self.progress.set(1.0)
+
+    def _ended(self, returncode: int) -> None:
+        names = {e.get("event") for e in self.run_events}
+        if returncode != 0 and "error" not in names:
+            tail = "\n".join(self.tabs["Run"].log_text().splitlines()[-30:])
+            self.show_error("Training process ended unexpectedly", f"exit code {returncode}\n\n{tail}")
+        done = "finished" in names and returncode == 0
+        self.set_status("Finished." if done else f"Stopped (exit code {returncode}).")
+        self.start_button.configure(text="Start training", state="normal", fg_color="#2e7d32", hover_color="#1b5e20")
+        for button in self.command_buttons.values():
+            button.configure(state="disabled")
+        if self._closing:
+            self._destroy()
+
+    # --- messages -------------------------------------------------------------------------------------
+
+    def set_status(self, text: str) -> None:
+        self.status_label.configure(text=text)
+
+    def show_error(self, title: str, message: str) -> ErrorDialog:
+        dialog = ErrorDialog(self, title, message)
+        self.dialogs.append(dialog)
+        return dialog
+
+    def _refuse(self, title: str, problems: list[str]) -> None:
+        self.refused = list(problems)
+        self.show_error(title, "Fix these first:\n\n" + "\n".join(f"• {p}" for p in problems))
+        self.set_status(f"{title}: {len(problems)} problem{'s' if len(problems) != 1 else ''}.")
+
+    def report_callback_exception(self, exc, value, tb) -> None:
+        text = "".join(traceback.format_exception(exc, value, tb))
+        self.callback_errors.append(text)
+        print(text, file=sys.stderr)
+        try:
+            self.show_error("Internal error", text)
+        except tk.TclError:
+            pass
+
+    # --- settings, last config, closing ----------------------------------------------------------------
+
+    @staticmethod
+    def _read_json(path: Path):
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+
+    def set_ui_scale(self, text: str) -> None:
+        scale = int(text.rstrip("%")) / 100
+        ctk.set_widget_scaling(scale)
+        self.settings["ui_scale"] = scale
+        self.save_settings()
+
+    def save_settings(self) -> None:
+        write_text(gui_dir() / "settings.json", json.dumps(self.settings, indent=2) + "\n")
+
+    def save_last_config(self) -> Path:
+        """The config as it stands, valid or not (invalid values come back marked)."""
+        path = gui_dir() / "last_config.json"
+        write_text(path, json.dumps(self.cfg.data, indent=2) + "\n")
+        return path
+
+    def ask_close(self) -> str | None:
+        """'stop', 'leave' or None (cancel) for a close during a run."""
+        answer = messagebox.askyesnocancel(
+            "Training is running",
+            "Stop training before closing?\n\nYes: stop it now (a backup is written), then close.\n"
+            "No: leave it running in the background and close the window.\nCancel: keep the window open.",
+            parent=self)
+        return None if answer is None else ("stop" if answer else "leave")
+
+    def on_close(self) -> None:
+        if self.running:
+            choice = self.ask_close()
+            if choice is None:
+                return
+            if choice == "stop":
+                self._closing = True
+                self.stop()
+                return  # _ended closes the window once the run has written its backup
+            self.client.detach()
+            log = self.client.log_path
+            print(f"difftrainer: training left running (pid {self.client.process.pid}); its log: {log}", file=sys.stderr)
+        self._destroy()
+
+    def _destroy(self) -> None:
+        self.save_last_config()
+        try:
+            self.settings["geometry"] = self.geometry()
+            self.save_settings()
+        except tk.TclError:
+            pass
+        self.destroy()
+
+
+def main() -> int:
+    app = App()
+    app.mainloop()
+    return 0

@@ -1,0 +1,215 @@
+"""Widgets bound to the config by dotted path: labelled entry, switch, option menu, combo box,
+path picker and multi-line list, each with its validation message under it and a tooltip (the
+field's description from TrainConfig); plus section headers and a non-modal error dialog."""
+
+from __future__ import annotations
+
+import tkinter as tk
+from tkinter import filedialog
+from typing import Callable
+
+import customtkinter as ctk
+
+from ui.state import ConfigState, field_description
+
+ERROR_COLOR = ("#c0392b", "#ff6b6b")
+LABEL_WIDTH = 200
+
+
+class Tooltip:
+    """A small popup with `text` while the pointer rests on `widget`."""
+
+    def __init__(self, widget, text: str, delay_ms: int = 500):
+        self.widget, self.text, self.delay_ms = widget, text, delay_ms
+        self._job = None
+        self._window = None
+        widget.bind("<Enter>", self._schedule, add="+")
+        widget.bind("<Leave>", self._hide, add="+")
+        widget.bind("<ButtonPress>", self._hide, add="+")
+
+    def _schedule(self, _event=None):
+        self._cancel()
+        self._job = self.widget.after(self.delay_ms, self._show)
+
+    def _cancel(self):
+        if self._job is not None:
+            self.widget.after_cancel(self._job)
+            self._job = None
+
+    def _show(self):
+        self._job = None
+        if self._window is not None or not self.widget.winfo_exists():
+            return
+        x = self.widget.winfo_rootx() + 10
+        y = self.widget.winfo_rooty() + self.widget.winfo_height() + 4
+        self._window = window = tk.Toplevel(self.widget)
+        window.wm_overrideredirect(True)
+        window.wm_geometry(f"+{x}+{y}")
+        tk.Label(window, text=self.text, justify="left", wraplength=420, background="#ffffe0",
+                 foreground="#222222", relief="solid", borderwidth=1, padx=6, pady=4).pack()
+
+    def _hide(self, _event=None):
+        self._cancel()
+        if self._window is not None:
+            self._window.destroy()
+            self._window = None
+
+
+def section(parent, text: str):
+    label = ctk.CTkLabel(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
+    label.pack(fill="x", padx=8, pady=(12, 2))
+    return label
+
+
+class Field(ctk.CTkFrame):
+    """A label, an input bound to `path`, and the path's validation message under it.
+
+    widget: entry | switch | option | combo | path | lines. For `path`, `path_mode` is dir, file,
+    save or file_or_dir.
+    """
+
+    def __init__(self, parent, state: ConfigState, path: str, label: str, kind: str = "str",
+                 widget: str = "entry", values: list[str] | None = None, path_mode: str = "dir",
+                 tooltip: str | None = None, width: int | None = None, filetypes=None,
+                 unit: tuple[str, list[str]] | None = None):
+        super().__init__(parent, fg_color="transparent")
+        self.cfg, self.path, self.kind = state, path, kind
+        self.columnconfigure(1, weight=1)
+        self.label = ctk.CTkLabel(self, text=label, width=LABEL_WIDTH, anchor="w", justify="left",
+                                  wraplength=LABEL_WIDTH)
+        self.label.grid(row=0, column=0, sticky="w", padx=(8, 4))
+        self.var = tk.BooleanVar(self) if kind == "bool" else tk.StringVar(self)
+        self.filetypes = filetypes
+        numeric = kind in ("int", "optint", "float", "optfloat", "fraction")
+        width = width or (160 if numeric else 320)
+        self.unit_var = None
+        if widget == "entry" and unit:
+            # a number with its unit (a cadence: value + steps/epochs/minutes), both bound
+            self.input = ctk.CTkFrame(self, fg_color="transparent")
+            ctk.CTkEntry(self.input, textvariable=self.var, width=width).pack(side="left")
+            self.unit_var = tk.StringVar(self)
+            ctk.CTkOptionMenu(self.input, variable=self.unit_var, values=unit[1], width=120).pack(side="left", padx=(6, 0))
+        elif widget == "entry":
+            self.input = ctk.CTkEntry(self, textvariable=self.var, width=width)
+        elif widget == "switch":
+            self.input = ctk.CTkSwitch(self, text="", variable=self.var, onvalue=True, offvalue=False)
+        elif widget == "option":
+            self.input = ctk.CTkOptionMenu(self, variable=self.var, values=list(values or [""]), width=width)
+        elif widget == "combo":
+            self.input = ctk.CTkComboBox(self, variable=self.var, values=list(values or []), width=width)
+        elif widget == "path":
+            self.input = ctk.CTkFrame(self, fg_color="transparent")
+            self.entry = ctk.CTkEntry(self.input, textvariable=self.var, width=width)
+            self.entry.pack(side="left", fill="x", expand=True)
+            modes = ["dir", "file"] if path_mode == "file_or_dir" else [path_mode]
+            for mode in modes:
+                text = {"dir": "Folder…", "file": "File…", "save": "Browse…"}[mode]
+                ctk.CTkButton(self.input, text=text, width=70,
+                              command=lambda m=mode: self._browse(m)).pack(side="left", padx=(4, 0))
+        elif widget == "lines":
+            self.input = ctk.CTkTextbox(self, height=64, width=width)
+            self.input.bind("<KeyRelease>", lambda _e: self._text_to_var())
+            self.input.bind("<FocusOut>", lambda _e: self._text_to_var())
+            self.var.trace_add("write", lambda *_: self._var_to_text())
+        else:
+            raise ValueError(f"unknown widget {widget!r}")
+        stretch = widget in ("path", "lines") or (widget == "entry" and not numeric and not unit)
+        self.input.grid(row=0, column=1, sticky="ew" if stretch else "w", padx=4, pady=2)
+        self.error = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w", justify="left", wraplength=520)
+        self.error.grid(row=1, column=1, sticky="w", padx=6)
+        self.error.grid_remove()
+        text = tooltip or field_description(path)
+        if text:
+            Tooltip(self.label, text)
+        self._messages: dict[str, str | None] = {}
+        self.binding = state.bind(path, kind, self.var, lambda m: self._message(path, m))
+        if unit:
+            self.unit_binding = state.bind(unit[0], "choice", self.unit_var, lambda m: self._message(unit[0], m))
+        if widget == "lines":
+            self._var_to_text()
+
+    # --- the validation message --------------------------------------------------------------
+
+    def _message(self, path: str, message: str | None) -> None:
+        self._messages[path] = message
+        shown = [m for m in self._messages.values() if m]
+        self.show_error("\n".join(shown) if shown else None)
+
+    def show_error(self, message: str | None) -> None:
+        if not self.winfo_exists():
+            return
+        if message:
+            self.error.configure(text=message)
+            self.error.grid()
+        else:
+            self.error.configure(text="")
+            self.error.grid_remove()
+
+    @property
+    def error_text(self) -> str:
+        return self.error.cget("text")
+
+    def set_values(self, values: list[str]) -> None:
+        """New choices for an option menu or combo box; the current value stays selected."""
+        self.input.configure(values=list(values))
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _browse(self, mode: str) -> None:
+        current = self.var.get()
+        if mode == "dir":
+            chosen = filedialog.askdirectory(parent=self, initialdir=current or None)
+        elif mode == "file":
+            chosen = filedialog.askopenfilename(parent=self, initialfile=current or None,
+                                                filetypes=self.filetypes or [("all files", "*")])
+        else:
+            chosen = filedialog.asksaveasfilename(parent=self, initialfile=current or None,
+                                                  filetypes=self.filetypes or [("all files", "*")])
+        if chosen:
+            self.var.set(chosen)
+
+    def _text_to_var(self) -> None:
+        text = self.input.get("1.0", "end-1c")
+        if text != self.var.get():
+            self.var.set(text)
+
+    def _var_to_text(self) -> None:
+        text = self.var.get()
+        if self.input.get("1.0", "end-1c") != text:
+            self.input.delete("1.0", "end")
+            self.input.insert("1.0", text)
+
+
+class ErrorDialog(ctk.CTkToplevel):
+    """A non-modal window with a title and a (selectable) message; the main window stays live."""
+
+    def __init__(self, master, title: str, message: str):
+        super().__init__(master)
+        self.title(title)
+        width, height = 620, 300
+        try:  # centred over the main window
+            x = master.winfo_rootx() + max(0, (master.winfo_width() - width) // 2)
+            y = master.winfo_rooty() + max(0, (master.winfo_height() - height) // 3)
+            self.geometry(f"{width}x{height}+{x}+{y}")
+        except tk.TclError:
+            self.geometry(f"{width}x{height}")
+        self.message = message
+        ctk.CTkLabel(self, text=title, font=ctk.CTkFont(size=15, weight="bold"),
+                     text_color=ERROR_COLOR, anchor="w").pack(fill="x", padx=12, pady=(12, 4))
+        box = ctk.CTkTextbox(self, wrap="word")
+        box.insert("1.0", message)
+        box.configure(state="disabled")
+        box.pack(fill="both", expand=True, padx=12, pady=4)
+        ctk.CTkButton(self, text="OK", width=90, command=self.destroy).pack(pady=(4, 12))
+        self.after(50, self.lift)
+
+
+def button_row(parent, buttons: list[tuple[str, Callable[[], None]]], **pack):
+    row = ctk.CTkFrame(parent, fg_color="transparent")
+    row.pack(fill="x", padx=8, pady=4, **pack)
+    made = []
+    for text, command in buttons:
+        b = ctk.CTkButton(row, text=text, width=110, command=command)
+        b.pack(side="left", padx=(0, 6))
+        made.append(b)
+    return row, made

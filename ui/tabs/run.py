@@ -1,0 +1,129 @@
+"""Run: the live loss curve, the latest samples, and the run's log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import customtkinter as ctk
+
+GALLERY_SIZE = 4
+THUMB = 160
+LOG_LINES = 2000
+
+
+class RunTab(ctk.CTkFrame):
+    def __init__(self, parent, app):
+        super().__init__(parent, fg_color="transparent")
+        self.pack(fill="both", expand=True)
+        self.app = app
+        self.columnconfigure(0, weight=3)
+        self.columnconfigure(1, weight=2)
+        self.rowconfigure(0, weight=3)
+        self.rowconfigure(1, weight=2)
+
+        from matplotlib.backends.backend_tkagg import FigureCanvasTkAgg
+        from matplotlib.figure import Figure
+
+        plot = ctk.CTkFrame(self)
+        plot.grid(row=0, column=0, sticky="nsew", padx=4, pady=4)
+        dark = ctk.get_appearance_mode() == "Dark"
+        background, text = ("#2b2b2b", "#dce4ee") if dark else ("#dbdbdb", "#1a1a1a")
+        self.figure = Figure(figsize=(5, 3), dpi=90, facecolor=background)
+        self.axes = self.figure.add_subplot(111, facecolor=background)
+        self.axes.set_title("loss", color=text)
+        self.axes.set_xlabel("step", color=text)
+        self.axes.tick_params(colors=text)
+        for spine in self.axes.spines.values():
+            spine.set_color(text)
+        self.axes.grid(True, alpha=0.2)
+        (self.line,) = self.axes.plot([], [], color="#4a9eda", linewidth=1.4)
+        self.figure.tight_layout()
+        self.canvas = FigureCanvasTkAgg(self.figure, master=plot)
+        self.canvas.get_tk_widget().pack(fill="both", expand=True)
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+        self.redraws = 0
+        self._redraw_job = None
+
+        gallery = ctk.CTkFrame(self)
+        gallery.grid(row=0, column=1, sticky="nsew", padx=4, pady=4)
+        ctk.CTkLabel(gallery, text="Latest samples", font=ctk.CTkFont(weight="bold")).pack(anchor="w", padx=8, pady=4)
+        self.gallery = ctk.CTkFrame(gallery, fg_color="transparent")
+        self.gallery.pack(fill="both", expand=True)
+        self.samples: list[str] = []
+        self._images = []
+        self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
+        self._empty.pack(padx=8, pady=8)
+
+        self.log = ctk.CTkTextbox(self, wrap="none", font=ctk.CTkFont(family="monospace", size=11))
+        self.log.grid(row=1, column=0, columnspan=2, sticky="nsew", padx=4, pady=4)
+        self.log.configure(state="disabled")
+        self.log_lines = 0
+
+    def clear(self) -> None:
+        self.steps, self.losses = [], []
+        self._redraw()
+        self.samples = []
+        self._show_samples()
+        self.log.configure(state="normal")
+        self.log.delete("1.0", "end")
+        self.log.configure(state="disabled")
+        self.log_lines = 0
+
+    def add_loss(self, step: int, loss: float | None) -> None:
+        if loss is None:
+            return
+        self.steps.append(step)
+        self.losses.append(loss)
+        if self._redraw_job is None:  # at most a few redraws a second, however fast steps come
+            self._redraw_job = self.after(250, self._redraw)
+
+    def _redraw(self) -> None:
+        self._redraw_job = None
+        self.line.set_data(self.steps, self.losses)
+        self.axes.relim()
+        self.axes.autoscale_view()
+        self.canvas.draw_idle()
+        self.redraws += 1
+
+    def add_sample(self, path: str) -> None:
+        self.samples.append(path)
+        self._show_samples()
+
+    def _show_samples(self) -> None:
+        for child in self.gallery.winfo_children():
+            child.destroy()
+        self._images = []
+        if not self.samples:
+            self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
+            self._empty.pack(padx=8, pady=8)
+            return
+        from PIL import Image
+
+        for column, path in enumerate(reversed(self.samples[-GALLERY_SIZE:])):
+            try:
+                with Image.open(path) as image:
+                    image = image.convert("RGB")
+                    scale = THUMB / max(image.size)
+                    size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+                    picture = ctk.CTkImage(light_image=image.copy(), dark_image=image.copy(), size=size)
+            except OSError:
+                continue
+            self._images.append(picture)
+            cell = ctk.CTkFrame(self.gallery, fg_color="transparent")
+            cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
+            ctk.CTkLabel(cell, text="", image=picture).pack()
+            ctk.CTkLabel(cell, text=Path(path).name, font=ctk.CTkFont(size=11)).pack()
+
+    def append_log(self, text: str) -> None:
+        self.log.configure(state="normal")
+        self.log.insert("end", text.rstrip("\n") + "\n")
+        self.log_lines += 1
+        if self.log_lines > LOG_LINES:
+            self.log.delete("1.0", f"{self.log_lines - LOG_LINES + 1}.0")
+            self.log_lines = LOG_LINES
+        self.log.see("end")
+        self.log.configure(state="disabled")
+
+    def log_text(self) -> str:
+        return self.log.get("1.0", "end-1c")

@@ -1,0 +1,75 @@
+"""Sampling: prompts (each with its own seed, steps, cfg and size), cadence, scheduler."""
+
+from __future__ import annotations
+
+import customtkinter as ctk
+
+from ui.components import section
+from ui.tabs import Tab
+
+UNITS = ["steps", "epochs", "minutes"]
+
+
+def cadence(tab: Tab, parent, path: str, label: str) -> None:
+    tab.field(parent, f"{path}.value", f"{label} (0: never)", "float", unit=(f"{path}.unit", UNITS),
+              tooltip="How often: a number of steps, epochs or minutes; 0 turns it off.")
+
+
+class SamplingTab(Tab):
+    def __init__(self, parent, app):
+        super().__init__(parent, app)
+        section(self, "When")
+        cadence(self, self, "schedule.sample_every", "Sample every")
+        self.field(self, "sampling.scheduler", "Sampler", "choice", widget="option",
+                   values=["ddim", "euler", "euler_a", "dpmpp_2m"])
+        section(self, "Prompts")
+        ctk.CTkButton(self, text="Add prompt", width=130, command=self.add).pack(anchor="w", padx=8, pady=4)
+        self.list_frame = ctk.CTkFrame(self, fg_color="transparent")
+        self.list_frame.pack(fill="x")
+        self._count = -1
+        self.rebuild()
+        self.cfg.reload_listeners.append(self.rebuild)
+
+    def prompts(self) -> list:
+        return self.cfg.data["sampling"].setdefault("prompts", [])
+
+    def add(self, prompt: str = "") -> None:
+        from modules.config.train_config import SamplePromptConfig
+
+        self.prompts().append(SamplePromptConfig(prompt=prompt).model_dump(mode="json"))
+        self.rebuild(force=True)
+        self.cfg.validate()
+
+    def remove(self, index: int) -> None:
+        del self.prompts()[index]
+        self.rebuild(force=True)
+        self.cfg.validate()
+
+    def rebuild(self, force: bool = False) -> None:
+        count = len(self.prompts())
+        if count == self._count and not force:
+            return
+        self._count = count
+        self.cfg.unbind_prefix("sampling.prompts[")
+        for path in [p for p in self.fields if p.startswith("sampling.prompts[")]:
+            del self.fields[path]
+        for child in self.list_frame.winfo_children():
+            child.destroy()
+        if not count:
+            ctk.CTkLabel(self.list_frame, text="No prompts: nothing is sampled.", anchor="w").pack(fill="x", padx=8)
+        for index in range(count):
+            at = f"sampling.prompts[{index}]"
+            box = ctk.CTkFrame(self.list_frame)
+            box.pack(fill="x", padx=8, pady=6)
+            head = ctk.CTkFrame(box, fg_color="transparent")
+            head.pack(fill="x")
+            ctk.CTkLabel(head, text=f"Prompt {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
+            ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
+                          command=lambda i=index: self.remove(i)).pack(side="right", padx=8, pady=4)
+            self.field(box, f"{at}.prompt", "Prompt", "str")
+            self.field(box, f"{at}.negative_prompt", "Negative prompt", "str")
+            self.field(box, f"{at}.seed", "Seed", "int")
+            self.field(box, f"{at}.steps", "Steps", "int")
+            self.field(box, f"{at}.cfg", "CFG scale", "float")
+            self.field(box, f"{at}.width", "Width", "int")
+            self.field(box, f"{at}.height", "Height", "int")
