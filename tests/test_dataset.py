@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from modules.config.train_config import ConceptConfig
+from modules.config.train_config import ConceptConfig, DataConfig
 from modules.data import cache as cache_module
 from modules.data.cache import TensorCache, cache_key
 from modules.data.concepts import ConceptItem, DataError
@@ -200,7 +200,7 @@ class FakeFamily:
 def fake_config(*folders: Path, resolution: int = 64, **concept_fields):
     return SimpleNamespace(
         concepts=[ConceptConfig(path=str(folder), **concept_fields) for folder in folders],
-        data=SimpleNamespace(resolution=resolution, aspect_buckets=True),
+        data=DataConfig(resolution=resolution, aspect_buckets=True),
         schedule=SimpleNamespace(batch_size=2),
         seed=3,
     )

@@ -401,7 +401,8 @@ def test_run_from_gui_completes_with_progress_loss_and_gallery(app, gui_run, sho
     progress = [e for e in gui_run["events"] if e["event"] == "progress"]
     assert [e["step"] for e in progress] == [1, 2, 3, 4]
     assert any(s.startswith("step ") and "loss " in s and "ETA " in s for s in gui_run["statuses"])
-    assert app.progress.get() == pytest.approx(1.0)
+    assert any(s.startswith("step 4/4   epoch 2/2   loss ") for s in gui_run["statuses"])
+    assert app.progress.get() == pytest.approx(1.0) and app.epoch_progress.get() == pytest.approx(1.0)
     assert app.status_label.cget("text") == "Finished."
     run_tab = app.tabs["Run"]
     assert run_tab.steps == [1, 2, 3, 4] and run_tab.redraws >= 1

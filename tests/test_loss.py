@@ -95,3 +95,49 @@ def test_a_run_with_every_loss_option_learns(tmp_path, tiny_model, one_image):
     before = fixed_loss(trainer)
     trainer.train()
     assert fixed_loss(trainer) < before * 0.9
+
+
+def test_validation_loss_is_the_same_for_the_same_weights_in_every_run(tmp_path, tiny_model, shape_images, one_image):
+    class Seen(TrainCallbacks):
+        def __init__(self):
+            self.validations = []
+
+        def on_validation(self, step, loss):
+            self.validations.append((step, loss))
+
+    def run(workspace):
+        config = train_config(tiny_model, one_image, workspace, {
+            "concepts": [{"path": str(one_image)}, {"path": str(shape_images), "validation": True}],
+            "schedule": {"epochs": 2, "batch_size": 1, "validate_every": "1 steps"},
+            "adapter": {"dropout": 0.2},
+        })
+        seen = Seen()
+        trainer = GenericTrainer(config, seen)
+        trainer.start()
+        assert len(trainer.dataset.entries) == 1 and len(trainer.validation_set.entries) == 4
+        first = trainer.validate()
+        assert first == trainer.validate()  # fixed draws and no dropout: the same number twice
+        trainer.train()
+        return [first] + [loss for _, loss in seen.validations[2:]]
+
+    first_run, second_run = run(tmp_path / "a"), run(tmp_path / "b")
+    assert len(first_run) == 3 and first_run == second_run
+    assert first_run[0] != first_run[-1]  # the adapter changed the validation loss
+
+
+def test_a_concepts_loss_weight_scales_its_samples():
+    prediction = torch.tensor([[1.0], [2.0]])
+    out = Prediction(prediction, torch.zeros_like(prediction))
+    assert training_loss(out, _loss(), torch.tensor([1.0, 0.5])) == pytest.approx((1 + 4 * 0.5) / 2)
+
+
+def test_concept_loss_weights_reach_the_batch(tmp_path, tiny_model, shape_images, one_image):
+    config = train_config(tiny_model, one_image, tmp_path, {
+        "concepts": [{"path": str(one_image), "loss_weight": 0.25}, {"path": str(shape_images)}],
+    })
+    trainer = GenericTrainer(config, TrainCallbacks())
+    trainer.start()
+    indices = [i for i, e in enumerate(trainer.dataset.entries) if e.loss_weight == 0.25][:1] + [
+        i for i, e in enumerate(trainer.dataset.entries) if e.loss_weight == 1.0][:1]
+    batch = trainer.dataset.collate(indices, trainer.device)
+    assert batch.loss_weights.tolist() == [0.25, 1.0]

@@ -241,13 +241,14 @@ def test_ctrl_c_stops_the_remote_run_with_a_backup_and_resume_continues_it(sshd,
     assert stopped_at < 8
 
     shutil.rmtree(box / "workspace" / "backup")  # the box lost it: --resume sends the local backups
+    data_inodes = {path: path.stat().st_ino for path in (box / "data").rglob("*") if path.is_file()}
     resumed = subprocess.run([*argv, "--resume", "--protocol", "jsonl"], capture_output=True, text=True, cwd=ROOT,
                              timeout=120, check=False)
     assert resumed.returncode == 0, resumed.stderr
-    (sent, total), (backup_sent, backup_total) = [tuple(map(int, m)) for m in
-                                                  re.findall(r"sending (\d+) of (\d+) files", resumed.stderr)]
-    assert total > 100 and sent <= 1, resumed.stderr  # at most the config: project, model and images are there
-    assert backup_sent == backup_total == 3, resumed.stderr  # the backup the box lacks
+    # model and images were there: not sent again (a file sent is written anew, under a new inode)
+    assert data_inodes == {path: path.stat().st_ino for path in (box / "data").rglob("*") if path.is_file()}
+    assert len(data_inodes) > 10
+    assert "sending 3 of 3 files" in resumed.stderr  # the backup the box lacks
     assert (box / "workspace" / "backup" / backups[0].name / "state.pt").read_bytes() == \
         (backups[0] / "state.pt").read_bytes()
     events = [json.loads(line) for line in resumed.stdout.splitlines()]
@@ -278,3 +279,25 @@ def test_a_host_that_is_not_one_is_refused(host):
 
     with pytest.raises(RemoteError, match="--host: .* is not a host"):
         SshTarget(host)
+
+
+def test_helper_session_reports_a_trainer_that_crashes(tmp_path):
+    """The box side alone: a supervised program that dies without an error event gets one, with its log."""
+    helper = ROOT / "modules" / "remote" / "helper.py"
+    run = tmp_path / "run"
+    program = "import sys; print('{\"event\": \"started\", \"total_steps\": 1}', flush=True); sys.exit('boom: out of memory')"
+    started = subprocess.run([sys.executable, str(helper), "start", str(run), "--", sys.executable, "-c", program],
+                             capture_output=True, text=True, check=True)
+    assert json.loads(started.stdout)["pid"] > 0
+    deadline = time.monotonic() + 30
+    while not (run / "exit_code").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # a client keeps the input open (closing it means: detached)
+    attached = subprocess.Popen([sys.executable, str(helper), "attach", str(run)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    out = attached.stdout.read()
+    assert attached.wait(timeout=30) == 1
+    attached.stdin.close()
+    events = [json.loads(line) for line in out.splitlines()]
+    assert events[0] == {"event": "started", "total_steps": 1}
+    assert events[1] == {"event": "error", "message": "the trainer exited with code 1: boom: out of memory"}

@@ -156,9 +156,12 @@ class App(ctk.CTk):
             self.command_buttons[command] = button
         right = ctk.CTkFrame(bar, fg_color="transparent")
         right.pack(side="left", fill="x", expand=True, padx=8)
-        self.progress = ctk.CTkProgressBar(right)
+        self.progress = ctk.CTkProgressBar(right)  # steps
         self.progress.set(0)
         self.progress.pack(fill="x", pady=(6, 2))
+        self.epoch_progress = ctk.CTkProgressBar(right, height=4, progress_color=("#7b8794", "#7b8794"))
+        self.epoch_progress.set(0)
+        self.epoch_progress.pack(fill="x", pady=(0, 2))
         self.status_label = ctk.CTkLabel(right, text="Ready.", anchor="w")
         self.status_label.pack(fill="x")
 
@@ -373,6 +376,7 @@ class App(ctk.CTk):
         for button in self.command_buttons.values():
             button.configure(state="normal")
         self.progress.set(0)
+        self.epoch_progress.set(0)
         self.set_status("Starting…")
         self.after(100, self._poll)
         return True
@@ -413,8 +417,10 @@ class App(ctk.CTk):
         elif name == "progress":
             step, total = event.get("step", 0), event.get("total_steps") or self.total_steps or 1
             self.progress.set(min(1.0, step / total))
+            epoch, epochs = event.get("epoch") or 0, event.get("epochs") or 1  # epoch: those done
+            self.epoch_progress.set(min(1.0, epoch / epochs))
             loss = event.get("loss")
-            parts = [f"step {step}/{total}", f"epoch {event.get('epoch', 0) + 1}/{event.get('epochs', '?')}"]
+            parts = [f"step {step}/{total}", f"epoch {min(epoch + 1, epochs)}/{epochs}"]
             if loss is not None:
                 parts.append(f"loss {loss:.4f}")
             if event.get("it_per_s"):
@@ -430,6 +436,7 @@ class App(ctk.CTk):
             self.show_error("Training failed", event.get("message", ""))
         elif name == "finished":
             self.progress.set(1.0)
+            self.epoch_progress.set(1.0)
 
     def _ended(self, returncode: int) -> None:
         names = {e.get("event") for e in self.run_events}

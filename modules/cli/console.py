@@ -49,6 +49,9 @@ class ConsoleCallbacks(TrainCallbacks):
     def on_save(self, path: str) -> None:
         self._line(f"saved: {path}")
 
+    def on_validation(self, step: int, loss: float) -> None:
+        self._line(f"validation loss at step {step}: {loss:.5f}")
+
     def on_warning(self, message: str) -> None:
         self._line(f"warning: {message}")
 

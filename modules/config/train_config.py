@@ -335,6 +335,22 @@ class LrSchedulerConfig(StrictModel):
                                       "gradient_accumulation (the effective batch), as kohya's scale_lr does.")
 
 
+class CaptionConfig(StrictModel):
+    """How a concept's captions are varied while training (kohya / OneTrainer caption options)."""
+
+    prefix: str = Field("", description="Put before every caption (e.g. a trigger word and ', ').")
+    suffix: str = Field("", description="Put after every caption.")
+    separator: str = Field(",", min_length=1, description="What splits a caption into tags.")
+    shuffle_tags: bool = Field(False, description="Shuffle the tags each time an image is trained.")
+    keep_tags: int = Field(0, ge=0, description="The first N tags stay first and are never dropped.")
+    tag_dropout: float = Field(0.0, ge=0, lt=1, description="Drop each other tag with this probability.")
+    caption_dropout: float = Field(0.0, ge=0, le=1, description="Train with an empty caption this often.")
+
+    @property
+    def varies(self) -> bool:
+        return self.shuffle_tags or self.tag_dropout > 0 or self.caption_dropout > 0
+
+
 class ConceptConfig(StrictModel):
     name: str = ""
     path: str = Field(..., description="Folder of png/jpg/webp images.")
@@ -347,6 +363,15 @@ class ConceptConfig(StrictModel):
     repeats: int = Field(1, ge=1)
     enabled: bool = True
     include_subfolders: bool = False
+    validation: bool = Field(False, description="Not trained on: its images measure the validation loss "
+                             "(schedule.validate_every).")
+    loss_weight: float = Field(1.0, gt=0, description="Multiplies the loss of this concept's images.")
+    samples_per_epoch: int | None = Field(None, ge=1, description="Balance concepts by count: this many of "
+                                          "its images per epoch (cycling, reshuffled each epoch) instead of repeats.")
+    captions: CaptionConfig = Field(default_factory=CaptionConfig)
+    masked_loss: bool = Field(False, description="Weight the loss by `<image>-masklabel.png` beside each image "
+                              "(white: full weight).")
+    unmasked_weight: float = Field(0.1, ge=0, le=1, description="masked_loss: the weight of the black area.")
 
 
 class SamplePromptConfig(StrictModel):
@@ -394,11 +419,42 @@ class ScheduleConfig(StrictModel):
     sample_every: Cadence = Field(default_factory=Cadence)
     backup_every: Cadence = Field(default_factory=Cadence)
     save_every: Cadence = Field(default_factory=Cadence)
+    validate_every: Cadence = Field(default_factory=Cadence, description="Validation loss on the validation "
+                                    "concepts, at the same timesteps and noise every time.")
 
 
 class DataConfig(StrictModel):
-    resolution: int = Field(512, ge=8)
+    resolution: int | list[Annotated[int, Field(ge=8)]] = Field(
+        512, description="Training resolution, or several: each image then trains at each of them.")
     aspect_buckets: bool = True
+    flip: bool = Field(False, description="Train each image mirrored half of the time (both versions are "
+                       "encoded and cached).")
+    cache_latents: bool = Field(True, description="Encode each image once and reuse its latents; off: encode "
+                                "each time it is trained (needed for crop_jitter and color_jitter).")
+    crop_jitter: bool = Field(False, description="Crop at a random position instead of the centre.")
+    color_jitter: float = Field(0.0, ge=0, le=0.5, description="Move brightness, contrast and saturation by "
+                                "up to this much each time an image is trained.")
+
+    @model_validator(mode="after")
+    def _jitter_needs_fresh_latents(self) -> "DataConfig":
+        for name in ("crop_jitter", "color_jitter"):
+            if getattr(self, name) and self.cache_latents:
+                raise located_error("changes the image each time it is trained, so its latents cannot be "
+                                    "cached: set data.cache_latents to false", name)
+        return self
+
+    @field_validator("resolution")
+    @classmethod
+    def _positive(cls, value: int | list[int]) -> int | list[int]:
+        if isinstance(value, int) and value < 8:
+            raise ValueError(f"must be >= 8 (got {value})")
+        if isinstance(value, list) and not value:
+            raise ValueError("give at least one resolution")
+        return value
+
+    @property
+    def resolutions(self) -> list[int]:
+        return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]
 
 
 class OutputConfig(StrictModel):

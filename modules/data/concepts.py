@@ -29,10 +29,11 @@ class ConceptItem:
 
 
 def check_concepts(concepts: list[ConceptConfig]) -> None:
-    """Fail before anything slow happens: at least one enabled concept, each an existing folder."""
+    """Fail before anything slow happens: at least one enabled training concept, each enabled
+    concept an existing folder."""
     enabled = [(i, c) for i, c in enumerate(concepts) if c.enabled]
-    if not enabled:
-        raise DataError("concepts: no enabled concept (add a folder of images)")
+    if not any(not c.validation for _, c in enabled):
+        raise DataError("concepts: no enabled training concept (add a folder of images)")
     for index, concept in enabled:
         if not Path(concept.path).is_dir():
             raise DataError(f"concepts[{index}].path: {concept.path} is not a folder")

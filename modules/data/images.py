@@ -17,15 +17,22 @@ def image_size(path: Path) -> tuple[int, int]:
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 
-def load_cropped(path: Path, width: int, height: int) -> torch.Tensor:
-    """(3, height, width) float tensor in [-1, 1]."""
+def crop_box(size: tuple[int, int], width: int, height: int,
+             position: tuple[float, float] = (0.5, 0.5)) -> tuple[int, int, int, int]:
+    """The (left, top, right, bottom) crop of an image already resized to cover width x height;
+    `position` places it in the spare border (0.5, 0.5: centred)."""
+    left = round((size[0] - width) * position[0])
+    top = round((size[1] - height) * position[1])
+    return left, top, left + width, top + height
+
+
+def load_cropped(path: Path, width: int, height: int, position: tuple[float, float] = (0.5, 0.5)) -> torch.Tensor:
+    """(3, height, width) float tensor in [-1, 1]: resized to cover, cropped at `position`."""
     with Image.open(path) as opened:
         image = ImageOps.exif_transpose(opened).convert("RGB")
     scale = max(width / image.width, height / image.height)
     resized_size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
     image = image.resize(resized_size, Image.Resampling.LANCZOS)
-    left = (image.width - width) // 2
-    top = (image.height - height) // 2
-    image = image.crop((left, top, left + width, top + height))
+    image = image.crop(crop_box(image.size, width, height, position))
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()

@@ -84,6 +84,8 @@ def dispatch(event: dict, callbacks) -> None:
         callbacks.on_backup(event["path"])
     elif kind == "saved":
         callbacks.on_save(event["path"])
+    elif kind == "validation" and hasattr(callbacks, "on_validation"):
+        callbacks.on_validation(event.get("step"), event.get("loss"))
     elif kind == "warning":
         callbacks.on_warning(event.get("message", ""))
     elif kind == "error":

@@ -35,6 +35,7 @@ CHUNK = 1 << 20
 RUNNING, NO_RUN = "running", "none"
 EXIT_LOST = 70  # `attach`: the run died without an exit status
 EXIT_DETACHED = 71  # `attach`: the client closed the connection's input (it detached); the run goes on
+EXIT_HELPER_FAILED = 72  # the helper itself failed (its one-line reason on stderr)
 
 
 # --- files ------------------------------------------------------------------------------------
@@ -188,11 +189,31 @@ def supervise(run: str, argv: list[str]) -> int:
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
         code = process.wait()
+    if code != 0:
+        _report_crash(run, code)
     temp = os.path.join(run, ".exit_code.tmp")
     with open(temp, "w") as handle:
         handle.write(str(code))
     os.replace(temp, os.path.join(run, "exit_code"))
     return 0
+
+
+def _report_crash(run: str, code: int) -> None:
+    """A trainer that died without an `error` event (a crash, a kill): add one, with its log's tail."""
+    with open(os.path.join(run, "events.jsonl"), "rb") as handle:
+        lines = handle.read().splitlines()
+    try:
+        last = json.loads(lines[-1]).get("event") if lines else None
+    except ValueError:
+        last = None
+    if last == "error":
+        return
+    with open(os.path.join(run, "train.log"), "rb") as handle:
+        handle.seek(max(0, os.fstat(handle.fileno()).st_size - 2000))
+        tail = handle.read().decode(errors="replace").strip().splitlines()[-5:]
+    message = f"the trainer exited with code {code}" + (": " + " | ".join(tail) if tail else "")
+    with open(os.path.join(run, "events.jsonl"), "ab") as handle:
+        handle.write((json.dumps({"event": "error", "message": message}) + "\n").encode())
 
 
 def _alive(pid: int) -> bool:
@@ -310,6 +331,6 @@ if __name__ == "__main__":
         status_code = 0
     except Exception as error:  # noqa: BLE001  (one line for the local side to show, not a traceback)
         print(f"helper {' '.join(sys.argv[1:2])}: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        status_code = 1
+        status_code = EXIT_HELPER_FAILED
     # os._exit, not sys.exit: a normal shutdown aborts while `attach`'s command thread blocks on stdin
     os._exit(status_code)

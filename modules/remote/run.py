@@ -262,26 +262,33 @@ class RemoteRun:
             self.send_command(name)
         stderr_lines: list[bytes] = []
         threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
-        for raw in process.stdout:
-            if not raw.endswith(b"\n"):
-                break  # a cut line: the connection dropped mid-event; it is read again on reattach
-            try:
-                event = json.loads(raw)
-            except ValueError:
+        try:
+            for raw in process.stdout:
+                if not raw.endswith(b"\n"):
+                    break  # a cut line: the connection dropped mid-event; it is read again on reattach
+                try:
+                    event = json.loads(raw)
+                except ValueError:
+                    self.offset += len(raw)
+                    continue
+                if pull:
+                    event = self._localize(event)
                 self.offset += len(raw)
-                continue
-            if pull:
-                event = self._localize(event)
-            self.offset += len(raw)
-            self.save_session()
-            yield event
-        code = process.wait()
-        with self._lock:
-            self._process = None
+                self.save_session()
+                yield event
+            code = process.wait()
+        finally:  # also when the caller stops iterating: drop this connection (the run goes on)
+            with self._lock:
+                self._process = None
+            if process.poll() is None:
+                process.terminate()
+                process.wait()
+        detail = b"".join(stderr_lines).decode(errors="replace").strip().splitlines()
         if code in (255, helper.EXIT_DETACHED) or code < 0:
-            detail = b"".join(stderr_lines).decode(errors="replace").strip().splitlines()
             raise ConnectionLost(f"{self.target.label}: the connection dropped ({detail[-1] if detail else f'ssh exit {code}'}); "
                                  "the run goes on there: reattach with launch.py remote --attach")
+        if code == helper.EXIT_HELPER_FAILED:
+            raise RemoteError(f"{self.target.label}: following the run failed: {detail[-1] if detail else code}")
         self.returncode = code
         if pull:
             self.sync_results()
@@ -309,7 +316,8 @@ class RemoteRun:
                 process.stdin.write((json.dumps({"command": name}) + "\n").encode())
                 process.stdin.flush()
                 return True
-            except (BrokenPipeError, ValueError, OSError):
+            except (BrokenPipeError, ValueError, OSError):  # the connection is going down: next time
+                self._pending.append(name)
                 return False
 
     def stop(self) -> bool:

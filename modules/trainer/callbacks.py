@@ -31,6 +31,8 @@ class TrainCallbacks:
 
     def on_save(self, path: str) -> None: ...
 
+    def on_validation(self, step: int, loss: float) -> None: ...
+
     def on_warning(self, message: str) -> None: ...
 
     def on_error(self, message: str) -> None: ...
@@ -65,6 +67,9 @@ class FanOut(TrainCallbacks):
 
     def on_save(self, path):
         self._all("on_save", path)
+
+    def on_validation(self, step, loss):
+        self._all("on_validation", step, loss)
 
     def on_warning(self, message):
         self._all("on_warning", message)

@@ -45,6 +45,9 @@ class JsonlEvents(TrainCallbacks):
     def on_save(self, path: str) -> None:
         self.emit("saved", path=path)
 
+    def on_validation(self, step: int, loss: float) -> None:
+        self.emit("validation", step=step, loss=loss)
+
     def on_warning(self, message: str) -> None:
         self.emit("warning", message=message)
 

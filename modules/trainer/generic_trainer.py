@@ -106,6 +106,7 @@ class GenericTrainer:
         self.sample_action = TimedAction(config.schedule.sample_every)
         self.backup_action = TimedAction(config.schedule.backup_every)
         self.save_action = TimedAction(config.schedule.save_every)
+        self.validate_action = TimedAction(config.schedule.validate_every)
         self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard)
 
     def resolve_weight_modes(self) -> dict[str, str]:
@@ -232,10 +233,16 @@ class GenericTrainer:
         self.resume_state = self._load_resume_state() if config.backup.resume else None
 
     def setup_data(self) -> None:
-        # text conditioning can be cached only while no text encoder trains
-        cache_text = not any(self.config.model.parts[p].train for p in self.family.text_parts)
+        # text conditioning can be cached only while no text encoder trains and every caption is
+        # fixed (varying caption options encode each drawn caption as it is trained)
+        cache_text = (not any(self.config.model.parts[p].train for p in self.family.text_parts)
+                      and not any(c.captions.varies for c in self.config.concepts if c.enabled))
         self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                        self.callbacks.on_warning, cache_text)
+        self.validation_set = None
+        if any(c.enabled and c.validation for c in self.config.concepts):
+            self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
+                                                  self.callbacks.on_warning, cache_text, validation=True)
         (latent_hits, latent_misses), (text_hits, text_misses) = (
             self.dataset.cache_stats["latents"], self.dataset.cache_stats["text"])
         self.callbacks.on_status(f"{len(self.dataset.entries)} images; cache: {latent_misses} latents and "
@@ -315,7 +322,7 @@ class GenericTrainer:
                 group = min(accumulation, len(batches) - self.batch_in_epoch)
                 loss_sum = torch.zeros((), device=self.device)
                 for _ in range(group):
-                    loss = self._forward(batches[self.batch_in_epoch], compute_dtype)
+                    loss = self._forward(batches[self.batch_in_epoch], compute_dtype, self.batch_in_epoch)
                     scaler.scale(loss / group).backward()
                     loss_sum += loss.detach()
                     self.batch_in_epoch += 1
@@ -347,11 +354,11 @@ class GenericTrainer:
             self.callbacks.on_status("stopping: writing a backup")
             self.backup()
 
-    def _forward(self, indices: list[int], compute_dtype: torch.dtype) -> torch.Tensor:
-        batch = self.dataset.collate(indices, self.device)
+    def _forward(self, indices: list[int], compute_dtype: torch.dtype, batch_index: int = 0) -> torch.Tensor:
+        batch = self.dataset.collate(indices, self.device, self.epoch, batch_index)
         with autocast(self.device, compute_dtype):
             out = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
-        return training_loss(out, self.config.loss)
+        return training_loss(out, self.config.loss, batch.loss_weights, batch.masks)
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains."""
@@ -373,7 +380,8 @@ class GenericTrainer:
 
     def _on_boundary(self, epoch_finished: bool) -> None:
         requested = self.commands.take()
-        for name, action, run in (("sample", self.sample_action, self.sample),
+        for name, action, run in (("validate", self.validate_action, self.validate),
+                                  ("sample", self.sample_action, self.sample),
                                   ("backup", self.backup_action, self.backup),
                                   ("save", self.save_action, self.save)):
             if name in requested or action.due(self.step, epoch_finished, self.epoch):
@@ -393,6 +401,36 @@ class GenericTrainer:
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths
+
+    # the validation draws' seed: the same noise and timesteps at every validation of every run
+    VALIDATION_SEED = 20_231_129
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        """Mean loss over the validation concepts at fixed noise and timesteps (the loss options
+        apply), with the weights samples use; logged and reported as a `validation` event."""
+        if self.validation_set is None:
+            self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
+            return None
+        generator = make_generator(self.device, self.VALIDATION_SEED)
+        trained = {part: self.family.parts[part].training for part in self.trained_parts}
+        losses = []
+        try:
+            for part in trained:
+                self.family.parts[part].eval()  # no dropout: the same number for the same weights
+            with self.evaluation_weights(), autocast(self.device, dtype_of(self.config.train_dtype)):
+                for indices in self.validation_set.epoch_batches(0):
+                    batch = self.validation_set.collate(indices, self.device)
+                    out = self.family.predict(batch.latents, self.conditioning(batch), generator)
+                    losses.append(training_loss(out, self.config.loss, batch.loss_weights, batch.masks).item()
+                                  * len(indices))
+        finally:
+            for part, mode in trained.items():
+                self.family.parts[part].train(mode)
+        loss = sum(losses) / sum(len(b) for b in self.validation_set.epoch_batches(0))
+        self.scalars.add(self.step, validation_loss=loss)
+        self.callbacks.on_validation(self.step, loss)
+        return loss
 
     def backup(self) -> Path:
         folder = write_backup(self.workspace, self.step, self.adapters.state_dict(), self._training_state(),

@@ -27,7 +27,11 @@ def snr_weighting_requested(config: LossConfig) -> str | None:
     return None
 
 
-def training_loss(out: Prediction, config: LossConfig) -> torch.Tensor:
+def training_loss(out: Prediction, config: LossConfig, sample_weights: torch.Tensor | None = None,
+                  pixel_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """The batch's loss; `sample_weights` (each sample's concept loss_weight) scale per sample,
+    `pixel_weights` (B, 1, h, w; loss masks) per latent pixel, normalised by their mean so a
+    masked sample weighs as much as an unmasked one."""
     prediction, target = out.prediction.float(), out.target.float()
     if config.type == "huber":
         elementwise = F.huber_loss(prediction, target, reduction="none", delta=config.huber_delta)
@@ -35,7 +39,14 @@ def training_loss(out: Prediction, config: LossConfig) -> torch.Tensor:
         elementwise = F.l1_loss(prediction, target, reduction="none")
     else:
         elementwise = F.mse_loss(prediction, target, reduction="none")
-    per_sample = elementwise.mean(dim=tuple(range(1, elementwise.dim())))
+    dims = tuple(range(1, elementwise.dim()))
+    if pixel_weights is not None:
+        weights = pixel_weights.to(elementwise).expand_as(elementwise)
+        per_sample = (elementwise * weights).sum(dim=dims) / weights.sum(dim=dims).clamp(min=1e-8)
+    else:
+        per_sample = elementwise.mean(dim=dims)
+    if sample_weights is not None:
+        per_sample = per_sample * sample_weights.to(per_sample)
     if snr_weighting_requested(config) is None:
         return per_sample.mean()
     if out.snr is None:
