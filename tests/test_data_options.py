@@ -190,3 +190,19 @@ def test_a_run_with_fresh_latents_and_every_data_option_trains(tmp_path, tiny_mo
     trainer.start()
     trainer.train()
     assert trainer.step == 2 and torch.isfinite(torch.tensor(trainer.last_loss))
+
+
+def test_batches_carry_each_images_original_size_and_crop_for_sdxl(tmp_path, tiny_model, concept):
+    from types import SimpleNamespace
+
+    from modules.model.sdxl import SDXLFamily
+
+    wide = concept / "wide.png"
+    Image.new("RGB", (128, 64), (200, 30, 30)).save(wide)
+    dataset, _ = _dataset(tmp_path, tiny_model, {"path": concept}, data={"aspect_buckets": False})
+    index = next(i for i, e in enumerate(dataset.entries) if e.item.image == wide)
+    batch = dataset.collate([index], torch.device("cpu"))
+    assert batch.image_info.tolist() == [[64.0, 128.0, 0.0, 32.0]]  # centred crop of a 2:1 image
+    # the tiny VAE halves the image: its latents are 32x32 for the 64x64 bucket
+    time_ids = SDXLFamily.time_ids(SimpleNamespace(vae_scale_factor=2), batch.latents, batch.image_info)
+    assert time_ids.tolist() == [[64.0, 128.0, 0.0, 32.0, 64.0, 64.0]]

@@ -21,7 +21,7 @@ from modules.data.buckets import bucket_for
 from modules.data.cache import TensorCache, cache_key
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
-from modules.data.images import image_size, load_cropped
+from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 
@@ -46,6 +46,7 @@ class Entry:
     unmasked_weight: float = 1.0
     samples_per_epoch: int | None = None
     flip: bool = False  # a mirrored version is cached too, and drawn half of the time
+    original_size: tuple[int, int] = (0, 0)  # (width, height) of the image file, EXIF applied
 
 
 @dataclass
@@ -55,6 +56,8 @@ class Batch:
     captions: list[str]
     loss_weights: torch.Tensor | None = None  # per sample (its concept's loss_weight); None: all 1
     masks: torch.Tensor | None = None  # (B, 1, h, w) per-pixel loss weights on the latent grid; None: all 1
+    # (B, 4): original height, original width, crop top, crop left (SDXL's size conditioning)
+    image_info: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,10 +70,11 @@ class FreshLatents:
 
     @torch.no_grad()
     def encode(self, entries: list[Entry], flipped: list[bool], rngs: list, device: torch.device):
-        pixels, masks = [], []
+        pixels, masks, positions = [], [], []
         for entry, flip, rng in zip(entries, flipped, rngs):
             width, height = entry.bucket
             position = crop_position(rng, self.crop_jitter)
+            positions.append(position)
             image = load_cropped(entry.item.image, width, height, position)
             mask = load_mask(entry.mask, width, height, position) if entry.mask is not None else None
             if flip:
@@ -80,7 +84,7 @@ class FreshLatents:
             masks.append(mask)
         latents = self.family.encode_images(torch.stack(pixels).to(device)).float()
         grid = latents.shape[-2:]
-        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks]
+        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks], positions
 
 
 class TrainDataset:
@@ -138,8 +142,11 @@ class TrainDataset:
             latent_keys = [e.latent_key + FLIPPED if flip else e.latent_key for e, flip in zip(entries, flipped)]
             latents = torch.stack([self.latents[k] for k in latent_keys]).to(device, non_blocking=True)
             sample_masks = [self.masks.get(k) for k in latent_keys]
+            positions = [(0.5, 0.5)] * len(entries)
         else:
-            latents, sample_masks = self.fresh.encode(entries, flipped, rngs, device)
+            latents, sample_masks, positions = self.fresh.encode(entries, flipped, rngs, device)
+        image_info = torch.tensor([[e.original_size[1], e.original_size[0], *crop_origin(e.original_size, *e.bucket, p)]
+                                   for e, p in zip(entries, positions)], dtype=torch.float32, device=device)
         text = None
         if entries[0].text_key is not None:
             keys = self.texts[entries[0].text_key].keys()
@@ -154,7 +161,7 @@ class TrainDataset:
             raw = torch.stack([m if m is not None else torch.ones(1, *grid) for m in sample_masks]).to(device)
             floor = torch.tensor([e.unmasked_weight if m is not None else 1.0 for e, m in zip(entries, sample_masks)])
             masks = mask_loss_weights(raw, floor.to(device))
-        return Batch(latents, text, captions, loss_weights, masks)
+        return Batch(latents, text, captions, loss_weights, masks, image_info)
 
 
 def _file_hash(path: Path) -> str:
@@ -195,7 +202,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                 entries.append(Entry(item, bucket, latent_key, text_key, concept.repeats, concept.loss_weight,
                                      concept.captions if concept.captions.varies else None, mask,
                                      concept.unmasked_weight if mask else 1.0, concept.samples_per_epoch,
-                                     config.data.flip))
+                                     config.data.flip, size))
             usable += 1
         if unmasked:
             warn(f"concepts[{index}].masked_loss: {unmasked} image(s) in {concept.path} have no -masklabel "

@@ -26,6 +26,16 @@ def crop_box(size: tuple[int, int], width: int, height: int,
     return left, top, left + width, top + height
 
 
+def crop_origin(size: tuple[int, int], width: int, height: int,
+                position: tuple[float, float] = (0.5, 0.5)) -> tuple[int, int]:
+    """(top, left) of the crop load_cropped takes from an image of `size`, in the resized image's
+    pixels (what SDXL's crop conditioning means)."""
+    scale = max(width / size[0], height / size[1])
+    resized = (max(width, round(size[0] * scale)), max(height, round(size[1] * scale)))
+    left, top, _, _ = crop_box(resized, width, height, position)
+    return top, left
+
+
 def load_cropped(path: Path, width: int, height: int, position: tuple[float, float] = (0.5, 0.5)) -> torch.Tensor:
     """(3, height, width) float tensor in [-1, 1]: resized to cover, cropped at `position`."""
     with Image.open(path) as opened:

@@ -141,13 +141,15 @@ class SDXLFamily(SD15Family):
 
     # --- training ----------------------------------------------------------------------------
 
-    def time_ids(self, latents: torch.Tensor) -> torch.Tensor:
-        """(original size, crop top-left, target size) per image. The data pipeline center-crops a
-        resized image to its bucket, so original and target size are the bucket's and the crop
-        is (0, 0), as diffusers' training scripts do without size conditioning data."""
+    def time_ids(self, latents: torch.Tensor, image_info: torch.Tensor | None = None) -> torch.Tensor:
+        """(original size, crop top-left, target size) per image, as SDXL was trained: the image
+        file's size and where the bucket's crop was taken (`image_info` from the data pipeline);
+        without it (sampling-like calls), the bucket's size and no crop."""
         height, width = (d * self.vae_scale_factor for d in latents.shape[-2:])
-        row = torch.tensor([height, width, 0, 0, height, width], dtype=torch.float32)
-        return row.expand(latents.shape[0], 6).to(latents.device)
+        target = torch.tensor([height, width], dtype=torch.float32, device=latents.device).expand(latents.shape[0], 2)
+        if image_info is None:
+            return torch.cat([target, torch.zeros_like(target), target], dim=1)
+        return torch.cat([image_info.to(device=latents.device, dtype=torch.float32), target], dim=1)
 
     def predict(self, latents, text, generator):
         batch = latents.shape[0]
@@ -157,7 +159,7 @@ class SDXLFamily(SD15Family):
         dtype = self.compute_dtype("unet")
         prediction = self.unet(
             noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype),
-            added_cond_kwargs={"text_embeds": text["pooled"].to(dtype), "time_ids": self.time_ids(latents).to(dtype)},
+            added_cond_kwargs={"text_embeds": text["pooled"].to(dtype), "time_ids": self.time_ids(latents, text.get("image_info")).to(dtype)},
         ).sample
         v_prediction = self.prediction_type == "v_prediction"
         target = self.noise_scheduler.get_velocity(latents, noise, timesteps) if v_prediction else noise

@@ -361,10 +361,10 @@ class GenericTrainer:
         return training_loss(out, self.config.loss, batch.loss_weights, batch.masks)
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """The batch's cached text conditioning, or a fresh encoding when a text encoder trains."""
-        if batch.text is not None:
-            return batch.text
-        return self.family.encode_text(self.family.tokenize(batch.captions))
+        """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
+        captions vary), plus `image_info` (original size and crop, for families that condition on it)."""
+        text = batch.text if batch.text is not None else self.family.encode_text(self.family.tokenize(batch.captions))
+        return {**text, "image_info": batch.image_info} if batch.image_info is not None else text
 
     def _report(self, started: float, steps_at_start: int) -> None:
         elapsed = time.monotonic() - started

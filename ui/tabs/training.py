@@ -7,7 +7,7 @@ import typing
 
 import customtkinter as ctk
 
-from modules.config.train_config import OptimizerConfig
+from modules.config.train_config import LrSchedulerConfig, OptimizerConfig
 from ui.components import section
 from ui.tabs import PartSections, Tab
 
@@ -30,7 +30,8 @@ class TrainingTab(Tab):
         self._optimizer_shown = None
         self._optimizer_fields()
         section(self, "Learning rate schedule")
-        self.field(self, "lr_scheduler.type", "Scheduler", "choice", widget="option", values=["constant", "linear", "cosine"])
+        schedules = list(typing.get_args(LrSchedulerConfig.model_fields["type"].annotation))
+        self.field(self, "lr_scheduler.type", "Scheduler", "choice", widget="option", values=schedules)
         self.field(self, "lr_scheduler.warmup_steps", "Warmup steps", "int")
         section(self, "Length and batches")
         self.field(self, "schedule.epochs", "Epochs", "int")
@@ -70,9 +71,13 @@ class TrainingTab(Tab):
                 continue
             annotation = info.annotation
             origin = typing.get_origin(annotation)
+            optional = type(None) in typing.get_args(annotation)  # e.g. Prodigy's beta3: None = automatic
             if origin is tuple:
-                for index, _ in enumerate(typing.get_args(annotation)):
-                    self.field(self.optimizer_frame, f"optimizer.{name}[{index}]", f"{name} [{index}]", "float")
+                for index, member in enumerate(typing.get_args(annotation)):
+                    kind = "optfloat" if type(None) in typing.get_args(member) else "float"
+                    self.field(self.optimizer_frame, f"optimizer.{name}[{index}]", f"{name} [{index}]", kind)
+            elif optional:
+                self.field(self.optimizer_frame, f"optimizer.{name}", f"{name} (empty: automatic)", "optfloat")
             elif annotation is bool:
                 self.field(self.optimizer_frame, f"optimizer.{name}", name, "bool", widget="switch")
             elif annotation is int:
