@@ -364,7 +364,9 @@ def gui_run(app, shape_images):
     app.load_button.invoke()
     pump(app, timeout=0.1)
     app.tabview.set("Concepts")
-    pump(app, lambda: "4 images" in app.tabs["Concepts"].previews[0]["count"].cget("text"), timeout=5,
+    # the preview is rebuilt from the event loop: wait for it to exist, then for its count
+    pump(app, lambda: bool(app.tabs["Concepts"].previews)
+         and "4 images" in app.tabs["Concepts"].previews[0]["count"].cget("text"), timeout=30,
          what="the concept preview")
     statuses = []
     app.start_button.invoke()

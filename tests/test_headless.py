@@ -76,9 +76,10 @@ def test_sigterm_then_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path,
 
 
 def test_a_second_sigint_quits_at_once_leaving_no_half_written_file(tmp_path, tiny_model, shape_images):
-    # steps of four accumulated batches (about a second here), a backup after each
+    # steps of twelve accumulated batches (seconds, even on a busy machine), a backup after each
     config = train_config(tiny_model, shape_images, tmp_path, {
-        "schedule": {"epochs": 500, "batch_size": 1, "gradient_accumulation": 4, "backup_every": "1 steps"},
+        "concepts": [{"path": str(shape_images), "repeats": 3}],
+        "schedule": {"epochs": 500, "batch_size": 1, "gradient_accumulation": 12, "backup_every": "1 steps"},
         "backup": {"rolling_count": 2}})
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())

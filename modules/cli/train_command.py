@@ -30,9 +30,11 @@ def resolve_config(config_files: list[str], preset: str | None, overrides: list[
 def install_stop_signals(commands: TrainCommands, log=lambda text: print(text, file=sys.stderr, flush=True)) -> None:
     def request_stop(signum, _frame):
         commands.stop()
+        # arm the second Ctrl-C before saying so: a user (or test) that reacts to the message at
+        # once must find it armed
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         log(f"[{signal.Signals(signum).name}: stopping at the next step; a backup will be written. "
             "Press Ctrl-C again to quit at once]")
-        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)

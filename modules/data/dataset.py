@@ -46,7 +46,7 @@ class Entry:
     unmasked_weight: float = 1.0
     samples_per_epoch: int | None = None
     flip: bool = False  # a mirrored version is cached too, and drawn half of the time
-    original_size: tuple[int, int] = (0, 0)  # (width, height) of the image file, EXIF applied
+    original_size: tuple[int, int] | None = None  # (width, height) of the image file, EXIF applied
 
 
 @dataclass
@@ -58,6 +58,13 @@ class Batch:
     masks: torch.Tensor | None = None  # (B, 1, h, w) per-pixel loss weights on the latent grid; None: all 1
     # (B, 4): original height, original width, crop top, crop left (SDXL's size conditioning)
     image_info: torch.Tensor | None = None
+
+
+def _image_info(entry: Entry, position: tuple[float, float]) -> list[float]:
+    """Original height and width, crop top and left (the bucket and no crop when the size is unknown)."""
+    if entry.original_size is None:
+        return [entry.bucket[1], entry.bucket[0], 0, 0]
+    return [entry.original_size[1], entry.original_size[0], *crop_origin(entry.original_size, *entry.bucket, position)]
 
 
 @dataclass
@@ -145,8 +152,8 @@ class TrainDataset:
             positions = [(0.5, 0.5)] * len(entries)
         else:
             latents, sample_masks, positions = self.fresh.encode(entries, flipped, rngs, device)
-        image_info = torch.tensor([[e.original_size[1], e.original_size[0], *crop_origin(e.original_size, *e.bucket, p)]
-                                   for e, p in zip(entries, positions)], dtype=torch.float32, device=device)
+        image_info = torch.tensor([_image_info(e, p) for e, p in zip(entries, positions)], dtype=torch.float32,
+                                  device=device)
         text = None
         if entries[0].text_key is not None:
             keys = self.texts[entries[0].text_key].keys()

@@ -273,9 +273,11 @@ class RemoteRun:
                     continue
                 if pull:
                     event = self._localize(event)
+                yield event
+                # counted once the caller has handled it: a client killed in between shows it again
+                # on reattach (at least once, never lost)
                 self.offset += len(raw)
                 self.save_session()
-                yield event
             code = process.wait()
         finally:  # also when the caller stops iterating: drop this connection (the run goes on)
             with self._lock:
