@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TABS = ["General", "Model", "Concepts", "Training", "Adapter", "Offload", "Sampling", "Backup", "Run"]
@@ -420,7 +421,7 @@ def test_same_preset_from_gui_and_cli_gives_the_same_adapter(app, gui_run, tmp_p
     from safetensors.torch import load_file
 
     cli_output = tmp_path / "cli.safetensors"
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ)  # as the GUI's child got it: the same thread count, the same float sums
     result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "train", "--preset", PRESET,
                              "--set", f"output.path={cli_output}", "--set", f"workspace_dir={tmp_path / 'ws'}"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -429,8 +430,8 @@ def test_same_preset_from_gui_and_cli_gives_the_same_adapter(app, gui_run, tmp_p
     assert sorted(gui) == sorted(cli)
     # the preset's layer_preset "attn" reached the trainer from both: no feed-forward layers
     assert not any("_ff_" in key for key in gui) and any("attn1_to_q" in key for key in gui)
-    for key in gui:
-        assert gui[key].equal(cli[key]), key
+    for key in gui:  # equal up to float summation order (thread scheduling), never a different run
+        torch.testing.assert_close(gui[key], cli[key], atol=1e-6, rtol=0, msg=key)
 
 
 def test_stop_stops_and_leaves_a_backup(app, tmp_path):
