@@ -22,7 +22,12 @@ from typing import Any, Callable
 from pydantic import BaseModel, ValidationError
 
 from modules.config.errors import ConfigError, format_validation_error
-from modules.config.loading import build_config, config_overlay, deep_merge, parse_dotted
+from modules.config.loading import (
+    build_config,
+    config_overlay,
+    deep_merge,
+    parse_dotted,
+)
 from modules.config.train_config import UNION_TAGS, TrainConfig
 
 KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "bool", "choice", "lines")

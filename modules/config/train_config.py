@@ -8,11 +8,24 @@ breaking change that needs a migration (migrations.py).
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union, get_args
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from modules.config.errors import located_error
+from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
+    UNION_TAGS,
+    AdafactorConfig,
+    AdamW8bitConfig,
+    AdamWConfig,
+    CAMEConfig,
+    LionConfig,
+    OptimizerConfig,
+    ProdigyConfig,
+    ScheduleFreeAdamWConfig,
+    default_optimizer_type,
+)
+from modules.config.strict import StrictModel
 
 CURRENT_VERSION = 1
 
@@ -29,12 +42,6 @@ def valid_regexes(patterns: list[str]) -> list[str]:
         except re.error as error:
             raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
     return patterns
-
-
-class StrictModel(BaseModel):
-    """Unknown keys are errors: a typo in a preset must not be silently ignored."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelPartConfig(StrictModel):
@@ -199,93 +206,6 @@ class AdapterConfig(StrictModel):
         return rank, alpha
 
 
-Betas = tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]]
-
-
-class AdamWConfig(StrictModel):
-    type: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-4, gt=0)
-    betas: Betas = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
-
-
-class AdamW8bitConfig(StrictModel):
-    """bitsandbytes' AdamW with 8-bit (blockwise quantized) moments: ~1/4 of AdamW's state memory."""
-
-    type: Literal["adamw_8bit"] = "adamw_8bit"
-    lr: float = Field(1e-4, gt=0)
-    betas: Betas = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(1e-2, ge=0)
-
-
-class AdafactorConfig(StrictModel):
-    """torch.optim.Adafactor: factored second moments, no first moment (very little state)."""
-
-    type: Literal["adafactor"] = "adafactor"
-    lr: float = Field(1e-2, gt=0)
-    beta2_decay: float = Field(-0.8, lt=0, description="Exponent of the second-moment decay schedule.")
-    eps: tuple[float | None, float] = (None, 1e-3)
-    d: float = Field(1.0, gt=0, description="Clipping threshold of the update's RMS.")
-    weight_decay: float = Field(0.0, ge=0)
-
-
-class ProdigyConfig(StrictModel):
-    """Prodigy (prodigyopt): estimates the step size itself; lr is a multiplier, 1.0 as a rule."""
-
-    type: Literal["prodigy"] = "prodigy"
-    lr: float = Field(1.0, gt=0)
-    betas: Betas = (0.9, 0.999)
-    beta3: float | None = Field(None, ge=0, lt=1, description="None: sqrt(beta2).")
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    decouple: bool = True
-    use_bias_correction: bool = False
-    safeguard_warmup: bool = False
-    d_coef: float = Field(1.0, gt=0)
-    d0: float = Field(1e-6, gt=0)
-
-
-class ScheduleFreeAdamWConfig(StrictModel):
-    """Schedule-free AdamW (schedulefree): no LR schedule needed (use lr_scheduler constant); samples
-    and saves use its averaged weights."""
-
-    type: Literal["schedule_free_adamw"] = "schedule_free_adamw"
-    lr: float = Field(2.5e-3, gt=0)
-    betas: Betas = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-
-
-class LionConfig(StrictModel):
-    """Lion (lion-pytorch): sign updates, one moment; wants ~3-10x smaller lr than AdamW."""
-
-    type: Literal["lion"] = "lion"
-    lr: float = Field(3e-5, gt=0)
-    betas: Betas = (0.9, 0.99)
-    weight_decay: float = Field(0.0, ge=0)
-
-
-class CAMEConfig(StrictModel):
-    """CAME (came-pytorch): confidence-guided, factored, memory-light."""
-
-    type: Literal["came"] = "came"
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float, float] = (0.9, 0.999, 0.9999)
-    eps: tuple[float, float] = (1e-30, 1e-16)
-    weight_decay: float = Field(0.0, ge=0)
-
-
-# Each optimizer is its own model with its own parameters, told apart by `type`; more slot in here.
-OptimizerConfig = Annotated[
-    Union[AdamWConfig, AdamW8bitConfig, AdafactorConfig, ProdigyConfig, ScheduleFreeAdamWConfig, LionConfig,
-          CAMEConfig],
-    Field(discriminator="type"),
-]
-
-
 class LossConfig(StrictModel):
     type: Literal["mse", "huber", "l1"] = "mse"
     huber_delta: float = Field(1.0, gt=0, description="huber: where the loss turns from squared to linear.")
@@ -308,21 +228,6 @@ class EmaConfig(StrictModel):
     decay: float = Field(0.999, gt=0, lt=1)
     update_every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
     device: Literal["train", "cpu"] = Field("train", description="Where the averaged copy lives.")
-
-
-def _union_tags(union: Any) -> frozenset[str]:
-    members = get_args(union)[0]  # Annotated[Union[...], Field] -> Union[...] (or the one member)
-    return frozenset(m.model_fields["type"].default for m in (get_args(members) or (members,)))
-
-
-# The `type` tags of the discriminated unions, so error paths can leave them out (errors.py).
-UNION_TAGS = _union_tags(OptimizerConfig)
-
-
-def _default_optimizer_type(data: Any) -> Any:
-    if isinstance(data, dict) and "type" not in data:
-        return {"type": "adamw", **data}
-    return data
 
 
 class LrSchedulerConfig(StrictModel):
@@ -511,7 +416,7 @@ class TrainConfig(StrictModel):
     @field_validator("optimizer", mode="before")
     @classmethod
     def _optimizer_type_default(cls, data: Any) -> Any:
-        return _default_optimizer_type(data)
+        return default_optimizer_type(data)
 
     @field_validator("version")
     @classmethod

@@ -26,23 +26,31 @@ def crop_box(size: tuple[int, int], width: int, height: int,
     return left, top, left + width, top + height
 
 
+def cover_size(size: tuple[int, int], width: int, height: int) -> tuple[int, int]:
+    """The size an image of `size` is resized to so that it covers width x height."""
+    scale = max(width / size[0], height / size[1])
+    return max(width, round(size[0] * scale)), max(height, round(size[1] * scale))
+
+
 def crop_origin(size: tuple[int, int], width: int, height: int,
                 position: tuple[float, float] = (0.5, 0.5)) -> tuple[int, int]:
     """(top, left) of the crop load_cropped takes from an image of `size`, in the resized image's
     pixels (what SDXL's crop conditioning means)."""
-    scale = max(width / size[0], height / size[1])
-    resized = (max(width, round(size[0] * scale)), max(height, round(size[1] * scale)))
-    left, top, _, _ = crop_box(resized, width, height, position)
+    left, top, _, _ = crop_box(cover_size(size, width, height), width, height, position)
     return top, left
+
+
+def open_covering(path: Path, mode: str, width: int, height: int, position: tuple[float, float],
+                  resample: Image.Resampling) -> Image.Image:
+    """The image file (EXIF-rotated, in `mode`) resized to cover width x height and cropped at `position`."""
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened).convert(mode)
+    image = image.resize(cover_size(image.size, width, height), resample)
+    return image.crop(crop_box(image.size, width, height, position))
 
 
 def load_cropped(path: Path, width: int, height: int, position: tuple[float, float] = (0.5, 0.5)) -> torch.Tensor:
     """(3, height, width) float tensor in [-1, 1]: resized to cover, cropped at `position`."""
-    with Image.open(path) as opened:
-        image = ImageOps.exif_transpose(opened).convert("RGB")
-    scale = max(width / image.width, height / image.height)
-    resized_size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-    image = image.resize(resized_size, Image.Resampling.LANCZOS)
-    image = image.crop(crop_box(image.size, width, height, position))
+    image = open_covering(path, "RGB", width, height, position, Image.Resampling.LANCZOS)
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     return torch.from_numpy(array).permute(2, 0, 1).contiguous()

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, ImageOps
+from PIL import Image
 
-from modules.data.images import crop_box
+from modules.data.images import open_covering
 
 
 def mask_path(image: Path) -> Path | None:
@@ -23,12 +23,7 @@ def mask_path(image: Path) -> Path | None:
 
 def load_mask(path: Path, width: int, height: int, position: tuple[float, float] = (0.5, 0.5)) -> torch.Tensor:
     """(1, height, width) in [0, 1], resized to cover and cropped at `position` as load_cropped does."""
-    with Image.open(path) as opened:
-        image = ImageOps.exif_transpose(opened).convert("L")
-    scale = max(width / image.width, height / image.height)
-    size = (max(width, round(image.width * scale)), max(height, round(image.height * scale)))
-    image = image.resize(size, Image.Resampling.BILINEAR)
-    image = image.crop(crop_box(image.size, width, height, position))
+    image = open_covering(path, "L", width, height, position, Image.Resampling.BILINEAR)
     return torch.from_numpy(np.asarray(image, dtype=np.float32) / 255.0)[None]
 
 

@@ -63,16 +63,22 @@ class SD15Family(ModelFamily):
     image_parts = ("vae",)
 
     def load(self) -> None:
-        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import CLIPTextModel, CLIPTokenizer
 
         self.parts["text_encoder"] = self.load_part("text_encoder", CLIPTextModel, rename=_text_encoder_key,
                                                     ignore_unexpected=[r"^embeddings\.position_ids$"])
         self.parts["unet"] = self.load_part("unet", UNet2DConditionModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKL, rename=_vae_key)
-        tokenizer, scheduler = self.support_folder("tokenizer"), self.support_folder("scheduler")
-        self.tokenizer = CLIPTokenizer.from_pretrained(str(tokenizer), local_files_only=True)
-        self.noise_scheduler = DDPMScheduler.from_pretrained(str(scheduler), local_files_only=True)
+        self.tokenizer = CLIPTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
+        self.load_noise_scheduler()
+
+    def load_noise_scheduler(self) -> None:
+        """The DDPM training scheduler, and the prediction type (the config's, or the scheduler's)."""
+        from diffusers import DDPMScheduler
+
+        self.noise_scheduler = DDPMScheduler.from_pretrained(str(self.support_folder("scheduler")),
+                                                             local_files_only=True)
         configured = self.config.model.prediction_type
         self.prediction_type = (
             self.noise_scheduler.config.prediction_type if configured == "auto" else configured
@@ -149,13 +155,18 @@ class SD15Family(ModelFamily):
         alphas = self.noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
         return alphas / (1 - alphas)
 
+    def unet_conditioning(self, latents: torch.Tensor, text: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> dict:
+        """The UNet's keyword inputs besides the noisy latents and timesteps."""
+        return {"encoder_hidden_states": text["hidden_states"].to(dtype)}
+
     def predict(self, latents, text, generator):
         batch = latents.shape[0]
         noise = self.training_noise(latents, generator)
         timesteps = self.training_timesteps(batch, generator).to(latents.device)
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         dtype = self.compute_dtype("unet")
-        prediction = self.unet(noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype)).sample
+        prediction = self.unet(noisy.to(dtype), timesteps, **self.unet_conditioning(latents, text, dtype)).sample
         v_prediction = self.prediction_type == "v_prediction"
         target = self.noise_scheduler.get_velocity(latents, noise, timesteps) if v_prediction else noise
         return Prediction(prediction, target, self.snr(timesteps), v_prediction)

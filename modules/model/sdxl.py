@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from modules.model.base import PartSpec
-from modules.model.noise import Prediction
 from modules.model.sd15 import SD15Family, _text_encoder_key, _vae_key
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
 from modules.util.torch_utils import make_generator
@@ -69,7 +68,7 @@ class SDXLFamily(SD15Family):
     image_parts = ("vae",)
 
     def load(self) -> None:
-        from diffusers import AutoencoderKL, DDPMScheduler, UNet2DConditionModel
+        from diffusers import AutoencoderKL, UNet2DConditionModel
         from transformers import (
             CLIPTextModel,
             CLIPTextModelWithProjection,
@@ -86,12 +85,7 @@ class SDXLFamily(SD15Family):
         self.tokenizer = CLIPTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         self.tokenizer_2 = CLIPTokenizer.from_pretrained(str(self.support_folder("tokenizer_2")),
                                                          local_files_only=True)
-        self.noise_scheduler = DDPMScheduler.from_pretrained(str(self.support_folder("scheduler")),
-                                                             local_files_only=True)
-        configured = self.config.model.prediction_type
-        self.prediction_type = (
-            self.noise_scheduler.config.prediction_type if configured == "auto" else configured
-        )
+        self.load_noise_scheduler()
 
     def single_file_part(self, part: str):
         # the original SDXL layout (sgm: model.diffusion_model., first_stage_model., conditioner.embedders.N.)
@@ -151,19 +145,11 @@ class SDXLFamily(SD15Family):
             return torch.cat([target, torch.zeros_like(target), target], dim=1)
         return torch.cat([image_info.to(device=latents.device, dtype=torch.float32), target], dim=1)
 
-    def predict(self, latents, text, generator):
-        batch = latents.shape[0]
-        noise = self.training_noise(latents, generator)
-        timesteps = self.training_timesteps(batch, generator).to(latents.device)
-        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
-        dtype = self.compute_dtype("unet")
-        prediction = self.unet(
-            noisy.to(dtype), timesteps, encoder_hidden_states=text["hidden_states"].to(dtype),
-            added_cond_kwargs={"text_embeds": text["pooled"].to(dtype), "time_ids": self.time_ids(latents, text.get("image_info")).to(dtype)},
-        ).sample
-        v_prediction = self.prediction_type == "v_prediction"
-        target = self.noise_scheduler.get_velocity(latents, noise, timesteps) if v_prediction else noise
-        return Prediction(prediction, target, self.snr(timesteps), v_prediction)
+    def unet_conditioning(self, latents, text, dtype):
+        # SDXL also conditions on the pooled text embedding and the size/crop time ids
+        return {**super().unet_conditioning(latents, text, dtype),
+                "added_cond_kwargs": {"text_embeds": text["pooled"].to(dtype),
+                                      "time_ids": self.time_ids(latents, text.get("image_info")).to(dtype)}}
 
     # --- sampling ----------------------------------------------------------------------------
 

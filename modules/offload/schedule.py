@@ -39,7 +39,8 @@ def _still_to_run(blocks: int, block: int, kind: Pass) -> list[int]:
 
 def resident_when_running(blocks: int, parked: list[int], block: int, kind: Pass) -> tuple[int, ...]:
     """The parked blocks on the train device while `block` runs in a pass of `kind`."""
-    ahead = [b for b in dict.fromkeys(_still_to_run(blocks, block, kind)) if b in set(parked)]
+    parked_set = set(parked)
+    ahead = [b for b in dict.fromkeys(_still_to_run(blocks, block, kind)) if b in parked_set]
     return tuple(sorted(ahead[:WINDOW]))
 
 

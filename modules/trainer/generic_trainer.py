@@ -414,12 +414,12 @@ class GenericTrainer:
             return None
         generator = make_generator(self.device, self.VALIDATION_SEED)
         trained = {part: self.family.parts[part].training for part in self.trained_parts}
-        losses = []
+        losses, batches = [], self.validation_set.epoch_batches(0)
         try:
             for part in trained:
                 self.family.parts[part].eval()  # no dropout: the same number for the same weights
             with self.evaluation_weights(), autocast(self.device, dtype_of(self.config.train_dtype)):
-                for indices in self.validation_set.epoch_batches(0):
+                for indices in batches:
                     batch = self.validation_set.collate(indices, self.device)
                     out = self.family.predict(batch.latents, self.conditioning(batch), generator)
                     losses.append(training_loss(out, self.config.loss, batch.loss_weights, batch.masks).item()
@@ -427,7 +427,7 @@ class GenericTrainer:
         finally:
             for part, mode in trained.items():
                 self.family.parts[part].train(mode)
-        loss = sum(losses) / sum(len(b) for b in self.validation_set.epoch_batches(0))
+        loss = sum(losses) / sum(len(b) for b in batches)
         self.scalars.add(self.step, validation_loss=loss)
         self.callbacks.on_validation(self.step, loss)
         return loss
