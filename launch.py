@@ -31,13 +31,9 @@ quiet_library_logs()
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that are the input's fault: printed as one message, never as a traceback."""
-    from modules.adapters.adapter_set import AdapterSetError
-    from modules.config.errors import ConfigError
-    from modules.data.concepts import DataError
-    from modules.loading.diffusers_folder import ModelLoadError
-    from modules.trainer.guards import TrainingError
+    from modules.errors import UserError
 
-    return ConfigError, ModelLoadError, DataError, AdapterSetError, TrainingError
+    return (UserError,)
 
 
 def _usage_error(message: str):

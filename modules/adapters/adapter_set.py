@@ -8,6 +8,8 @@ all speak the same names; formats/ converts it to and from the ComfyUI and diffu
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import re
 from typing import TYPE_CHECKING
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
     from modules.model.base import ModelFamily
 
 
-class AdapterSetError(ValueError):
+class AdapterSetError(UserError, ValueError):
     pass
 
 

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import PydanticCustomError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config that cannot be used. `problems` holds one line per problem."""
 
     def __init__(self, problems: list[str], source: str | None = None):

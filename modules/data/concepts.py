@@ -7,6 +7,8 @@ are masks, not training images.
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from modules.config.train_config import ConceptConfig
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     pass
 
 

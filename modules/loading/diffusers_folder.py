@@ -6,11 +6,13 @@ initialise missing weights at random and only log it) and one tensor at a time.
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import contextlib
 from pathlib import Path
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     pass
 
 

@@ -11,6 +11,8 @@ raw little-endian data. Files are still written with the safetensors library.
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import json
 import struct
 from pathlib import Path
@@ -26,7 +28,7 @@ _DTYPES = {
 _MAX_HEADER = 100 * 2**20
 
 
-class SafetensorsError(ValueError):
+class SafetensorsError(UserError, ValueError):
     pass
 
 

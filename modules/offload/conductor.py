@@ -19,6 +19,8 @@ waits on its event before using it; elsewhere moves are plain synchronous copies
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import torch
 from torch import nn
 
@@ -31,7 +33,7 @@ from modules.offload.schedule import (
 )
 
 
-class OffloadError(RuntimeError):
+class OffloadError(UserError, RuntimeError):
     pass
 
 

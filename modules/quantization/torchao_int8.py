@@ -8,11 +8,13 @@ exist, so nothing ever hooks a module that is replaced later.
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import torch
 from torch import nn
 
 
-class QuantizationError(RuntimeError):
+class QuantizationError(UserError, RuntimeError):
     pass
 
 

@@ -7,6 +7,8 @@ user's known_hosts, or the file given): an unknown or changed host key is an err
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import json
 import shlex
 import subprocess
@@ -14,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
-class RemoteError(Exception):
+class RemoteError(UserError):
     """Something about the box or the connection; the message names the host and what to do."""
 
 

@@ -10,12 +10,14 @@ matrix starts at zero, so "moved" is checked per module, not per tensor.)
 
 from __future__ import annotations
 
+from modules.errors import UserError
+
 import math
 
 import torch
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     pass
 
 
