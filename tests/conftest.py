@@ -35,6 +35,22 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_family_model(tmp_path_factory, tiny_model):
+    """family name -> a tiny random model folder of that family, built once per session on first use."""
+    from modules.model.registry import get_family_class
+
+    built = {"sd15": tiny_model}
+
+    def get(family: str) -> Path:
+        if family not in built:
+            folder = tmp_path_factory.mktemp("models") / f"tiny-{family}"
+            built[family] = get_family_class(family).make_tiny_model(folder)
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def shape_images(tmp_path_factory) -> Path:
     from modules.data.synthetic_images import write_shape_images
 

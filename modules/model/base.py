@@ -296,9 +296,24 @@ class ModelFamily(ABC):
 
     # --- sampling ----------------------------------------------------------------------------
 
-    @abstractmethod
     def sample(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:
-        """One image from the live modules (adapters active)."""
+        """One image from the live modules (adapters active), each part computing in its compute
+        dtype as in training (modules/sampling/part_dtypes.py)."""
+        from modules.sampling.part_dtypes import parts_in_compute_dtypes
+
+        with parts_in_compute_dtypes(self):
+            return self.run_sampling_pipeline(prompt, device)
+
+    @abstractmethod
+    def run_sampling_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:
+        """One image from the family's diffusers pipeline built on the live modules."""
+
+    def sampling_entry_modules(self, part: str) -> list[nn.Module]:
+        """Where a sampling pipeline's tensors enter `part`: its forward, and for an image part also
+        its direct children, because pipelines call `vae.decode`, which runs the decoder without
+        the VAE's own forward."""
+        module = self.parts[part]
+        return [module, *module.children()] if part in self.image_parts else [module]
 
     # --- adapters ----------------------------------------------------------------------------
 

@@ -285,7 +285,7 @@ class FluxFamily(ModelFamily):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def sample(self, prompt, device):
+    def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(
             prompt=prompt.prompt, num_inference_steps=prompt.steps, guidance_scale=prompt.cfg,

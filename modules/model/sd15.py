@@ -187,7 +187,7 @@ class SD15Family(ModelFamily):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def sample(self, prompt, device):
+    def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(
             prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,

@@ -168,7 +168,7 @@ class SDXLFamily(SD15Family):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def sample(self, prompt, device):
+    def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(
             prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
