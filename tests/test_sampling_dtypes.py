@@ -5,9 +5,9 @@ UNet, float32 VAE) crashed at their first sample with "Input type (c10::BFloat16
 mat2 must have the same dtype".
 
 Each family samples with its denoiser in every weight mode (train_dtype bf16, so quantized modes
-compute in bf16) beside a float32 text encoder and VAE, and with the presets' layout (bf16 text
-encoders, float32 VAE); the image must be near the all-float32 image of the same seed, so a
-pipeline that silently ran a part in a lower dtype (embeddings squeezed through fp8) shows."""
+compute in bf16) beside a float32 text encoder and VAE, and with the presets' layouts; the image
+must be near the all-float32 image of the same seed, so a pipeline that silently ran a part in a
+lower dtype (embeddings squeezed through fp8) shows."""
 
 from __future__ import annotations
 
@@ -64,22 +64,31 @@ def test_denoiser_in_each_weight_mode_samples_beside_float32_parts(tmp_path, tin
     _assert_near_reference(image, _reference(tiny_family_model, tmp_path, family_name))
 
 
+# text encoders, denoiser, VAE
+LAYOUTS = {
+    "SD-presets": ("bfloat16", "bfloat16", "float32"),
+    "FLUX-and-Z-Image-presets": ("float8", "bfloat16", "bfloat16"),  # embeddings reach the denoiser in bf16, not fp8
+    "float16": ("float16", "float16", "float16"),  # SDXL's pipeline decodes a force_upcast VAE in float32
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family_name", family_names())
-def test_presets_layout_bf16_text_and_denoiser_float32_vae_samples(tmp_path, tiny_family_model, family_name):
-    family_class = get_family_class(family_name)
-    parts = {name: {"weight_dtype": "bfloat16"} for name in [*_text_parts(family_name), family_class.denoiser_part]}
-    parts["vae"] = {"weight_dtype": "float32"}
+def test_each_part_in_its_own_dtype_samples(tmp_path, tiny_family_model, family_name, layout):
+    text, denoiser, vae = LAYOUTS[layout]
+    parts = {name: {"weight_dtype": text} for name in _text_parts(family_name)}
+    parts[get_family_class(family_name).denoiser_part] = {"weight_dtype": denoiser}
+    parts["vae"] = {"weight_dtype": vae}
     image = _sample(tiny_family_model, tmp_path, family_name, parts)
     _assert_near_reference(image, _reference(tiny_family_model, tmp_path, family_name))
 
 
-@pytest.mark.parametrize("family_name", family_names())
-def test_float8_text_encoders_and_a_bf16_vae_sample(tmp_path, tiny_family_model, family_name):
-    # the FLUX and Z-Image presets: float8 text encoder(s), bf16 VAE; the text embeddings must reach
-    # the denoiser at the compute dtype, never squeezed through the fp8 storage dtype
-    family_class = get_family_class(family_name)
-    parts = {name: {"weight_dtype": "float8"} for name in _text_parts(family_name)}
-    parts[family_class.denoiser_part] = {"weight_dtype": "bfloat16"}
-    parts["vae"] = {"weight_dtype": "bfloat16"}
-    image = _sample(tiny_family_model, tmp_path, family_name, parts)
-    _assert_near_reference(image, _reference(tiny_family_model, tmp_path, family_name))
+def test_casts_reach_nested_inputs_and_leave_timesteps_alone():
+    from modules.sampling.part_dtypes import cast_floats
+
+    latents, timesteps, ids = torch.randn(1, 4, 8, 8), torch.tensor([979.0]), torch.tensor([[1, 2]])
+    args, kwargs = cast_floats(((latents,), {"added": {"time_ids": torch.zeros(1, 6)}, "x": [latents],
+                                              "timestep": timesteps, "ids": ids}), torch.bfloat16)
+    assert args[0].dtype == kwargs["added"]["time_ids"].dtype == kwargs["x"][0].dtype == torch.bfloat16
+    # a bf16 timestep 979 would read as 980: models embed timesteps at their own precision
+    assert kwargs["timestep"] is timesteps and kwargs["ids"] is ids

@@ -308,6 +308,11 @@ class ModelFamily(ABC):
     def run_sampling_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:
         """One image from the family's diffusers pipeline built on the live modules."""
 
+    def sampling_dtype(self, part: str) -> torch.dtype:
+        """The dtype a part's inputs are cast to while sampling: its compute dtype, unless the
+        family's pipeline itself moves the part to another dtype for sampling."""
+        return self.compute_dtype(part)
+
     def sampling_entry_modules(self, part: str) -> list[nn.Module]:
         """Where a sampling pipeline's tensors enter `part`: its forward, and for an image part also
         its direct children, because pipelines call `vae.decode`, which runs the decoder without

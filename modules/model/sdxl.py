@@ -168,6 +168,14 @@ class SDXLFamily(SD15Family):
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
+    def sampling_dtype(self, part: str) -> torch.dtype:
+        # StableDiffusionXLPipeline decodes with a float16 VAE moved to float32 (and back) when the
+        # VAE's config says force_upcast: SDXL's VAE overflows in float16
+        dtype = super().sampling_dtype(part)
+        if part == "vae" and dtype == torch.float16 and self.parts["vae"].config.force_upcast:
+            return torch.float32
+        return dtype
+
     def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(

@@ -6,7 +6,9 @@ different dtypes (bf16 text encoder and UNet, float32 VAE: the shipped SD preset
 text encoder beside a bf16 transformer) the first mismatched layer raises. Training casts at each
 part's boundary to `family.compute_dtype(part)` (read from the config, never from a parameter,
 which may be fp8 or uint8); during sampling the same cast sits on each part's entry modules as a
-forward pre-hook, so no pipeline code needs to know the parts' dtypes.
+forward pre-hook, so no pipeline code needs to know the parts' dtypes. Where a pipeline itself
+moves a part to another dtype (SDXL's float16 VAE decodes in float32), the family says so in
+`sampling_dtype`.
 
 Autocast would not do: it casts inside a float32 part too (the VAE the presets keep in float32
 would decode in bf16), and it exists only for some device types.
@@ -43,11 +45,11 @@ def _cast_inputs(dtype: torch.dtype, module, args, kwargs):
 @contextmanager
 def parts_in_compute_dtypes(family) -> Iterator[None]:
     """Inputs of each part's entry modules (`family.sampling_entry_modules`) are cast to the part's
-    compute dtype until the block ends."""
+    `family.sampling_dtype` (its compute dtype but where the pipeline moves it) until the block ends."""
     handles = []
     try:
         for part in family.parts:
-            hook = partial(_cast_inputs, family.compute_dtype(part))
+            hook = partial(_cast_inputs, family.sampling_dtype(part))
             for module in family.sampling_entry_modules(part):
                 handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         yield
