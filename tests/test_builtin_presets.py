@@ -24,11 +24,20 @@ from modules.config.presets import list_presets, load_preset_overlay
 from modules.quantization.capabilities import detect_capabilities, working_modes
 
 BUILTIN = [preset for preset in list_presets() if preset.builtin]
-# diffusers' `load_lora_weights` reads LoRA (and DoRA) files; it has no LoKr or OFT loader
+# adapter types whose files diffusers' `load_lora_weights` reads for every family: LoRA (and DoRA).
+# The SD1.5/SDXL loaders refuse LoKr and OFT files ("keys have not been correctly renamed", tried
+# with diffusers 0.42); Z-Image's reads LoKr, but no built-in Z-Image preset trains one.
 DIFFUSERS_LOADS = {"lora"}
-# issue 13 item 1: diffusers' kohya-FLUX converter raises KeyError 'single_transformer_blocks.0.weight'
-# on the MLP adapters of the attn-mlp layer preset (fixed on branch formats)
-KNOWN_KOHYA_FLUX_MLP = pytest.mark.xfail(strict=True, raises=KeyError, reason="issue 13.1: fixed on branch formats")
+
+
+class KohyaFluxMlpKeyError(Exception):
+    """issue 13 item 1: diffusers' kohya-FLUX converter raises KeyError 'single_transformer_blocks.0.weight'
+    on the MLP adapters of the attn-mlp layer preset (fixed on branch formats). Only that error,
+    raised by the diffusers load, is expected; any other failure of those presets fails the test."""
+
+
+KNOWN_KOHYA_FLUX_MLP = pytest.mark.xfail(strict=True, raises=KohyaFluxMlpKeyError,
+                                         reason="issue 13.1: fixed on branch formats")
 
 
 def _params():
@@ -106,5 +115,10 @@ def test_builtin_preset_trains_samples_backs_up_and_saves(preset, tmp_path, tiny
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True)
-    pipe.load_lora_weights(str(saved))
+    try:
+        pipe.load_lora_weights(str(saved))
+    except KeyError as error:
+        if error.args != ("single_transformer_blocks.0.weight",):
+            raise
+        raise KohyaFluxMlpKeyError(error) from error
     assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"
