@@ -27,7 +27,9 @@ class PreflightError(UserError, ValueError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("the run cannot start:\n" + "\n".join(f"  {p}" for p in problems))
+        # one problem reads as itself ("output.path: ..."), as every other user error does
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def run_preflight(config: TrainConfig) -> None:
@@ -165,7 +167,7 @@ def _model_problems(config: TrainConfig):
     if base:
         path = Path(base)
         if not path.exists():
-            return [f"model.base: {base} does not exist (a diffusers model folder or a .safetensors file)"], None
+            return [f"model.base: {base} is not a folder (a diffusers model) or a .safetensors file: it does not exist"], None
         detected = detect_model(path)
         if detected is not None and detected.family != config.model.family:
             if detected.family is None:
