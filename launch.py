@@ -9,6 +9,10 @@
   python launch.py make-tiny-model --family sd15 --out DIR
   python launch.py info [--json] [--device DEV]
   python launch.py remote --host user@box --config my.json | remote --attach --config my.json
+
+An error that is the input's or the machine's (a bad config value, a missing or damaged file, a
+full disk, a read-only folder) prints one `error:` line and exits 1; `--debug` (before or after
+the subcommand) adds the traceback. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -29,11 +33,23 @@ from modules.util.library_logs import quiet_library_logs  # noqa: E402  (after t
 quiet_library_logs()
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors that are the input's fault: printed as one message, never as a traceback."""
-    from modules.errors import UserError
+EXIT_BROKEN_PIPE = 141  # what a shell reports for a command whose reader went away (128 + SIGPIPE)
 
-    return (UserError,)
+
+def user_error(error: BaseException):
+    """The UserError an exception is for the user (an input or machine problem), or None (a bug)."""
+    from modules.errors import environment_error
+
+    return environment_error(error)
+
+
+def report_user_error(error: BaseException, debug: bool, show) -> None:
+    """Show a user error as one message (via `show`); with --debug, the traceback first."""
+    if debug:
+        import traceback
+
+        traceback.print_exception(error, file=sys.stderr)
+    show(str(user_error(error) or error))
 
 
 def _usage_error(message: str):
@@ -67,8 +83,10 @@ def cmd_train(args) -> int:
         config = resolve_config(args.config, args.preset, args.set, args.resume)
         install_stop_signals(commands)
         path = run_training(config, callbacks, commands)
-    except _user_errors() as error:
-        callbacks.on_error(str(error))
+    except Exception as error:  # noqa: BLE001  (a user error becomes an error event; a bug is re-raised)
+        if user_error(error) is None:
+            raise
+        report_user_error(error, args.debug, callbacks.on_error)
         return 1
     if args.protocol != "jsonl":
         print(path)
@@ -151,6 +169,7 @@ def cmd_remote(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="launch.py", description="difftrainer: train LoRA adapters for diffusion models")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error, not only its message")
     sub = parser.add_subparsers(dest="command")
 
     train = sub.add_parser("train", help="train headless from a config file and/or preset")
@@ -190,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     from modules.remote.cli import add_remote_parser
 
     add_remote_parser(sub).set_defaults(run=cmd_remote)
+    # `--debug` after the subcommand too; SUPPRESS keeps a subcommand from resetting one given before it
+    for subparser in sub.choices.values():
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                               help="show the traceback of an error, not only its message")
     return parser
 
 
@@ -223,8 +246,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return args.run(args)
-    except _user_errors() as error:
-        print(f"error: {error}", file=sys.stderr)
+    except BrokenPipeError:
+        # `launch.py presets show X | head`: the reader has all it wanted. Point stdout at devnull so
+        # the interpreter's final flush does not raise again, and end quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except Exception as error:  # noqa: BLE001  (a user error is one line; a bug is re-raised with its traceback)
+        if user_error(error) is None:
+            raise
+        report_user_error(error, args.debug, lambda message: print(f"error: {message}", file=sys.stderr))
         return 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,8 +56,33 @@ def list_presets() -> list[PresetInfo]:
     return presets
 
 
+MAX_NAME_LENGTH = 100  # well under the 255 bytes file systems allow, with room for ".json" and a temp suffix
+_NAME_CHARACTERS = re.compile(r"^[\w .-]+$")  # \w: letters of any script, digits, "_"
+# names Windows reserves for devices, with any extension: a preset file shared there must open
+_WINDOWS_DEVICES = re.compile(r"^(con|prn|aux|nul|com[0-9]|lpt[0-9])(\..*)?$", re.IGNORECASE)
+
+
+def check_preset_name(name: str) -> None:
+    """A preset name is its file name: one that every file system takes, or a ConfigError saying why."""
+    shown = repr(name if len(name) <= 40 else name[:40] + "...")
+    if not name or not name.strip():
+        problem = "is empty"
+    elif len(name) > MAX_NAME_LENGTH:
+        problem = f"is {len(name)} characters long (at most {MAX_NAME_LENGTH})"
+    elif not _NAME_CHARACTERS.match(name):
+        problem = "use letters, digits, spaces, '-', '_' or '.'"
+    elif name.startswith(".") or name != name.strip() or name.endswith("."):
+        problem = "must not start with '.' nor start or end with a space or end with '.'"
+    elif _WINDOWS_DEVICES.match(name):
+        problem = "is a device name on Windows"
+    else:
+        return
+    raise ConfigError([f"preset name {shown}: {problem}"])
+
+
 def find_preset(name: str) -> PresetInfo:
     """User presets shadow built-ins of the same name; names match case-insensitively."""
+    check_preset_name(name)
     matches = [p for p in list_presets() if p.name.lower() == name.lower()]
     if not matches:
         known = ", ".join(sorted({p.name for p in list_presets()}))
@@ -73,8 +99,7 @@ def load_preset_overlay(name: str) -> dict:
 
 
 def save_preset(config: TrainConfig, name: str) -> Path:
-    if not name or any(c in name for c in '/\\:*?"<>|') or name.startswith("."):
-        raise ConfigError([f"preset name {name!r}: use letters, digits, spaces, '-', '_' or '.'"])
+    check_preset_name(name)
     path = user_presets_dir() / f"{name}.json"
     write_text(path, json.dumps(config_overlay(config), indent=2) + "\n")
     return path

@@ -41,6 +41,16 @@ def check_concepts(concepts: list[ConceptConfig]) -> None:
             raise DataError(f"concepts[{index}].path: {concept.path} is not a folder")
 
 
+def read_caption(path: Path, where: str) -> str:
+    """A caption file's text. utf-8-sig drops the byte-order mark Windows editors put first; other
+    encodings are refused with the file named (guessing one could train on mojibake)."""
+    try:
+        return path.read_text(encoding="utf-8-sig").strip()
+    except UnicodeDecodeError as error:
+        raise DataError(f"{where}: caption file {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} "
+                        f"at position {error.start}); save it as UTF-8") from None
+
+
 def _caption_from_filename(path: Path) -> str:
     stem = re.sub(r"\s*\(\d+\)$", "", path.stem)  # "dog (2).png" is a copy of "dog.png"
     return stem.replace("_", " ").strip()
@@ -61,7 +71,7 @@ def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None]
         caption_path = folder / concept.caption_file
         if not caption_path.is_file():
             raise DataError(f"{where}.caption_file: {caption_path} not found")
-        shared_caption = caption_path.read_text(encoding="utf-8").strip()
+        shared_caption = read_caption(caption_path, f"{where}.caption_file")
     items, without_caption = [], 0
     for image in images:
         if shared_caption is not None:
@@ -71,7 +81,7 @@ def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None]
         else:
             text_file = image.with_suffix(".txt")
             if text_file.is_file():
-                caption = text_file.read_text(encoding="utf-8").strip()
+                caption = read_caption(text_file, where)
             else:
                 caption, without_caption = "", without_caption + 1
         items.append(ConceptItem(image, caption, index))

@@ -46,12 +46,24 @@ class SafetensorsStream:
                 header = json.loads(file.read(length))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise SafetensorsError(f"{self.path}: unreadable safetensors header: {error}") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: not a safetensors file (its header is not a JSON object)")
         self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
         self._entries: dict[str, dict] = header
         self._data_start = 8 + length
         for name, entry in header.items():
+            if not (isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
+                    and len(entry["data_offsets"]) == 2 and isinstance(entry.get("shape"), list)):
+                raise SafetensorsError(f"{self.path}: not a safetensors file (entry {name!r} of its header "
+                                       "lacks dtype, shape or data_offsets)")
             if entry.get("dtype") not in _DTYPES:
                 raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+        # a cut-off download or copy shows here, before any tensor is read
+        needed = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        held = self.path.stat().st_size - self._data_start
+        if held < needed:
+            raise SafetensorsError(f"{self.path}: truncated: its header lists {needed} bytes of tensors and the file "
+                                   f"holds {held} (an interrupted download or copy?)")
 
     def keys(self) -> list[str]:
         # in file order, so reads move forward through the file

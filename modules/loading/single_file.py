@@ -52,8 +52,10 @@ def open_single_file(path: str | Path, where: str = "model.base") -> Safetensors
                              "(pickled .ckpt files can run code when loaded)")
     try:
         return SafetensorsStream(path)
-    except (SafetensorsError, OSError) as error:
-        raise ModelLoadError(f"{where}: cannot read {path}: {error}") from None
+    except SafetensorsError as error:  # its message starts with the path
+        raise ModelLoadError(f"{where}: {error}") from None
+    except OSError as error:
+        raise ModelLoadError(f"{where}: cannot read {path}: {error.strerror or error}") from None
 
 
 def part_keys(stream: SafetensorsStream, spec: SingleFilePart) -> list[str]:

@@ -26,6 +26,7 @@ from torch import nn
 
 from modules.loading.diffusers_folder import ModelLoadError, _quiet_loaders
 from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
+from modules.loading.torch_files import load_weights_only
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.replace import (
     DENSE_MODES,
@@ -66,9 +67,9 @@ def empty_model(cls: Any, folder: Path, where: str) -> nn.Module:
 class _TorchBinSource:
     """A pickled .bin checkpoint, read with weights_only (never arbitrary unpickling)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, where: str):
         self.path = path
-        self._tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        self._tensors = load_weights_only(path, where, mmap=True)
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -107,9 +108,11 @@ def checkpoint_files(folder: Path, where: str) -> list[Path]:
 
 def _open(path: Path, where: str):
     try:
-        return SafetensorsStream(path) if path.suffix == ".safetensors" else _TorchBinSource(path)
-    except (SafetensorsError, OSError, RuntimeError) as error:
-        raise ModelLoadError(f"{where}: cannot read {path}: {error}") from None
+        return SafetensorsStream(path) if path.suffix == ".safetensors" else _TorchBinSource(path, where)
+    except SafetensorsError as error:  # its message starts with the path
+        raise ModelLoadError(f"{where}: {error}") from None
+    except OSError as error:
+        raise ModelLoadError(f"{where}: cannot read {path}: {error.strerror or error}") from None
 
 
 # --- the load --------------------------------------------------------------------------------------

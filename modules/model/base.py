@@ -63,6 +63,12 @@ class ModelFamily(ABC):
     # per part: regexes (searched in the module name) of Linear layers that stay dense when the
     # part is quantized, beyond the model class's own lists and the defaults (skip_rules.py)
     quantize_skip_patterns: ClassVar[dict[str, tuple[str, ...]]] = {}
+    # how a model on disk shows it is of this family (modules/model/detect.py): the diffusers
+    # pipeline class of model_index.json; entries of the denoiser's config.json; for an
+    # original-layout single file, (a regex some key matches, a regex no key matches or None)
+    pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    denoiser_config: ClassVar[dict[str, object]] = {}
+    single_file_signature: ClassVar[tuple[str, str | None] | None] = None
 
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config

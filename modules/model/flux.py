@@ -138,6 +138,9 @@ class FluxFamily(ModelFamily):
     flow_matching = True
     name = "flux"
     label = "FLUX.1"
+    pipeline_classes = ("FluxPipeline",)
+    denoiser_config = {"_class_name": "FluxTransformer2DModel"}
+    single_file_signature = (r"^(model\.diffusion_model\.)?double_blocks\.", None)
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te1"),
         PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),

@@ -41,6 +41,10 @@ def _vae_key(key: str) -> str:
 class SD15Family(ModelFamily):
     name = "sd15"
     label = "Stable Diffusion 1.5"
+    # SD 2.x shares the architecture (and pipeline class); SDXL's UNet adds a text_time embedding
+    pipeline_classes = ("StableDiffusionPipeline",)
+    denoiser_config = {"_class_name": "UNet2DConditionModel", "addition_embed_type": None}
+    single_file_signature = (r"^model\.diffusion_model\.input_blocks\.", r"^model\.diffusion_model\.label_emb\.")
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te"),
         PartSpec("unet", "unet", "lora_unet", default_train=True),

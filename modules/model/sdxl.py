@@ -46,6 +46,10 @@ def sdxl_ldm_unet_module_name(unet, module_name: str) -> str:
 class SDXLFamily(SD15Family):
     name = "sdxl"
     label = "Stable Diffusion XL"
+    pipeline_classes = ("StableDiffusionXLPipeline",)
+    denoiser_config = {"_class_name": "UNet2DConditionModel", "addition_embed_type": "text_time"}
+    # label_emb is the UNet's text_time embedding; embedders.1 the OpenCLIP-G text encoder
+    single_file_signature = (r"^model\.diffusion_model\.label_emb\.|^conditioner\.embedders\.1\.model\.", None)
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te1"),
         PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),

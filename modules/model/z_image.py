@@ -43,6 +43,9 @@ class ZImageFamily(ModelFamily):
     flow_matching = True
     name = "z_image"
     label = "Z-Image"
+    pipeline_classes = ("ZImagePipeline",)
+    denoiser_config = {"_class_name": "ZImageTransformer2DModel"}
+    single_file_signature = (r"^(model\.diffusion_model\.)?(noise_refiner|context_refiner)\.", None)
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te"),
         PartSpec("transformer", "transformer", "lora_unet", default_train=True),

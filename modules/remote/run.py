@@ -106,9 +106,14 @@ class RemoteRun:
         if not path.is_file():
             raise RemoteError(f"--attach: no remote run recorded in {path.parent} (no {SESSION_FILE}; "
                               "start one with launch.py remote --host ... --config ...)")
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return cls(SshTarget(**data["target"]), local_workspace, data["local_output"], data["remote_dir"],
-                   data.get("offset", 0), log)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            return cls(SshTarget(**data["target"]), local_workspace, data["local_output"], data["remote_dir"],
+                       int(data.get("offset", 0)), log)
+        except (ValueError, KeyError, TypeError, AttributeError, RemoteError) as error:  # not JSON, not our fields
+            problem = str(error) if isinstance(error, (ValueError, RemoteError)) else f"{type(error).__name__}: {error}"
+            raise RemoteError(f"--attach: {path} is damaged ({problem}): it no longer says where the remote run "
+                              "is (the run itself goes on). Restore the file, or delete it to start a new run") from None
 
     # --- start ----------------------------------------------------------------------------------
 

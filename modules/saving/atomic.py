@@ -2,33 +2,56 @@
 
 Everything the trainer writes goes through here: write to a temp name in the same folder,
 flush and fsync, then rename over the target (atomic on POSIX and on Windows via os.replace).
+A full disk, a read-only folder or a refused name is raised as a UserError naming the target
+(modules/errors.py recognises the ways torch and safetensors say it), never as a bare OSError.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
+
+from modules.errors import environment_error
 
 
 @contextlib.contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
     """Yield a temp path beside `target`; on success it replaces `target`, on error it is removed."""
     target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    with write_errors(target):
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(target))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # the temp name stays short: a long target name must fail as itself, not as its temp name
+        handle, temp_name = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp", dir=target.parent)
     os.close(handle)
     temp = Path(temp_name)
     try:
-        yield temp
-        with open(temp, "rb") as written:
-            os.fsync(written.fileno())
-        os.replace(temp, target)
+        with write_errors(target):
+            yield temp
+            with open(temp, "rb") as written:
+                os.fsync(written.fileno())
+            os.replace(temp, target)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def write_errors(target: str | Path) -> Iterator[None]:
+    """Raise a full disk, a read-only file system, a refused permission or name while writing
+    `target` as one UserError naming `target`; anything else passes unchanged."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001  (re-raised unless it is one of the environment's refusals)
+        translated = environment_error(error, target)
+        if translated is None or translated is error:
+            raise
+        raise translated from error
 
 
 def write_bytes(target: str | Path, data: bytes) -> None:

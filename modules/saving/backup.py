@@ -16,9 +16,17 @@ import time
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from modules.errors import UserError
+from modules.saving.atomic import write_errors
+
 BACKUP_DIR = "backup"
+
+
+class BackupError(UserError, ValueError):
+    pass
 
 
 def write_backup(workspace: Path, step: int, adapter_state: dict[str, torch.Tensor], state: dict,
@@ -34,9 +42,11 @@ def write_backup(workspace: Path, step: int, adapter_state: dict[str, torch.Tens
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
     try:
-        save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state.items()}, str(temp / "adapter.safetensors"))
-        torch.save(state, temp / "state.pt")
-        (temp / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
+        with write_errors(final):  # a full disk is named as such (torch.save's own words do not say it)
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state.items()},
+                      str(temp / "adapter.safetensors"))
+            torch.save(state, temp / "state.pt")
+            (temp / "config.json").write_text(json.dumps(config_json, indent=2), encoding="utf-8")
         temp.rename(final)
     except BaseException:
         shutil.rmtree(temp, ignore_errors=True)
@@ -60,8 +70,17 @@ def newest_backup(workspace: Path) -> Path | None:
 
 
 def read_backup(folder: Path) -> tuple[dict[str, torch.Tensor], dict, dict]:
-    """(adapter state, training state, config json) of a backup; never unpickles code."""
-    adapter = load_file(str(folder / "adapter.safetensors"))
-    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=True)
-    config_json = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    """(adapter state, training state, config json) of a backup; never unpickles code. A damaged
+    backup is named, with the way out (delete it: the resume then takes the one before)."""
+    from modules.loading.torch_files import load_weights_only
+
+    way_out = f"; delete {folder} to resume from the backup before it"
+    try:
+        adapter = load_file(str(folder / "adapter.safetensors"))
+        state = load_weights_only(folder / "state.pt", "backup.resume")
+        config_json = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except UserError as error:
+        raise BackupError(f"{error}{way_out}") from None
+    except (SafetensorError, OSError, ValueError) as error:  # ValueError: JSON and UTF-8 errors
+        raise BackupError(f"backup.resume: {folder} is damaged ({type(error).__name__}: {error}){way_out}") from None
     return adapter, state, config_json

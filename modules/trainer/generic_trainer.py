@@ -51,6 +51,7 @@ from modules.trainer.guards import (
     snapshot,
 )
 from modules.trainer.loss import snr_weighting_requested, training_loss
+from modules.trainer.preflight import run_preflight
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.timed_actions import TimedAction
@@ -80,6 +81,7 @@ class GenericTrainer:
 
     def start(self) -> None:
         config = self.config
+        run_preflight(config)  # every problem the config alone shows, together, before the slow model load
         check_concepts(config.concepts)  # before the slow model load
         self.callbacks.on_status("loading model")
         self.workspace.mkdir(parents=True, exist_ok=True)

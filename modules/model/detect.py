@@ -1,0 +1,112 @@
+"""Which model family a folder or single file holds, from its small files only (no weights read).
+
+A diffusers folder says it in model_index.json (the pipeline class) or, without one, in its
+denoiser's config.json; a component folder (config.json at its top) in that config. An
+original-layout .safetensors file says it in its key names (the header). Each family declares
+its own signs (`pipeline_classes`, `denoiser_config`, `single_file_signature` in its file), so
+nothing here names a family. Where no family matches, diffusers' own single-file classifier
+(`infer_diffusers_model_type`) or the pipeline class still names what the model is, so a caller
+can say "this is an SD3 model" rather than fail later on a missing folder.
+
+The trainer's preflight compares the result with `model.family`; the GUI can fill the family in.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from modules.model.registry import family_names, get_family_class
+
+
+@dataclass(frozen=True)
+class DetectedModel:
+    family: str | None  # a family name of modules/model/registry.py; None: none of ours
+    kind: str  # what the files call it: a pipeline or model class, or diffusers' model type
+
+
+def detect_family(path: str | Path) -> str | None:
+    """The family of the model at `path`, or None where no family matches (or nothing can be read)."""
+    detected = detect_model(path)
+    return detected.family if detected else None
+
+
+def detect_model(path: str | Path) -> DetectedModel | None:
+    """What the model at `path` is; None where its files say nothing recognisable."""
+    path = Path(path).expanduser()
+    try:
+        if path.is_dir():
+            return _detect_folder(path)
+        if path.is_file() and path.suffix == ".safetensors":
+            return _detect_single_file(path)
+    except (OSError, ValueError):  # unreadable or not JSON / safetensors: the loader names the problem
+        return None
+    return None
+
+
+def _families():
+    return [get_family_class(name) for name in family_names()]
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else None
+
+
+def _detect_folder(folder: Path) -> DetectedModel | None:
+    index = _read_json(folder / "model_index.json")
+    if index and isinstance(index.get("_class_name"), str):
+        pipeline = index["_class_name"]
+        family = next((f.name for f in _families() if pipeline in f.pipeline_classes), None)
+        return DetectedModel(family, pipeline)
+    # no model_index.json: the denoiser's own config, in its subfolder or at the top (a component folder)
+    for family in _families():
+        subfolder = family.spec(family.denoiser_part).subfolder
+        for config_path in (folder / subfolder / "config.json", folder / "config.json"):
+            config = _read_json(config_path)
+            if config and _config_matches(config, family.denoiser_config):
+                return DetectedModel(family.name, config["_class_name"])
+    config = _read_json(folder / "config.json")
+    if config and isinstance(config.get("_class_name"), str):
+        return DetectedModel(None, config["_class_name"])
+    return None
+
+
+def _config_matches(config: dict, signature: dict) -> bool:
+    # an entry a config leaves out has its default, which is None for the ones families name
+    return bool(signature) and all(config.get(key) == value for key, value in signature.items())
+
+
+def _detect_single_file(path: Path) -> DetectedModel | None:
+    from modules.loading.safetensors_stream import SafetensorsStream
+
+    stream = SafetensorsStream(path)  # reads the header only
+    keys = stream.keys()
+    for family in _families():
+        if family.single_file_signature is None:
+            continue
+        present, absent = (re.compile(p) if p else None for p in family.single_file_signature)
+        if any(present.search(k) for k in keys) and not (absent and any(absent.search(k) for k in keys)):
+            return DetectedModel(family.name, f"{family.label} checkpoint")
+    return _diffusers_model_type(stream)
+
+
+def _diffusers_model_type(stream) -> DetectedModel | None:
+    """diffusers' classifier of original-layout checkpoints (it knows SD3, Flux 2, video models,
+    ...). It answers "v1" when nothing matches, so that answer is taken only where an SD UNet is there."""
+    import torch
+    from diffusers.loaders.single_file_utils import infer_diffusers_model_type
+
+    # it reads key names and a few shapes: meta tensors from the header carry both, with no data
+    checkpoint = {key: torch.empty(stream.shape(key), dtype=stream.dtype(key), device="meta") for key in stream.keys()}
+    try:
+        model_type = infer_diffusers_model_type(checkpoint)
+    except (KeyError, IndexError, AttributeError):
+        return None
+    if model_type == "v1" and not any(k.startswith("model.diffusion_model.input_blocks.") for k in checkpoint):
+        return None
+    return DetectedModel(None, f"{model_type!r} checkpoint (as diffusers names it)")

@@ -1,0 +1,267 @@
+"""Preflight: every problem of a run that shows before its model loads, from the config alone,
+reported together, each naming its dotted config field.
+
+A run that would fail only after minutes of loading (or, worse, at its final save) fails here in
+a second instead: an output path that is a folder or on a read-only disk, a workspace that cannot
+be written or cannot hold the planned backups, a train device this torch does not have, a model
+folder of another family than `model.family`, damaged weight files, captions that are not UTF-8,
+dtypes and weight modes that do not run here. Nothing is written (a write test creates and removes
+one temp file); nothing is loaded but file headers and JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from modules.config.train_config import TrainConfig
+from modules.errors import UserError
+
+
+class PreflightError(UserError, ValueError):
+    """Problems that keep a run from starting; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        # one problem reads as itself ("output.path: ..."), as every other user error does
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
+
+
+def run_preflight(config: TrainConfig) -> None:
+    problems = preflight_problems(config)
+    if problems:
+        raise PreflightError(problems)
+
+
+def preflight_problems(config: TrainConfig) -> list[str]:
+    """One line per problem, each starting with the dotted field it is about."""
+    device_problems, device = _device_problems(config)
+    place_problems = _output_problems(config) + _folder_problems(config)
+    model_problems, family = _model_problems(config)
+    caption_problems, images_per_epoch = _concept_problems(config)
+    problems = device_problems + place_problems + model_problems + caption_problems
+    if device is not None:
+        problems += _dtype_problems(config, device)
+    if not place_problems and family is not None:  # the estimate reads the model's headers
+        problems += _disk_space_problems(config, family, images_per_epoch)
+    return problems
+
+
+# --- devices -----------------------------------------------------------------------------------
+
+def _device_problems(config: TrainConfig) -> tuple[list[str], torch.device | None]:
+    """Each device must take a tensor: the one test that works for every backend (cuda, mps, xpu,
+    a privateuse1 device) without naming any."""
+    from modules.util.torch_utils import resolve_device
+
+    problems, train_device = [], None
+    for field in ("train_device", "temp_device"):
+        name = getattr(config, field)
+        device = resolve_device(name)
+        try:
+            torch.empty(1, device=device)
+        except (RuntimeError, AssertionError, ValueError) as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            hint = ""
+            if device.type == "cuda" and torch.version.cuda is None:
+                hint = (f"; this torch ({torch.__version__}) is built without CUDA: install a CUDA build of torch, "
+                        "or set it to cpu or auto")
+            problems.append(f"{field}: {name!r} is not available here ({reason}){hint}")
+            continue
+        if field == "train_device":
+            train_device = device
+    return problems, train_device
+
+
+def _dtype_problems(config: TrainConfig, device: torch.device) -> list[str]:
+    """The dense dtypes the config computes in, and the weight modes it stores parts in, run on
+    the train device (the same probes `launch.py info` reports)."""
+    from modules.quantization.capabilities import _dense_dtype_works, detect_capabilities
+    from modules.quantization.policy import plan_base_precision
+    from modules.quantization.replace import DENSE_MODES
+
+    dense_fields: dict[str, list[str]] = {}
+    for name, part in config.model.parts.items():
+        if part.weight_dtype in DENSE_MODES:
+            dense_fields.setdefault(part.weight_dtype, []).append(f"model.parts.{name}.weight_dtype")
+    dense_fields.setdefault(config.train_dtype, []).append("train_dtype")
+    dense_fields.setdefault(config.adapter.dtype, []).append("adapter.dtype")
+    problems = [f"{field}: {dtype} does not run on {device} here"
+                for dtype, fields in dense_fields.items() if dtype != "float32"
+                and not _dense_dtype_works(DENSE_MODES[dtype], device) for field in fields]
+    quantized = {name: part.weight_dtype for name, part in config.model.parts.items()
+                 if part.weight_dtype not in DENSE_MODES and part.weight_dtype != "auto"}
+    if quantized:  # the probes import torchao and bitsandbytes: only when a quantized mode is asked for
+        try:
+            plan_base_precision(quantized, config.model.family, {}, None, detect_capabilities(device))
+        except ValueError as error:
+            problems += str(error).splitlines()
+    return problems
+
+
+# --- places that will be written ---------------------------------------------------------------
+
+def nearest_existing(path: Path) -> Path:
+    """`path`, or the closest of its parents that exists (where the missing folders will be made)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _write_problem(field: str, folder: Path) -> str | None:
+    """Can files be created in `folder` (or, where it does not exist yet, be made under its parent)?
+    Tried for real with a temp file: permission bits say nothing for root, and a read-only mount
+    or a full quota shows only when writing."""
+    existing = nearest_existing(folder)
+    if not existing.is_dir():
+        return f"{field}: {existing} is a file, so the folder {folder} cannot be made"
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        return f"{field}: cannot write in {existing} ({error.strerror or error})"
+    return None
+
+
+def _output_problems(config: TrainConfig) -> list[str]:
+    raw = config.output.path
+    if not raw.strip():
+        return ["output.path: empty (name the adapter file to write, e.g. output/lora.safetensors)"]
+    path = Path(raw)
+    if path.is_dir() or raw.endswith(("/", os.sep)):
+        return [f"output.path: {path} is a folder; name the file to write, e.g. {path / 'lora.safetensors'}"]
+    problem = _write_problem("output.path", path.parent)
+    return [problem] if problem else []
+
+
+def _folder_problems(config: TrainConfig) -> list[str]:
+    folders = [("workspace_dir", Path(config.workspace_dir))]
+    if config.cache_dir:
+        folders.append(("cache_dir", Path(config.cache_dir)))
+    problems = []
+    for field, folder in folders:
+        if folder.exists() and not folder.is_dir():
+            problems.append(f"{field}: {folder} is a file, not a folder")
+            continue
+        problem = _write_problem(field, folder)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+def _model_problems(config: TrainConfig):
+    """(problems, the family object when its files can be read further)."""
+    from modules.model.detect import detect_model
+    from modules.model.registry import family_names, get_family_class
+
+    family_class = get_family_class(config.model.family)
+    base = config.model.base
+    if base:
+        path = Path(base)
+        if not path.exists():
+            return [f"model.base: {base} is not a folder (a diffusers model) or a .safetensors file: it does not exist"], None
+        detected = detect_model(path)
+        if detected is not None and detected.family != config.model.family:
+            if detected.family is None:
+                what = (f"holds a {detected.kind}, which is not a model of a family this trainer trains "
+                        f"({', '.join(family_names())})")
+            else:
+                what = f"is a {get_family_class(detected.family).label} model ({detected.kind})"
+            return [f"model.base: {path} {what}; the config says model.family {config.model.family!r} "
+                    f"({family_class.label})" + (f": set model.family to {detected.family!r}" if detected.family else "")], None
+    family = family_class(config)
+    problems = []
+    for spec in family.part_specs:
+        try:
+            _check_weight_files(family, spec.name)
+        except UserError as error:
+            problems.append(str(error))
+    return problems, (family if not problems else None)
+
+
+def _check_weight_files(family, part: str) -> None:
+    """The part's folder and weight files are there and their safetensors headers are whole
+    (a truncated download is named here, not halfway through the load)."""
+    from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
+    from modules.loading.streamed_load import checkpoint_files
+
+    if family.from_single_file(part):
+        family.single_file_stream()  # opens the file and checks its header and which parts it holds
+        return
+    where = f"model.parts.{part}"
+    for path in checkpoint_files(family.part_folder(part), where):
+        if path.suffix == ".safetensors":
+            try:
+                SafetensorsStream(path)
+            except SafetensorsError as error:
+                raise UserError(f"{where}: {error}") from None
+
+
+# --- the data ----------------------------------------------------------------------------------
+
+def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
+    """Each enabled concept scanned as training will scan it (captions read and decoded);
+    also how many images an epoch trains, for the disk estimate."""
+    from modules.data.concepts import DataError, check_concepts, scan_concept
+
+    try:
+        check_concepts(config.concepts)
+    except DataError as error:
+        return [str(error)], 0
+    problems, images = [], 0
+    for index, concept in enumerate(config.concepts):
+        if not concept.enabled:
+            continue
+        try:
+            items = scan_concept(index, concept, _ignore)
+        except DataError as error:
+            problems.append(str(error))
+            continue
+        if not concept.validation:
+            images += concept.samples_per_epoch or len(items) * concept.repeats
+    return problems, images
+
+
+def _ignore(_message: str) -> None:
+    """Warnings of the scan (captionless images) are given again when training scans."""
+
+
+# --- disk space --------------------------------------------------------------------------------
+
+def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> list[str]:
+    from modules.trainer.backup_size import adapter_size, describe, planned_bytes, planned_steps
+
+    size = adapter_size(config, family)
+    if size is None:
+        return []  # pickled weights: no header to size the adapter from
+    planned = planned_bytes(config, size, planned_steps(config, images_per_epoch))
+    workspace_need = planned.backups + planned.saves
+    workspace_detail = f"{planned.backup_count} backup(s) of ~{describe(planned.backups / planned.backup_count)}"
+    if planned.save_count:
+        workspace_detail += f", {planned.save_count} save(s) of ~{describe(planned.saves / planned.save_count)}"
+    needs = [("workspace_dir", Path(config.workspace_dir), workspace_need, workspace_detail),
+             ("output.path", Path(config.output.path).parent, planned.output, "the output file")]
+    by_disk: dict[int, list] = {}
+    for field, folder, need, detail in needs:
+        existing = nearest_existing(folder)
+        by_disk.setdefault(os.stat(existing).st_dev, []).append((field, existing, need, detail))
+    problems = []
+    for entries in by_disk.values():
+        free = shutil.disk_usage(entries[0][1]).free
+        need = sum(entry[2] for entry in entries)
+        if need > free:
+            fields = " and ".join(entry[0] for entry in entries)
+            details = "; ".join(entry[3] for entry in entries)
+            problems.append(f"{fields}: not enough free disk space in {entries[0][1]}: {describe(free)} free, the run "
+                            f"writes about {describe(need)} ({details}); free some space, lower "
+                            "backup.rolling_count, or choose a folder on another disk")
+    return problems
+
