@@ -38,6 +38,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class OriginalLayer:
+    """One layer of a family's original (non-diffusers) checkpoint layout that holds several
+    diffusers modules stacked along its output rows, e.g. FLUX's `single_blocks.0.linear1` =
+    to_q, to_k, to_v, proj_mlp. kohya files name adapters by such layers (`stem`)."""
+
+    stem: str  # the kohya key stem: lora_unet_single_blocks_0_linear1
+    members: tuple[str, ...]  # diffusers module names inside the part, in row order
+    rows: tuple[int, ...]  # output rows of each member
+    swap_halves: bool = False  # the original stores the two halves of the rows swapped (FLUX's final adaLN)
+
+
+@dataclass(frozen=True)
 class PartSpec:
     name: str  # the key under model.parts in the config
     subfolder: str  # its folder inside a diffusers model
@@ -310,6 +322,12 @@ class ModelFamily(ABC):
     def canonical_module_name(self, part: str, module_name: str) -> str:
         """The module's name as other tools spell it (library versions may rename modules)."""
         return module_name
+
+    def original_layers(self, part: str) -> list[OriginalLayer] | None:
+        """The part's layers in the original checkpoint layout, where kohya LoRA files for this
+        family use those names (sd-scripts' FLUX files): None where kohya names are the diffusers
+        module names (`adapter_name`)."""
+        return None
 
     def comfy_module_name(self, part: str, module_name: str) -> str:
         """The module's key stem in ComfyUI's own adapter layout (`diffusion_model.<its module

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from modules.adapters.adapter_set import AdapterSet, AdapterSetError
 from modules.adapters.formats import diffusers as peft_keys
+from modules.adapters.formats import fused
 from modules.saving.atomic import write_with
 
 if TYPE_CHECKING:
@@ -121,7 +122,13 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
     check_output_format(fmt, adapters, family)
     named = stems(adapters, family, fmt)
     out = {}
+    on_original_layers = set()
+    if fmt == "kohya":  # families whose kohya files name their original layers (FLUX)
+        out.update(fused.fused_state(adapters, family))
+        on_original_layers = fused.fused_names(adapters, family)
     for name, adapter in adapters.modules.items():
+        if name in on_original_layers:
+            continue
         local = {k: v.detach() for k, v in adapter.state_dict().items()}
         if fmt == "diffusers":
             local = peft_keys.to_peft(adapter, local)
@@ -188,9 +195,9 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
                     source: str, where: str = "adapter.init_from") -> dict[str, torch.Tensor]:
     """A file's tensors in any of the layouts -> this run's canonical (kohya) adapter state."""
     lookup = _stems_for_loading(adapters, family)
+    tensors, unmapped = fused.unfuse(tensors, adapters, family)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     layout_of: dict[str, set[str]] = {}
-    unmapped = []
     for key, tensor in tensors.items():
         found = _split(key, lookup)
         if found is None:
