@@ -72,6 +72,9 @@ class ModelFamily(ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]):
+    # the last block of checkpoint_blocks(part) never reaches the loss, so it gets no adapters
+    penultimate_parts: ClassVar[tuple[str, ...]] = ()
     # per part: regexes (searched in the module name) of Linear layers that stay dense when the
     # part is quantized, beyond the model class's own lists and the defaults (skip_rules.py)
     quantize_skip_patterns: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -313,6 +316,14 @@ class ModelFamily(ABC):
         """One image from the live modules (adapters active)."""
 
     # --- adapters ----------------------------------------------------------------------------
+
+    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+        """Module-name prefixes inside `part` whose output never reaches the loss (adapters there
+        would get no gradient): the last block of a part read at its penultimate block."""
+        if part not in self.penultimate_parts:
+            return ()
+        last = self.checkpoint_blocks(part)[-1]
+        return tuple(f"{name}." for name, module in self.parts[part].named_modules() if module is last)
 
     def adapter_name(self, part: str, module_name: str) -> str:
         """The kohya/LyCORIS key stem for a module: lora_unet_down_blocks_0_..."""
