@@ -130,6 +130,8 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
         if name in on_original_layers:
             continue
         local = {k: v.detach() for k, v in adapter.state_dict().items()}
+        if adapter.algorithm == "oft":  # never 0: A1111 reads that as "no rotation" (oft.py)
+            local["alpha"] = adapter.file_alpha()
         if fmt == "diffusers":
             local = peft_keys.to_peft(adapter, local)
         out.update({f"{named[name]}.{key}": tensor for key, tensor in local.items()})
@@ -147,8 +149,11 @@ def network_metadata(config: AdapterConfig) -> dict[str, str]:
     if config.type == "lokr":
         args.update(factor=config.lokr_factor, decompose_both=config.lokr_decompose_both,
                     full_matrix=config.lokr_full_matrix)
+    if config.type == "oft":
+        args["constraint"] = config.oft_constraint
     dim = config.oft_block_size if config.type == "oft" else config.rank
-    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(config.alpha),
+    alpha = config.oft_constraint if config.type == "oft" else config.alpha
+    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(alpha),
             "ss_network_args": json.dumps(args)}
 
 
