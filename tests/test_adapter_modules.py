@@ -195,12 +195,15 @@ def test_lokr_structure_follows_rank_factor_and_options():
     assert full.scale == 1.0 and float(full.alpha) == 2.0  # both full: no scaling, alpha stored = rank
 
 
-def test_lokr_factorization_is_the_one_peft_and_diffusers_reproduce():
-    from peft.tuners.lokr.layer import factorization
+def test_lokr_factorization_is_lycoris_own():
+    """LyCORIS owns the format and its loader re-derives every split by this rule (peft keeps a
+    dividing factor first, unsorted: 320 with 32 is (32, 10) there and (10, 32) in LyCORIS)."""
+    from lycoris.functional import factorization
 
-    for dimension in (1, 12, 127, 128, 250, 320, 360, 768, 1280):
-        for factor in (-1, 2, 4, 8, 16):
-            assert factorize(dimension, factor) == factorization(dimension, factor), (dimension, factor)
+    for dimension in (1, 12, 127, 128, 250, 320, 360, 640, 768, 1280, 3072, 12288):
+        for factor in (-1, 2, 4, 8, 16, 32, 64, 100):
+            assert factorize(dimension, factor) == tuple(factorization(dimension, factor)), (dimension, factor)
+    assert factorize(320, 32) == (10, 32)
 
 
 def test_oft_rotation_is_orthogonal_and_blocks_fit_the_channels():
@@ -286,14 +289,15 @@ def test_oft_rotation_matches_peft_on_the_transposed_layer(base_kind):
     ours = OFTModule("x", base, block_size=4)
     ours.hook()
     perturb(ours, std=0.3)
+    size = ours.block_size  # LyCORIS's layout (3 for 12 channels with 4); peft is given the same
     flat = base.weight.detach().flatten(1)  # (out, in * kh * kw)
     transposed = nn.Linear(flat.shape[0], flat.shape[1], bias=False)
     with torch.no_grad():
         transposed.weight.copy_(flat.t())
-    config = OFTConfig(oft_block_size=4, r=0, target_modules=["0"], use_cayley_neumann=False)
+    config = OFTConfig(oft_block_size=size, r=0, target_modules=["0"], use_cayley_neumann=False)
     peft_model = _peft_model(config, transposed)
     skew = ours.oft_blocks.detach() - ours.oft_blocks.detach().transpose(1, 2)
-    rows, cols = torch.triu_indices(4, 4, 1)
+    rows, cols = torch.triu_indices(size, size, 1)
     _load_peft(peft_model, {"oft_R.weight": skew[:, rows, cols]})
     with torch.no_grad():
         theirs = peft_model(torch.eye(flat.shape[0]))  # row i: the rotated weight's row i

@@ -34,6 +34,8 @@ class AdapterSet:
         self.modules = nn.ModuleDict()
         self.part_of: dict[str, str] = {}  # adapter name -> model part
         self.module_name_of: dict[str, str] = {}  # adapter name -> module name inside its part
+        # "part.module" of layers the filter chose but whose output never reaches the loss
+        self.left_out: list[str] = []
 
     def add(self, part: str, adapter: AdapterModule, module_name: str | None = None) -> None:
         self.modules[adapter.name] = adapter
@@ -45,6 +47,14 @@ class AdapterSet:
 
     def __iter__(self):
         return iter(self.modules.values())
+
+    def left_out_summary(self) -> str:
+        """Which layers got no adapter because no gradient reaches them, by block."""
+        blocks: dict[str, int] = {}
+        for name in self.left_out:
+            block = name.rsplit(".", 2)[0] if name.count(".") > 2 else name
+            blocks[block] = blocks.get(block, 0) + 1
+        return ", ".join(f"{block} ({count} layer{'s' * (count > 1)})" for block, count in blocks.items())
 
     def hook(self) -> None:
         for adapter in self:
@@ -93,9 +103,13 @@ def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts
     matched_filters: set[int] = set()
     dtype = dtype_of(adapter.dtype)
     for part in trained_parts:
+        unreachable = family.unreachable_prefixes(part)
         for module_name, module in family.adapter_targets(part, adapter.layer_filter, adapter.layer_preset):
             qualified = f"{part}.{module_name}"
             matched_filters.update(i for i, p in enumerate(adapter.layer_filter) if re.search(p, qualified))
+            if module_name.startswith(unreachable):  # an adapter there would never learn
+                adapters.left_out.append(qualified)
+                continue
             name = family.adapter_name(part, module_name)
             try:
                 created = create_adapter(adapter, part, name, module, device, dtype)

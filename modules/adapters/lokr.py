@@ -1,11 +1,11 @@
 """LoKr (LyCORIS): dW = scale * kron(w1, w2), the Kronecker product of a small and a large factor;
 with `weight_decompose`, DoRA's magnitude/direction split on top (weight-decomposed LoKr).
 
-The layer's out and in dimensions are each split into two factors by `factorize` (the rule of
-LyCORIS as peft implements it, which diffusers' LoKr loader reproduces): out = out_l * out_k, in = in_m * in_n, with
-w1 (out_l, in_m) the small factor and w2 (out_k, in_n[, kh, kw]) the large one. w2 is stored as
-a low-rank product w2_a @ w2_b unless the rank is at least half its larger side (or
-`full_matrix`); w1 is full unless `decompose_both` and the rank is under half its larger side.
+The layer's out and in dimensions are each split into two factors by `factorize` (LyCORIS's
+rule): out = out_l * out_k, in = in_m * in_n, with w1 (out_l, in_m) the small factor and w2
+(out_k, in_n[, kh, kw]) the large one. As in LyCORIS's LokrModule, w2 is stored as a low-rank
+product w2_a @ w2_b unless the rank is at least half its larger side (or `full_matrix`); w1 is
+full unless `decompose_both`, the rank is under half its larger side and not `full_matrix`.
 scale = alpha / rank when a factor is low-rank; 1 when both are full (LyCORIS stores alpha = rank
 then, and ComfyUI and diffusers ignore it). w2 (or w2_b) starts at zero: a fresh adapter is exact.
 """
@@ -22,23 +22,24 @@ from modules.adapters.weight_decompose import Axis, WeightDecomposed
 
 
 def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
-    """(m, n) with m * n = dimension. A factor that divides the dimension is m (peft's rule, which
-    diffusers' LoKr loader reproduces; LyCORIS puts the smaller one first there); otherwise m <= n
-    is the largest divisor not above `factor` (any, when -1) reached before passing the square
-    root, so -1 gives the most nearly square split."""
+    """(m, n) with m * n = dimension and m <= n: LyCORIS's `factorization` (the format's owner;
+    its loader re-derives every layer's split by this rule and refuses other shapes). A factor
+    that divides the dimension gives (factor, dimension / factor), smaller first; otherwise m
+    grows through the divisors, each at most `factor` (any, when -1), while m + n does not grow,
+    so -1 gives the most nearly square split. (peft keeps a dividing factor first unsorted, so
+    where factor^2 > dimension diffusers may not reproduce the split: formats/diffusers.py.)"""
     if factor > 0 and dimension % factor == 0:
-        return factor, dimension // factor
+        return tuple(sorted((factor, dimension // factor)))
     limit = dimension if factor <= 0 else factor
-    m = 1
-    for divisor in range(2, dimension + 1):
-        if dimension % divisor:
-            continue
-        if divisor > limit:
+    m, n = 1, dimension
+    while m < n:
+        candidate = m + 1
+        while dimension % candidate:
+            candidate += 1
+        if candidate + dimension // candidate > m + n or candidate > limit:
             break
-        m = divisor
-        if divisor >= dimension // divisor:
-            break
-    return tuple(sorted((m, dimension // m)))
+        m, n = candidate, dimension // candidate
+    return (m, n) if m <= n else (n, m)
 
 
 class LoKrModule(WeightDecomposed, AdapterModule):
@@ -55,7 +56,7 @@ class LoKrModule(WeightDecomposed, AdapterModule):
         kernel = math.prod(self.kernel_size)
         self.w2_shape = (out_k, in_n, *self.kernel_size)
         self.rank = rank
-        self.use_w1 = not (decompose_both and rank < max(out_l, in_m) / 2)
+        self.use_w1 = not (decompose_both and rank < max(out_l, in_m) / 2 and not full_matrix)
         self.use_w2 = full_matrix or not rank < max(out_k, in_n) / 2
         factory = {"device": device, "dtype": dtype}
         if self.use_w1:

@@ -4,8 +4,14 @@ the layer's output channels, W' = blockdiag(R_k^T) W, the bias left as it is.
 Each block R_k is the Cayley transform of a skew-symmetric Q_k = B_k - B_k^T of the stored
 `oft_blocks` B (block_num, block_size, block_size): R = (I + Q)(I - Q)^-1, orthogonal for any B,
 and the identity at B = 0, where a fresh adapter starts. R^T is solved for, not inverted:
-(I + Q) R^T = (I - Q). `alpha` is the optional norm constraint on Q (0: none), with ComfyUI's
-meaning (||Q|| is clipped to alpha).
+(I + Q) R^T = (I - Q).
+
+The layout is LyCORIS's DiagOFTModule (its loader re-derives it and refuses any other):
+(block_size, block_num) = factorization(out_channels, oft_block_size), the smaller factor being
+the block size (320 channels with 32: 32 blocks of 10). `alpha` is LyCORIS's constraint: ||Q||
+(all blocks) is clipped to alpha * out_channels; 0: none. A1111 reads the same constraint but
+takes 0 as "clip to 0" (no rotation at all), and ComfyUI clips to alpha itself, so a file never
+carries 0: formats/files.py writes a bound no reader reaches (`file_alpha`).
 
 peft's OFT rotates the layer's input features instead (y = W R x); the block math is the same,
 the side differs, so the two file layouts do not convert into each other.
@@ -20,11 +26,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.adapters.base import AdapterModule
+from modules.adapters.lokr import factorize
 
 
-def block_size_for(dimension: int, wanted: int) -> int:
-    """The largest divisor of `dimension` not above `wanted` (blocks must tile the channels)."""
-    return max(d for d in range(1, min(wanted, dimension) + 1) if dimension % d == 0)
+def block_layout(dimension: int, wanted: int) -> tuple[int, int]:
+    """(block_size, block_num) as LyCORIS lays out `dimension` channels for `wanted`."""
+    return factorize(dimension, wanted)
 
 
 class OFTModule(AdapterModule):
@@ -34,19 +41,30 @@ class OFTModule(AdapterModule):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  rank_dropout: float = 0.0, module_dropout: float = 0.0, constraint: float = 0.0):
         super().__init__(name, base, dropout=dropout, rank_dropout=rank_dropout, module_dropout=module_dropout)
-        size = block_size_for(self.out_dim, block_size)
+        size, number = block_layout(self.out_dim, block_size)
         if size < 2:
             raise ValueError(f"adapter.oft_block_size: its {self.out_dim} output channels have no divisor "
                              f"between 2 and {block_size} to make rotation blocks of")
-        self.block_size, self.block_num = size, self.out_dim // size
+        self.block_size, self.block_num = size, number
         self.oft_blocks = nn.Parameter(torch.zeros(self.block_num, size, size, device=device, dtype=dtype))
         self.register_buffer("alpha", torch.tensor(float(constraint), device=device), persistent=True)
         self._refresh_constraint()
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_constraint())
 
     def _refresh_constraint(self) -> None:
-        # a Python float, read once, so the forward never syncs on it
-        self.constraint = float(self.alpha)
+        # a Python float, read once, so the forward never syncs on it; LyCORIS scales it by the width
+        self.constraint = float(self.alpha) * self.out_dim
+
+    def file_alpha(self) -> torch.Tensor:
+        """The alpha a file gets: the constraint, or without one a bound above ||Q|| that neither
+        LyCORIS/A1111 (alpha * out_channels) nor ComfyUI (alpha) reaches, since A1111 reads 0 as
+        "no rotation"."""
+        if float(self.alpha) > 0:
+            return self.alpha.detach()
+        with torch.no_grad():
+            blocks = self.oft_blocks.float()
+            norm = float((blocks - blocks.transpose(1, 2)).norm())
+        return torch.tensor(max(norm * 1.01, 1e-3), device=self.alpha.device)
 
     def rotation_t(self, training: bool = False) -> torch.Tensor:
         """R_k^T for every block, float32, (block_num, block_size, block_size)."""

@@ -36,5 +36,5 @@ def create_adapter(config: AdapterConfig, part: str, name: str, module: nn.Modul
                           decompose_both=config.lokr_decompose_both, full_matrix=config.lokr_full_matrix,
                           weight_decompose=config.dora, dora_axis=config.dora_axis, **common)
     if config.type == "oft":
-        return OFTModule(name, module, config.oft_block_size, **common)
+        return OFTModule(name, module, config.oft_block_size, constraint=config.oft_constraint, **common)
     raise ValueError(f"adapter.type: unknown type {config.type!r} (known: {', '.join(ADAPTER_CLASSES)})")

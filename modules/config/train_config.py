@@ -164,8 +164,12 @@ class AdapterConfig(StrictModel):
     lokr_factor: int = Field(-1, description="lokr: split each dimension with this factor; -1: as square as possible.")
     lokr_decompose_both: bool = Field(False, description="lokr: make the small factor low-rank too.")
     lokr_full_matrix: bool = Field(False, description="lokr: keep the large factor a full matrix whatever the rank.")
-    oft_block_size: int = Field(32, ge=2, description="oft: channels per rotation block (the largest divisor "
-                                "of a layer's output channels not above this).")
+    oft_block_size: int = Field(32, ge=2, description="oft: LyCORIS's block rule: a layer's output channels "
+                                "split into two factors as LoKr splits with this factor, the smaller one the "
+                                "block size (320 channels with 32: 32 blocks of 10; 1280: 40 blocks of 32).")
+    oft_constraint: float = Field(0.0, ge=0, description="oft: LyCORIS's constraint: the rotation's skew part "
+                                  "is clipped to this times the layer's output channels; 0: none. Exact in "
+                                  "LyCORIS and A1111; ComfyUI clips to the value itself (differs once it binds).")
     parts: dict[str, AdapterPartConfig] = Field(
         default_factory=dict, description="Per-part rank/alpha, e.g. {\"text_encoder\": {\"rank\": 8}}.")
     init_from: str | None = Field(

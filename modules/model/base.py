@@ -38,6 +38,18 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class OriginalLayer:
+    """One layer of a family's original (non-diffusers) checkpoint layout that holds several
+    diffusers modules stacked along its output rows, e.g. FLUX's `single_blocks.0.linear1` =
+    to_q, to_k, to_v, proj_mlp. kohya files name adapters by such layers (`stem`)."""
+
+    stem: str  # the kohya key stem: lora_unet_single_blocks_0_linear1
+    members: tuple[str, ...]  # diffusers module names inside the part, in row order
+    rows: tuple[int, ...]  # output rows of each member
+    swap_halves: bool = False  # the original stores the two halves of the rows swapped (FLUX's final adaLN)
+
+
+@dataclass(frozen=True)
 class PartSpec:
     name: str  # the key under model.parts in the config
     subfolder: str  # its folder inside a diffusers model
@@ -60,6 +72,9 @@ class ModelFamily(ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]):
+    # the last block of checkpoint_blocks(part) never reaches the loss, so it gets no adapters
+    penultimate_parts: ClassVar[tuple[str, ...]] = ()
     # per part: regexes (searched in the module name) of Linear layers that stay dense when the
     # part is quantized, beyond the model class's own lists and the defaults (skip_rules.py)
     quantize_skip_patterns: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -328,6 +343,14 @@ class ModelFamily(ABC):
 
     # --- adapters ----------------------------------------------------------------------------
 
+    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+        """Module-name prefixes inside `part` whose output never reaches the loss (adapters there
+        would get no gradient): the last block of a part read at its penultimate block."""
+        if part not in self.penultimate_parts:
+            return ()
+        last = self.checkpoint_blocks(part)[-1]
+        return tuple(f"{name}." for name, module in self.parts[part].named_modules() if module is last)
+
     def adapter_name(self, part: str, module_name: str) -> str:
         """The kohya/LyCORIS key stem for a module: lora_unet_down_blocks_0_..."""
         prefix = self.spec(part).adapter_prefix
@@ -336,6 +359,12 @@ class ModelFamily(ABC):
     def canonical_module_name(self, part: str, module_name: str) -> str:
         """The module's name as other tools spell it (library versions may rename modules)."""
         return module_name
+
+    def original_layers(self, part: str) -> list[OriginalLayer] | None:
+        """The part's layers in the original checkpoint layout, where kohya LoRA files for this
+        family use those names (sd-scripts' FLUX files): None where kohya names are the diffusers
+        module names (`adapter_name`)."""
+        return None
 
     def comfy_module_name(self, part: str, module_name: str) -> str:
         """The module's key stem in ComfyUI's own adapter layout (`diffusion_model.<its module

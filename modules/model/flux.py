@@ -3,10 +3,15 @@
 shift and scale; rectified-flow training (target = noise - latents) with logit-normal sigmas
 shifted by the image's sequence length as the model's scheduler config says.
 
-Adapter key names (kohya layout): `lora_transformer_<diffusers module>` (OneTrainer's names,
-read by ComfyUI and by diffusers' `load_lora_weights` for attention layers), `lora_te1_...`
-(CLIP-L), `lora_te2_...` (T5). ComfyUI's own layout fuses q/k/v, so per-projection adapters
-have no name there: use the kohya or diffusers format.
+Adapter key names (kohya layout): LoRA on the transformer is written as kohya's sd-scripts
+writes FLUX files, on the original layers (`lora_unet_double_blocks_0_img_attn_qkv`,
+`lora_unet_single_blocks_0_linear1`, ...; q/k/v(/mlp) stacked block-diagonally into one LoRA,
+formats/fused.py): the one transformer layout diffusers' `load_lora_weights` converts for every
+layer (its converter for OneTrainer's `lora_transformer_<diffusers module>` names knows attention
+layers only), and ComfyUI and Forge read it too. Other algorithms keep the per-module
+`lora_transformer_...` names (ComfyUI, Forge). Text encoders: `lora_te1_...` (CLIP-L),
+`lora_te2_...` (T5, OneTrainer's name, which ComfyUI maps for FLUX). ComfyUI's own layout fuses
+q/k/v, so per-projection adapters have no name there: use the kohya or diffusers format.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.model.base import ModelFamily, OriginalLayer, PartSpec
 from modules.model.noise import Prediction
 from modules.model.sd15 import _text_encoder_key, _vae_key
 from modules.model.tiny_tokenizer import write_char_clip_tokenizer
@@ -297,6 +302,52 @@ class FluxFamily(ModelFamily):
         ).images[0]
 
     # --- adapters ----------------------------------------------------------------------------
+
+    def original_layers(self, part: str) -> list[OriginalLayer] | None:
+        """The transformer's layers under BFL's names, as sd-scripts and diffusers' kohya-FLUX
+        converter spell them (`_convert_kohya_flux_lora_to_diffusers`)."""
+        if part != "transformer":
+            return None
+        modules = dict(self.transformer.named_modules())
+
+        def layer(stem: str, *members: str, swap: bool = False) -> OriginalLayer | None:
+            if not all(m in modules for m in members):
+                return None
+            return OriginalLayer(f"lora_unet_{stem}", members, tuple(modules[m].out_features for m in members), swap)
+
+        layers = [
+            layer("img_in", "x_embedder"), layer("txt_in", "context_embedder"),
+            layer("final_layer_linear", "proj_out"),
+            layer("final_layer_adaLN_modulation_1", "norm_out.linear", swap=True),
+        ]
+        for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                               ("guidance_in", "guidance_embedder")):
+            layers += [layer(f"{source}_in_layer", f"time_text_embed.{target}.linear_1"),
+                       layer(f"{source}_out_layer", f"time_text_embed.{target}.linear_2")]
+        for i in range(len(self.transformer.transformer_blocks)):
+            d = f"transformer_blocks.{i}"
+            layers += [
+                layer(f"double_blocks_{i}_img_attn_qkv", f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
+                layer(f"double_blocks_{i}_txt_attn_qkv", f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
+                      f"{d}.attn.add_v_proj"),
+                layer(f"double_blocks_{i}_img_attn_proj", f"{d}.attn.to_out.0"),
+                layer(f"double_blocks_{i}_txt_attn_proj", f"{d}.attn.to_add_out"),
+                layer(f"double_blocks_{i}_img_mlp_0", f"{d}.ff.net.0.proj"),
+                layer(f"double_blocks_{i}_img_mlp_2", f"{d}.ff.net.2"),
+                layer(f"double_blocks_{i}_txt_mlp_0", f"{d}.ff_context.net.0.proj"),
+                layer(f"double_blocks_{i}_txt_mlp_2", f"{d}.ff_context.net.2"),
+                layer(f"double_blocks_{i}_img_mod_lin", f"{d}.norm1.linear"),
+                layer(f"double_blocks_{i}_txt_mod_lin", f"{d}.norm1_context.linear"),
+            ]
+        for i in range(len(self.transformer.single_transformer_blocks)):
+            s = f"single_transformer_blocks.{i}"
+            layers += [
+                layer(f"single_blocks_{i}_linear1", f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v",
+                      f"{s}.proj_mlp"),
+                layer(f"single_blocks_{i}_linear2", f"{s}.proj_out"),
+                layer(f"single_blocks_{i}_modulation_lin", f"{s}.norm.linear"),
+            ]
+        return [x for x in layers if x is not None]
 
     def canonical_module_name(self, part: str, module_name: str) -> str:
         if part == "text_encoder" and not module_name.startswith("text_model."):

@@ -59,6 +59,8 @@ class SDXLFamily(SD15Family):
     bucket_quantum = 64
     kohya_base_version = "sdxl_base_v1-0"
     modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
+    # CLIP-L is read at hidden_states[-2]; CLIP-G's last block feeds its pooled projection
+    penultimate_parts = ("text_encoder",)
     layer_presets = {
         "attn": ([_UNET_ATTN, _TE_ATTN], False),
         "attn-mlp": ([_UNET_ATTN, _UNET_FF, _TE_ATTN, _TE_MLP], False),

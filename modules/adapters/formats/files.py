@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from modules.adapters.adapter_set import AdapterSet, AdapterSetError
 from modules.adapters.formats import diffusers as peft_keys
+from modules.adapters.formats import fused
 from modules.saving.atomic import write_with
 
 if TYPE_CHECKING:
@@ -121,8 +122,16 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
     check_output_format(fmt, adapters, family)
     named = stems(adapters, family, fmt)
     out = {}
+    on_original_layers = set()
+    if fmt == "kohya":  # families whose kohya files name their original layers (FLUX)
+        out.update(fused.fused_state(adapters, family))
+        on_original_layers = fused.fused_names(adapters, family)
     for name, adapter in adapters.modules.items():
+        if name in on_original_layers:
+            continue
         local = {k: v.detach() for k, v in adapter.state_dict().items()}
+        if adapter.algorithm == "oft":  # never 0: A1111 reads that as "no rotation" (oft.py)
+            local["alpha"] = adapter.file_alpha()
         if fmt == "diffusers":
             local = peft_keys.to_peft(adapter, local)
         out.update({f"{named[name]}.{key}": tensor for key, tensor in local.items()})
@@ -140,8 +149,11 @@ def network_metadata(config: AdapterConfig) -> dict[str, str]:
     if config.type == "lokr":
         args.update(factor=config.lokr_factor, decompose_both=config.lokr_decompose_both,
                     full_matrix=config.lokr_full_matrix)
+    if config.type == "oft":
+        args["constraint"] = config.oft_constraint
     dim = config.oft_block_size if config.type == "oft" else config.rank
-    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(config.alpha),
+    alpha = config.oft_constraint if config.type == "oft" else config.alpha
+    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(alpha),
             "ss_network_args": json.dumps(args)}
 
 
@@ -188,9 +200,9 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
                     source: str, where: str = "adapter.init_from") -> dict[str, torch.Tensor]:
     """A file's tensors in any of the layouts -> this run's canonical (kohya) adapter state."""
     lookup = _stems_for_loading(adapters, family)
+    tensors, unmapped = fused.unfuse(tensors, adapters, family)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     layout_of: dict[str, set[str]] = {}
-    unmapped = []
     for key, tensor in tensors.items():
         found = _split(key, lookup)
         if found is None:

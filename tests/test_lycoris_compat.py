@@ -1,0 +1,207 @@
+"""LyCORIS (lycoris-lora, the format's owner) and this trainer agree on every algorithm, on
+single layers of the real models' widths (320, 640, 768, 1280, 3072):
+
+- a trainer file (kohya layout, saved by save_adapter_file) loads with LyCORIS's own
+  `create_network_from_weights`, and LyCORIS's forward equals the trainer's hooked one;
+- a LyCORIS-made module with random weights, saved as LyCORIS saves it, continues in the trainer
+  (`load_adapter_file`, what adapter.init_from runs) with equal outputs.
+
+Also what LyCORIS refuses: DoRA on the input axis (its loader makes output-axis magnitudes), and
+LoKr on a conv with a factor its loader cannot re-derive (its own files there too).
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from modules.adapters.adapter_set import AdapterSet
+from modules.adapters.formats.files import load_adapter_file, save_adapter_file
+from modules.adapters.registry import create_adapter
+from modules.config.train_config import AdapterConfig
+
+NAME = "lora_unet_layer"  # LyCORIS's kohya name of a module called "layer" in the unet it is given
+
+LAYERS = {  # real widths: SD1.5/SDXL attention and MLP, CLIP-L, FLUX's inner width
+    "linear-768-320": lambda: nn.Linear(768, 320),
+    "linear-320-1280": lambda: nn.Linear(320, 1280),
+    "linear-1280-640": lambda: nn.Linear(1280, 640),
+    "linear-3072-3072": lambda: nn.Linear(3072, 3072),
+    "conv-320-640": lambda: nn.Conv2d(320, 640, 3, padding=1),
+}
+ALGORITHMS = {
+    "lora": {"type": "lora", "rank": 8, "alpha": 4},
+    "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True},
+    "loha": {"type": "loha", "rank": 4, "alpha": 2},
+    "lokr-small-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 4},
+    "lokr-large-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 32},
+    "lokr-square-decomposed-both": {"type": "lokr", "rank": 2, "alpha": 1, "lokr_decompose_both": True},
+    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True},
+    "lokr-full": {"type": "lokr", "rank": 4, "alpha": 4, "lokr_factor": 8, "lokr_full_matrix": True},
+    "oft": {"type": "oft", "oft_block_size": 32},
+    "oft-constrained": {"type": "oft", "oft_block_size": 16, "oft_constraint": 1e-4},
+}
+
+
+class OneLayerFamily:
+    """The naming side of a ModelFamily for one layer called "layer" in a part called "unet"."""
+
+    label = "one layer"
+
+    def original_layers(self, part):
+        return None
+
+    def comfy_module_name(self, part, module_name):
+        raise NotImplementedError
+
+    def canonical_module_name(self, part, module_name):
+        return module_name
+
+    def spec(self, part):
+        return SimpleNamespace(adapter_prefix="lora_unet")
+
+
+def _input(layer):
+    generator = torch.Generator().manual_seed(7)
+    if isinstance(layer, nn.Conv2d):
+        return torch.randn(2, layer.in_channels, 6, 6, generator=generator)
+    return torch.randn(3, layer.in_features, generator=generator)
+
+
+def _ours(layer, options):
+    config = AdapterConfig(**options)
+    adapter = create_adapter(config, "unet", NAME, layer, torch.device("cpu"), torch.float32)
+    adapters = AdapterSet()
+    adapters.add("unet", adapter, "layer")
+    adapters.hook()
+    return adapters, adapter
+
+
+def _lycoris_forward(network_modules, layer, x):
+    for module in network_modules:
+        module.apply_to()
+    try:
+        with torch.no_grad():
+            return layer(x)
+    finally:
+        for module in network_modules:
+            module.restore()
+
+
+@pytest.fixture(scope="module", params=list(LAYERS))
+def layer(request):
+    torch.manual_seed(0)
+    return LAYERS[request.param]().eval()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_trainer_file_loads_in_lycoris_and_computes_the_same(layer, algorithm, tmp_path):
+    from lycoris.kohya import create_network_from_weights
+
+    adapters, adapter = _ours(layer, ALGORITHMS[algorithm])
+    try:
+        generator = torch.Generator().manual_seed(1)
+        std = {"loha": 0.3, "lokr": 0.1}.get(adapter.algorithm, 0.02)
+        with torch.no_grad():
+            for parameter in adapter.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * std)
+        x = _input(layer)
+        with torch.no_grad():
+            ours = layer(x)
+        path = tmp_path / "adapter.safetensors"
+        save_adapter_file(path, adapters, OneLayerFamily(), "kohya", torch.float32, {})
+    finally:
+        adapters.unhook()
+    with torch.no_grad():
+        plain = layer(x)
+    unet = nn.Module()
+    unet.layer = layer
+    if isinstance(layer, nn.Conv2d) and algorithm == "lokr-large-factor":
+        # LyCORIS re-derives the factor from w2_b's width, which on a conv includes the kernel, so
+        # it refuses its own files here too: the trainer's file is as loadable as LyCORIS's
+        own = tmp_path / "lycoris-own.safetensors"
+        made = _lycoris_module(layer, ALGORITHMS[algorithm])
+        save_file({f"{NAME}.{k}": v.contiguous() for k, v in made.state_dict().items() if k != "scalar"}, str(own))
+        for file in (path, own):
+            with pytest.raises(RuntimeError, match="must match the size"):
+                create_network_from_weights(1.0, str(file), None, None, unet)
+        return
+    network, _ = create_network_from_weights(1.0, str(path), None, None, unet)
+    assert len(network.unet_loras) == 1
+    theirs = _lycoris_forward(network.unet_loras, layer, x)
+    assert (ours - plain).abs().max() > 1e-3  # the adapter does something worth matching
+    assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+
+
+def _lycoris_module(layer, options):
+    """The LyCORIS module a run of these options corresponds to, random in every tensor."""
+    from lycoris.modules.diag_oft import DiagOFTModule
+    from lycoris.modules.locon import LoConModule
+    from lycoris.modules.loha import LohaModule
+    from lycoris.modules.lokr import LokrModule
+
+    kind = options["type"]
+    if kind == "lora":
+        module = LoConModule(NAME, layer, 1, options["rank"], options["alpha"],
+                             weight_decompose=options.get("dora", False))
+    elif kind == "loha":
+        module = LohaModule(NAME, layer, 1, options["rank"], options["alpha"])
+    elif kind == "lokr":
+        module = LokrModule(NAME, layer, 1, options["rank"], options["alpha"], factor=options.get("lokr_factor", -1),
+                            decompose_both=options.get("lokr_decompose_both", False),
+                            full_matrix=options.get("lokr_full_matrix", False),
+                            weight_decompose=options.get("dora", False))
+    else:
+        module = DiagOFTModule(NAME, layer, 1, options["oft_block_size"], constraint=options.get("oft_constraint", 0))
+    generator = torch.Generator().manual_seed(3)
+    std = {"loha": 0.3, "lokr": 0.1}.get(kind, 0.02)  # products of factors need larger factors to show
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            if name != "dora_scale":
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * std)
+            else:
+                parameter.mul_(1 + 0.1 * torch.rand(parameter.shape, generator=generator))
+    return module.eval()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_lycoris_made_file_continues_in_the_trainer(layer, algorithm, tmp_path):
+    options = ALGORITHMS[algorithm]
+    lycoris = _lycoris_module(layer, options)
+    state = {f"{NAME}.{k}": v.detach().contiguous() for k, v in lycoris.state_dict().items() if k != "scalar"}
+    path = tmp_path / "lycoris.safetensors"
+    save_file(state, str(path))
+    x = _input(layer)
+    theirs = _lycoris_forward([lycoris], layer, x)
+    adapters, _ = _ours(layer, options)
+    try:
+        load_adapter_file(path, adapters, OneLayerFamily())
+        with torch.no_grad():
+            ours = layer(x)
+    finally:
+        adapters.unhook()
+    with torch.no_grad():
+        plain = layer(x)
+    assert (theirs - plain).abs().max() > 1e-3
+    assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+
+
+def test_lycoris_refuses_dora_on_the_input_axis(tmp_path):
+    from lycoris.kohya import create_network_from_weights
+
+    layer = nn.Linear(768, 320)
+    adapters, _ = _ours(layer, {"type": "lora", "rank": 4, "dora": True, "dora_axis": "input"})
+    try:
+        path = tmp_path / "input-axis.safetensors"
+        save_adapter_file(path, adapters, OneLayerFamily(), "kohya", torch.float32, {})
+    finally:
+        adapters.unhook()
+    unet = nn.Module()
+    unet.layer = copy.deepcopy(layer)
+    with pytest.raises(RuntimeError):
+        create_network_from_weights(1.0, str(path), None, None, unet)
