@@ -90,14 +90,16 @@ class App(PresetBar, ctk.CTk):
         self._info_queue: queue.Queue = queue.Queue()
 
         self.cfg = ConfigState(default_data())
+        self.cfg.set_hooks["model.family"] = self._family_changed
         self._preset_bar()
         self._selectors()
+        # the run bar is packed before the expanding tab view, so the tabs shrink, never the run bar
+        self._run_bar()
         self.tabview = ctk.CTkTabview(self, anchor="nw")
         self.tabview.pack(fill="both", expand=True, padx=8, pady=(0, 4))
         self.tabs = {}
         for name, cls in TABS:
             self.tabs[name] = cls(self.tabview.add(name), self)
-        self._run_bar()
         self.cfg.validate_listeners.append(self._validated)
         if restore:
             last = self._read_json(gui_dir() / "last_config.json")
@@ -129,8 +131,8 @@ class App(PresetBar, ctk.CTk):
         self.problem_label.pack(side="right", padx=8)
 
     def _run_bar(self) -> None:
-        bar = ctk.CTkFrame(self)
-        bar.pack(fill="x", padx=8, pady=(0, 8))
+        self.run_bar = bar = ctk.CTkFrame(self)
+        bar.pack(side="bottom", fill="x", padx=8, pady=(0, 8))
         self.start_button = ctk.CTkButton(bar, text="Start training", width=130, command=self.start_or_stop,
                                           fg_color="#2e7d32", hover_color="#1b5e20")
         self.start_button.pack(side="left", padx=8, pady=8)
@@ -154,9 +156,12 @@ class App(PresetBar, ctk.CTk):
     # --- selectors -------------------------------------------------------------------------------
 
     def _family_chosen(self, label: str) -> None:
-        family = self.family_labels[label]
-        if family == self.cfg.get("model.family"):
-            return
+        self.cfg.set("model.family", self.family_labels[label])
+
+    def _family_changed(self, family) -> bool:
+        """model.family set (the selector or the Model tab): the new family's parts, the rest kept."""
+        if family == self.cfg.get("model.family") or family not in family_names():
+            return False
         overlay = config_overlay(self.cfg.config) if self.cfg.config else {}
         overlay.setdefault("model", {})["family"] = family
         overlay["model"].pop("parts", None)  # parts are the family's own
@@ -165,6 +170,15 @@ class App(PresetBar, ctk.CTk):
         except ConfigError:
             data = default_data(family)
         self.cfg.load(data)
+        return True
+
+    def field_for(self, path: str):
+        """The Field bound to `path`, on whichever tab it is."""
+        for name, tab in self.tabs.items():
+            found = getattr(tab, "fields", {}).get(path)
+            if found is not None:
+                return name, found
+        return None, None
 
     def _method_chosen(self, method: str) -> None:
         kind, dora = METHODS[method]
