@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from modules.saving.atomic import write_text
 from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.run_client import ROOT, RunClient, local_train_argv
+from ui.run_history import history, run_dirs, sample_info
 from ui.state import ConfigState, default_data
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
@@ -48,6 +50,17 @@ TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab),
 # training method -> (adapter.type, adapter.dora)
 METHODS = {"LoRA": ("lora", False), "DoRA": ("lora", True), "LoHa": ("loha", False), "LoKr": ("lokr", False),
            "OFT": ("oft", False)}
+
+
+REFUSED_STATUS = "Training cannot start"
+
+
+def error_line(lines: list[str]) -> str | None:
+    """The line that says what went wrong in a log's tail (`ValueError: ...`), the last one."""
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*:", line.strip()) or line.startswith("error:"):
+            return line.strip()
+    return None
 
 
 def gui_dir() -> Path:
@@ -85,7 +98,9 @@ class App(PresetBar, ctk.CTk):
         self.refused: list[str] = []
         self.client: RunClient | None = None
         self.run_events: list[dict] = []
+        self.run_config: dict = {}
         self.total_steps = 0
+        self._stop_requested = False
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
 
@@ -107,6 +122,8 @@ class App(PresetBar, ctk.CTk):
                 self.cfg.restore(last)
         self.cfg.validate()
         self.protocol("WM_DELETE_WINDOW", self.on_close)
+        if restore:
+            self._show_last_run()
 
         if machine_info is not None:
             self.cfg.set_machine_info(machine_info)
@@ -206,6 +223,8 @@ class App(PresetBar, ctk.CTk):
             first = problems[0] if len(problems[0]) <= 90 else problems[0][:89] + "…"
             text = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}: {first}" + (" …" if len(problems) > 1 else "")
         self.problem_label.configure(text=text)
+        if not problems and self.status_label.cget("text").startswith(REFUSED_STATUS):
+            self.set_status("Ready: the problems are fixed.")
 
     # --- machine info ------------------------------------------------------------------------------
 
@@ -282,7 +301,7 @@ class App(PresetBar, ctk.CTk):
         if remote:
             problems = problems + [remote]
         if problems:
-            self._refuse("Training cannot start", problems)
+            self._refuse(REFUSED_STATUS, problems)
             return False
         self.refused = []
         run_dir = user_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -295,9 +314,13 @@ class App(PresetBar, ctk.CTk):
         write_text(config_file, self.cfg.config_json() + "\n")
         self.save_last_config()
         self.run_events = []
+        self.run_config = json.loads(self.cfg.config_json())
         self.total_steps = 0
+        self._stop_requested = False
         run_tab = self.tabs["Run"]
         run_tab.clear()
+        if self.run_config["backup"]["resume"]:  # the curve and samples of the runs this one continues
+            run_tab.load_history(history(run_dir))
         target = self.remote_target()
         run_tab.append_log(f"[run folder: {run_dir}]" + (f" [remote: {target.label}]" if target else ""))
         self.client = RunClient(self.run_argv(config_file), cwd=ROOT, run_dir=run_dir)
@@ -312,8 +335,16 @@ class App(PresetBar, ctk.CTk):
         self.after(100, self._poll)
         return True
 
+    def _show_last_run(self) -> None:
+        """On opening the window: the newest run's curve and samples (with those it resumed)."""
+        runs = run_dirs(user_dir() / "runs")
+        if runs:
+            self.tabs["Run"].load_history(history(runs[-1]))
+            self.tabs["Run"].append_log(f"[last run: {runs[-1]}]")
+
     def stop(self) -> None:
         if self.running and self.client.stop():
+            self._stop_requested = True
             self.set_status("Stopping at the next step (a backup will be written)…")
             self.start_button.configure(state="disabled")
 
@@ -360,22 +391,34 @@ class App(PresetBar, ctk.CTk):
             self.set_status("   ".join(parts))
             run_tab.add_loss(step, loss)
         elif name == "sample":  # the run's own log (stderr) says what it wrote
-            run_tab.add_sample(event["path"])
+            run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config))
         elif name in ("backup", "saved"):
             self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
         elif name == "error":
             self.show_error("Training failed", event.get("message", ""))
-        elif name == "finished":
+        elif name == "finished" and not self._stop_requested:
             self.progress.set(1.0)
             self.epoch_progress.set(1.0)
 
     def _ended(self, returncode: int) -> None:
         names = {e.get("event") for e in self.run_events}
-        if returncode != 0 and "error" not in names:
-            tail = "\n".join(self.tabs["Run"].log_text().splitlines()[-30:])
-            self.show_error("Training process ended unexpectedly", f"exit code {returncode}\n\n{tail}")
-        done = "finished" in names and returncode == 0
-        self.set_status("Finished." if done else f"Stopped (exit code {returncode}).")
+        errors = [e.get("message", "") for e in self.run_events if e.get("event") == "error"]
+        if returncode != 0 and not errors:
+            tail = self.tabs["Run"].log_text().splitlines()[-30:]
+            self.show_error("Training process ended unexpectedly", error_line(tail) or f"exit code {returncode}",
+                            f"exit code {returncode}\n\n" + "\n".join(tail))
+        steps = [e["step"] for e in self.run_events if e.get("event") == "progress" and "step" in e]
+        where = f" at step {steps[-1]}/{self.total_steps or '?'}" if steps else ""
+        if errors or returncode != 0:
+            first = (errors[0].splitlines() or [""])[0] if errors else ""
+            self.set_status(f"Failed{where} (exit code {returncode})" + (f": {first}" if first else "."))
+        elif self._stop_requested:
+            backup = any(e.get("event") == "backup" for e in self.run_events)
+            self.set_status(f"Stopped{where}" + ("; a backup was written." if backup else "."))
+        elif "finished" in names:
+            self.set_status("Finished.")
+        else:
+            self.set_status(f"Ended{where} without finishing (exit code {returncode}).")
         self.start_button.configure(text="Start training", state="normal", fg_color="#2e7d32", hover_color="#1b5e20")
         for button in self.command_buttons.values():
             button.configure(state="disabled")
@@ -387,14 +430,16 @@ class App(PresetBar, ctk.CTk):
     def set_status(self, text: str) -> None:
         self.status_label.configure(text=text)
 
-    def show_error(self, title: str, message: str) -> ErrorDialog:
-        dialog = ErrorDialog(self, title, message)
+    def show_error(self, title: str, message: str, details: str = "") -> ErrorDialog:
+        """A dialog that leads with the error line (`message`), then the details (a traceback, a log)."""
+        dialog = ErrorDialog(self, title, message, details)
         self.dialogs.append(dialog)
         return dialog
 
     def _refuse(self, title: str, problems: list[str]) -> None:
         self.refused = list(problems)
-        self.show_error(title, "Fix these first:\n\n" + "\n".join(f"• {p}" for p in problems))
+        self.show_error(title, problems[0] if len(problems) == 1 else f"{len(problems)} problems: {problems[0]}",
+                        "Fix these first:\n\n" + "\n".join(f"• {p}" for p in problems))
         self.set_status(f"{title}: {len(problems)} problem{'s' if len(problems) != 1 else ''}.")
 
     def report_callback_exception(self, exc, value, tb) -> None:
@@ -402,7 +447,7 @@ class App(PresetBar, ctk.CTk):
         self.callback_errors.append(text)
         print(text, file=sys.stderr)
         try:
-            self.show_error("Internal error", text)
+            self.show_error("Internal error", "".join(traceback.format_exception_only(exc, value)).strip(), text)
         except tk.TclError:
             pass
 

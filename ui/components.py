@@ -142,6 +142,7 @@ class Field(ctk.CTkFrame):
         self.error.grid(row=1, column=1, sticky="w", padx=6)
         self.error.grid_remove()
         text = tooltip or field_description(path)
+        self.tooltip_text = text
         if text:
             Tooltip(self.label, text)
         self._messages: dict[str, str | None] = {}
@@ -152,6 +153,8 @@ class Field(ctk.CTkFrame):
             self.bindings.append(self.unit_binding)
         if registry is not None:
             registry[path] = self
+            if unit:
+                registry[unit[0]] = self
         if widget == "lines":
             self._var_to_text()
 
@@ -166,8 +169,9 @@ class Field(ctk.CTkFrame):
         for binding in self.bindings:
             self.cfg.release(binding)
         self.bindings = []
-        if self.registry is not None and self.registry.get(self.path) is self:
-            del self.registry[self.path]
+        if self.registry is not None:
+            for path in [p for p, field in self.registry.items() if field is self]:
+                del self.registry[path]
         try:
             self.anchor.destroy()
         except tk.TclError:
@@ -267,9 +271,10 @@ class Field(ctk.CTkFrame):
 
 
 class ErrorDialog(ctk.CTkToplevel):
-    """A non-modal window with a title and a (selectable) message; the main window stays live."""
+    """A non-modal window: the title, the error line (`message`) first and in bold, then the
+    details (a traceback, a log tail) below it, selectable; the main window stays live."""
 
-    def __init__(self, master, title: str, message: str):
+    def __init__(self, master, title: str, message: str, details: str = ""):
         super().__init__(master)
         self.title(title)
         width, height = 620, 300
@@ -279,11 +284,14 @@ class ErrorDialog(ctk.CTkToplevel):
             self.geometry(f"{width}x{height}+{x}+{y}")
         except tk.TclError:
             self.geometry(f"{width}x{height}")
-        self.message = message
+        self.message = message + (f"\n\n{details}" if details else "")
+        self.headline, self.details = message, details
         ctk.CTkLabel(self, text=title, font=ctk.CTkFont(size=15, weight="bold"),
                      text_color=ERROR_COLOR, anchor="w").pack(fill="x", padx=12, pady=(12, 4))
+        ctk.CTkLabel(self, text=message, font=ctk.CTkFont(weight="bold"), anchor="w", justify="left",
+                     wraplength=width - 24).pack(fill="x", padx=12, pady=(0, 4))
         box = ctk.CTkTextbox(self, wrap="word")
-        box.insert("1.0", message)
+        box.insert("1.0", self.message)
         box.configure(state="disabled")
         box.pack(fill="both", expand=True, padx=12, pady=4)
         ctk.CTkButton(self, text="OK", width=90, command=self.destroy).pack(pady=(4, 12))

@@ -49,14 +49,24 @@ class PresetBar:
             self.preset_var.set(names[0])
 
     def load_preset(self, name: str) -> None:
-        """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from."""
+        """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from, except
+        that the base model and the concepts stay as they are unless the preset sets them (a
+        preset is a recipe; the model and the images are the user's)."""
         try:
-            data = build_config([load_preset_overlay(name)]).model_dump(mode="json")
+            overlay = load_preset_overlay(name)
+            data = build_config([overlay]).model_dump(mode="json")
         except ConfigError as error:
             self.show_error(f"Cannot load preset {name!r}", str(error))
             return
+        kept = []
+        if not (overlay.get("model") or {}).get("base") and self.cfg.get("model.base"):
+            data["model"]["base"] = self.cfg.get("model.base")
+            kept.append("base model")
+        if "concepts" not in overlay and self.cfg.get("concepts"):
+            data["concepts"] = self.cfg.get("concepts")
+            kept.append("concepts")
         self.cfg.load(data)
-        self.set_status(f"Loaded preset {name!r}.")
+        self.set_status(f"Loaded preset {name!r}" + (f" (kept your {' and '.join(kept)})." if kept else "."))
 
     def load_selected_preset(self) -> None:
         self.load_preset(self.preset_var.get())

@@ -1,4 +1,6 @@
-"""Run: the live loss curve, the latest samples, and the run's log."""
+"""Run: the live loss curve, the latest samples (each with its step and prompt), and the run's log.
+After a resume or a reopen, the curve and gallery start from what the earlier runs left
+(ui/run_history.py)."""
 
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class RunTab(ctk.CTkFrame):
         self.gallery = ctk.CTkFrame(gallery, fg_color="transparent")
         self.gallery.pack(fill="both", expand=True)
         self.samples: list[str] = []
+        self.sample_info: dict[str, dict] = {}
         self._images = []
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
@@ -64,6 +67,7 @@ class RunTab(ctk.CTkFrame):
         self.steps, self.losses = [], []
         self._redraw()
         self.samples = []
+        self.sample_info = {}
         self._show_samples()
         self.log.configure(state="normal")
         self.log.delete("1.0", "end")
@@ -86,9 +90,27 @@ class RunTab(ctk.CTkFrame):
         self.canvas.draw_idle()
         self.redraws += 1
 
-    def add_sample(self, path: str) -> None:
-        self.samples.append(path)
+    def load_history(self, history) -> None:
+        """The curve and samples of earlier runs (a resume continues them; a reopen shows them)."""
+        self.steps = [step for step, _ in history.losses]
+        self.losses = [loss for _, loss in history.losses]
+        self._redraw()
+        self.samples = [s["path"] for s in history.samples]
+        self.sample_info = {s["path"]: s for s in history.samples}
         self._show_samples()
+
+    def add_sample(self, path: str, info: dict | None = None) -> None:
+        self.samples.append(path)
+        self.sample_info[path] = info or {"path": path, "step": None, "prompt": None}
+        self._show_samples()
+
+    def caption(self, path: str) -> str:
+        info = self.sample_info.get(path) or {}
+        step = f"step {info['step']}" if info.get("step") is not None else Path(path).name
+        prompt = info.get("prompt")
+        if prompt and len(prompt) > 40:
+            prompt = prompt[:39] + "…"
+        return f"{step}: {prompt}" if prompt else step
 
     def _show_samples(self) -> None:
         for child in self.gallery.winfo_children():
@@ -113,7 +135,7 @@ class RunTab(ctk.CTkFrame):
             cell = ctk.CTkFrame(self.gallery, fg_color="transparent")
             cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
             ctk.CTkLabel(cell, text="", image=picture).pack()
-            ctk.CTkLabel(cell, text=Path(path).name, font=ctk.CTkFont(size=11)).pack()
+            ctk.CTkLabel(cell, text=self.caption(path), font=ctk.CTkFont(size=11), wraplength=THUMB).pack()
 
     def append_log(self, text: str) -> None:
         self.log.configure(state="normal")
