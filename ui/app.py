@@ -438,8 +438,8 @@ class App(PresetBar, ctk.CTk):
 
     def _refuse(self, title: str, problems: list[str]) -> None:
         self.refused = list(problems)
-        self.show_error(title, problems[0] if len(problems) == 1 else f"{len(problems)} problems: {problems[0]}",
-                        "Fix these first:\n\n" + "\n".join(f"• {p}" for p in problems))
+        count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        self.show_error(title, problems[0], f"{count} to fix first:\n\n" + "\n".join(f"• {p}" for p in problems))
         self.set_status(f"{title}: {len(problems)} problem{'s' if len(problems) != 1 else ''}.")
 
     def report_callback_exception(self, exc, value, tb) -> None:

@@ -77,6 +77,13 @@ class RunTab(ctk.CTkFrame):
     def add_loss(self, step: int, loss: float | None) -> None:
         if loss is None:
             return
+        if self.steps and self.steps[-1] >= step:  # a resumed run retrains from its backup's step
+            while self.steps and self.steps[-1] >= step:
+                self.steps.pop()
+                self.losses.pop()
+            self.samples = [p for p in self.samples if (self.sample_info.get(p) or {}).get("step") is None
+                            or self.sample_info[p]["step"] < step]
+            self._show_samples()
         self.steps.append(step)
         self.losses.append(loss)
         if self._redraw_job is None:  # at most a few redraws a second, however fast steps come
