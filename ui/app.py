@@ -139,36 +139,42 @@ class App(PresetBar, ctk.CTk):
         ctk.CTkLabel(bar, text="Model family").pack(side="left", padx=(8, 4))
         self.family_labels = {get_family_class(name).label: name for name in family_names()}
         self.family_menu = ctk.CTkOptionMenu(bar, values=list(self.family_labels), command=self._family_chosen,
-                                             width=200)
+                                             width=180)
         self.family_menu.pack(side="left", padx=4)
         ctk.CTkLabel(bar, text="Training method").pack(side="left", padx=(16, 4))
         self.method_menu = ctk.CTkOptionMenu(bar, values=list(METHODS), command=self._method_chosen, width=110)
         self.method_menu.pack(side="left", padx=4)
-        self.problem_label = ctk.CTkLabel(bar, text="", text_color=ERROR_COLOR, anchor="e", justify="right")
-        self.problem_label.pack(side="right", padx=8)
 
     def _run_bar(self) -> None:
+        """Start/Stop, the commands, step and epoch progress; below: the status and what blocks Start."""
         self.run_bar = bar = ctk.CTkFrame(self)
         bar.pack(side="bottom", fill="x", padx=8, pady=(0, 8))
-        self.start_button = ctk.CTkButton(bar, text="Start training", width=130, command=self.start_or_stop,
+        top = ctk.CTkFrame(bar, fg_color="transparent")
+        top.pack(fill="x")
+        self.start_button = ctk.CTkButton(top, text="Start training", width=120, command=self.start_or_stop,
                                           fg_color="#2e7d32", hover_color="#1b5e20")
-        self.start_button.pack(side="left", padx=8, pady=8)
+        self.start_button.pack(side="left", padx=8, pady=(8, 2))
         self.command_buttons = {}
         for command, text in (("sample", "Sample now"), ("backup", "Backup now"), ("save", "Save now")):
-            button = ctk.CTkButton(bar, text=text, width=100, state="disabled",
+            button = ctk.CTkButton(top, text=text, width=90, state="disabled",
                                    command=lambda c=command: self.send_command(c))
-            button.pack(side="left", padx=4)
+            button.pack(side="left", padx=4, pady=(8, 2))
             self.command_buttons[command] = button
-        right = ctk.CTkFrame(bar, fg_color="transparent")
+        right = ctk.CTkFrame(top, fg_color="transparent")
         right.pack(side="left", fill="x", expand=True, padx=8)
-        self.progress = ctk.CTkProgressBar(right)  # steps
+        self.progress = ctk.CTkProgressBar(right, width=60)  # steps
         self.progress.set(0)
-        self.progress.pack(fill="x", pady=(6, 2))
-        self.epoch_progress = ctk.CTkProgressBar(right, height=4, progress_color=("#7b8794", "#7b8794"))
+        self.progress.pack(fill="x", pady=(8, 2))
+        self.epoch_progress = ctk.CTkProgressBar(right, width=60, height=4, progress_color=("#7b8794", "#7b8794"))
         self.epoch_progress.set(0)
         self.epoch_progress.pack(fill="x", pady=(0, 2))
-        self.status_label = ctk.CTkLabel(right, text="Ready.", anchor="w")
-        self.status_label.pack(fill="x")
+        line = ctk.CTkFrame(bar, fg_color="transparent")
+        line.pack(fill="x", padx=8, pady=(0, 4))
+        self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
+        self.status_label.pack(side="left")
+        # what blocks Start, always in view (the run bar never leaves the window)
+        self.problem_label = ctk.CTkLabel(line, text="", text_color=ERROR_COLOR, anchor="w", justify="left")
+        self.problem_label.pack(side="left", fill="x", expand=True, padx=(12, 0))
 
     # --- selectors -------------------------------------------------------------------------------
 

@@ -26,7 +26,10 @@ class RunTab(ctk.CTkFrame):
         from matplotlib.backends.backend_tkagg import FigureCanvasTkAgg
         from matplotlib.figure import Figure
 
-        plot = ctk.CTkFrame(self)
+        # the figure canvas asks for the size it was last given, so its frame does not pass that on:
+        # otherwise the plot never shrinks and pushes the log out at small sizes
+        plot = ctk.CTkFrame(self, height=120)
+        plot.pack_propagate(False)
         plot.grid(row=0, column=0, sticky="nsew", padx=4, pady=4)
         dark = ctk.get_appearance_mode() == "Dark"
         background, text = ("#2b2b2b", "#dce4ee") if dark else ("#dbdbdb", "#1a1a1a")
@@ -41,6 +44,8 @@ class RunTab(ctk.CTkFrame):
         (self.line,) = self.axes.plot([], [], color="#4a9eda", linewidth=1.4)
         self.figure.tight_layout()
         self.canvas = FigureCanvasTkAgg(self.figure, master=plot)
+        # a small requested size: the figure follows the space the window gives it
+        self.canvas.get_tk_widget().configure(width=200, height=100)
         self.canvas.get_tk_widget().pack(fill="both", expand=True)
         self.steps: list[int] = []
         self.losses: list[float] = []
@@ -58,7 +63,8 @@ class RunTab(ctk.CTkFrame):
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
 
-        self.log = ctk.CTkTextbox(self, wrap="none", font=ctk.CTkFont(family="monospace", size=11))
+        # a small requested height: at 900x600 and 150% the plot keeps its share of the space
+        self.log = ctk.CTkTextbox(self, wrap="none", height=60, font=ctk.CTkFont(family="monospace", size=11))
         self.log.grid(row=1, column=0, columnspan=2, sticky="nsew", padx=4, pady=4)
         self.log.configure(state="disabled")
         self.log_lines = 0
@@ -124,7 +130,7 @@ class RunTab(ctk.CTkFrame):
             child.destroy()
         self._images = []
         if not self.samples:
-            self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
+            self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.", wraplength=150)
             self._empty.pack(padx=8, pady=8)
             return
         from PIL import Image
