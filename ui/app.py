@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -30,6 +31,7 @@ from modules.saving.atomic import write_text
 from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.run_client import ROOT, RunClient, local_train_argv
+from ui.run_history import history, run_dirs, sample_info
 from ui.state import ConfigState, default_data
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
@@ -48,6 +50,17 @@ TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab),
 # training method -> (adapter.type, adapter.dora)
 METHODS = {"LoRA": ("lora", False), "DoRA": ("lora", True), "LoHa": ("loha", False), "LoKr": ("lokr", False),
            "OFT": ("oft", False)}
+
+
+REFUSED_STATUS = "Training cannot start"
+
+
+def error_line(lines: list[str]) -> str | None:
+    """The line that says what went wrong in a log's tail (`ValueError: ...`), the last one."""
+    for line in reversed(lines):
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt)\b.*:", line.strip()) or line.startswith("error:"):
+            return line.strip()
+    return None
 
 
 def gui_dir() -> Path:
@@ -85,19 +98,23 @@ class App(PresetBar, ctk.CTk):
         self.refused: list[str] = []
         self.client: RunClient | None = None
         self.run_events: list[dict] = []
+        self.run_config: dict = {}
         self.total_steps = 0
+        self._stop_requested = False
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
 
         self.cfg = ConfigState(default_data())
+        self.cfg.set_hooks["model.family"] = self._family_changed
         self._preset_bar()
         self._selectors()
+        # the run bar is packed before the expanding tab view, so the tabs shrink, never the run bar
+        self._run_bar()
         self.tabview = ctk.CTkTabview(self, anchor="nw")
         self.tabview.pack(fill="both", expand=True, padx=8, pady=(0, 4))
         self.tabs = {}
         for name, cls in TABS:
             self.tabs[name] = cls(self.tabview.add(name), self)
-        self._run_bar()
         self.cfg.validate_listeners.append(self._validated)
         if restore:
             last = self._read_json(gui_dir() / "last_config.json")
@@ -105,6 +122,8 @@ class App(PresetBar, ctk.CTk):
                 self.cfg.restore(last)
         self.cfg.validate()
         self.protocol("WM_DELETE_WINDOW", self.on_close)
+        if restore:
+            self._show_last_run()
 
         if machine_info is not None:
             self.cfg.set_machine_info(machine_info)
@@ -120,43 +139,52 @@ class App(PresetBar, ctk.CTk):
         ctk.CTkLabel(bar, text="Model family").pack(side="left", padx=(8, 4))
         self.family_labels = {get_family_class(name).label: name for name in family_names()}
         self.family_menu = ctk.CTkOptionMenu(bar, values=list(self.family_labels), command=self._family_chosen,
-                                             width=200)
+                                             width=180)
         self.family_menu.pack(side="left", padx=4)
         ctk.CTkLabel(bar, text="Training method").pack(side="left", padx=(16, 4))
         self.method_menu = ctk.CTkOptionMenu(bar, values=list(METHODS), command=self._method_chosen, width=110)
         self.method_menu.pack(side="left", padx=4)
-        self.problem_label = ctk.CTkLabel(bar, text="", text_color=ERROR_COLOR, anchor="e", justify="right")
-        self.problem_label.pack(side="right", padx=8)
 
     def _run_bar(self) -> None:
-        bar = ctk.CTkFrame(self)
-        bar.pack(fill="x", padx=8, pady=(0, 8))
-        self.start_button = ctk.CTkButton(bar, text="Start training", width=130, command=self.start_or_stop,
+        """Start/Stop, the commands, step and epoch progress; below: the status and what blocks Start."""
+        self.run_bar = bar = ctk.CTkFrame(self)
+        bar.pack(side="bottom", fill="x", padx=8, pady=(0, 8))
+        top = ctk.CTkFrame(bar, fg_color="transparent")
+        top.pack(fill="x")
+        self.start_button = ctk.CTkButton(top, text="Start training", width=120, command=self.start_or_stop,
                                           fg_color="#2e7d32", hover_color="#1b5e20")
-        self.start_button.pack(side="left", padx=8, pady=8)
+        self.start_button.pack(side="left", padx=8, pady=(8, 2))
         self.command_buttons = {}
         for command, text in (("sample", "Sample now"), ("backup", "Backup now"), ("save", "Save now")):
-            button = ctk.CTkButton(bar, text=text, width=100, state="disabled",
+            button = ctk.CTkButton(top, text=text, width=90, state="disabled",
                                    command=lambda c=command: self.send_command(c))
-            button.pack(side="left", padx=4)
+            button.pack(side="left", padx=4, pady=(8, 2))
             self.command_buttons[command] = button
-        right = ctk.CTkFrame(bar, fg_color="transparent")
+        right = ctk.CTkFrame(top, fg_color="transparent")
         right.pack(side="left", fill="x", expand=True, padx=8)
-        self.progress = ctk.CTkProgressBar(right)  # steps
+        self.progress = ctk.CTkProgressBar(right, width=60)  # steps
         self.progress.set(0)
-        self.progress.pack(fill="x", pady=(6, 2))
-        self.epoch_progress = ctk.CTkProgressBar(right, height=4, progress_color=("#7b8794", "#7b8794"))
+        self.progress.pack(fill="x", pady=(8, 2))
+        self.epoch_progress = ctk.CTkProgressBar(right, width=60, height=4, progress_color=("#7b8794", "#7b8794"))
         self.epoch_progress.set(0)
         self.epoch_progress.pack(fill="x", pady=(0, 2))
-        self.status_label = ctk.CTkLabel(right, text="Ready.", anchor="w")
-        self.status_label.pack(fill="x")
+        line = ctk.CTkFrame(bar, fg_color="transparent")
+        line.pack(fill="x", padx=8, pady=(0, 4))
+        self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
+        self.status_label.pack(side="left")
+        # what blocks Start, always in view (the run bar never leaves the window)
+        self.problem_label = ctk.CTkLabel(line, text="", text_color=ERROR_COLOR, anchor="w", justify="left")
+        self.problem_label.pack(side="left", fill="x", expand=True, padx=(12, 0))
 
     # --- selectors -------------------------------------------------------------------------------
 
     def _family_chosen(self, label: str) -> None:
-        family = self.family_labels[label]
-        if family == self.cfg.get("model.family"):
-            return
+        self.cfg.set("model.family", self.family_labels[label])
+
+    def _family_changed(self, family) -> bool:
+        """model.family set (the selector or the Model tab): the new family's parts, the rest kept."""
+        if family == self.cfg.get("model.family") or family not in family_names():
+            return False
         overlay = config_overlay(self.cfg.config) if self.cfg.config else {}
         overlay.setdefault("model", {})["family"] = family
         overlay["model"].pop("parts", None)  # parts are the family's own
@@ -165,6 +193,15 @@ class App(PresetBar, ctk.CTk):
         except ConfigError:
             data = default_data(family)
         self.cfg.load(data)
+        return True
+
+    def field_for(self, path: str):
+        """The Field bound to `path`, on whichever tab it is."""
+        for name, tab in self.tabs.items():
+            found = getattr(tab, "fields", {}).get(path)
+            if found is not None:
+                return name, found
+        return None, None
 
     def _method_chosen(self, method: str) -> None:
         kind, dora = METHODS[method]
@@ -192,6 +229,8 @@ class App(PresetBar, ctk.CTk):
             first = problems[0] if len(problems[0]) <= 90 else problems[0][:89] + "…"
             text = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}: {first}" + (" …" if len(problems) > 1 else "")
         self.problem_label.configure(text=text)
+        if not problems and self.status_label.cget("text").startswith(REFUSED_STATUS):
+            self.set_status("Ready: the problems are fixed.")
 
     # --- machine info ------------------------------------------------------------------------------
 
@@ -268,7 +307,7 @@ class App(PresetBar, ctk.CTk):
         if remote:
             problems = problems + [remote]
         if problems:
-            self._refuse("Training cannot start", problems)
+            self._refuse(REFUSED_STATUS, problems)
             return False
         self.refused = []
         run_dir = user_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
@@ -281,9 +320,13 @@ class App(PresetBar, ctk.CTk):
         write_text(config_file, self.cfg.config_json() + "\n")
         self.save_last_config()
         self.run_events = []
+        self.run_config = json.loads(self.cfg.config_json())
         self.total_steps = 0
+        self._stop_requested = False
         run_tab = self.tabs["Run"]
         run_tab.clear()
+        if self.run_config["backup"]["resume"]:  # the curve and samples of the runs this one continues
+            run_tab.load_history(history(run_dir))
         target = self.remote_target()
         run_tab.append_log(f"[run folder: {run_dir}]" + (f" [remote: {target.label}]" if target else ""))
         self.client = RunClient(self.run_argv(config_file), cwd=ROOT, run_dir=run_dir)
@@ -298,8 +341,16 @@ class App(PresetBar, ctk.CTk):
         self.after(100, self._poll)
         return True
 
+    def _show_last_run(self) -> None:
+        """On opening the window: the newest run's curve and samples (with those it resumed)."""
+        runs = run_dirs(user_dir() / "runs")
+        if runs:
+            self.tabs["Run"].load_history(history(runs[-1]))
+            self.tabs["Run"].append_log(f"[last run: {runs[-1]}]")
+
     def stop(self) -> None:
         if self.running and self.client.stop():
+            self._stop_requested = True
             self.set_status("Stopping at the next step (a backup will be written)…")
             self.start_button.configure(state="disabled")
 
@@ -346,22 +397,34 @@ class App(PresetBar, ctk.CTk):
             self.set_status("   ".join(parts))
             run_tab.add_loss(step, loss)
         elif name == "sample":  # the run's own log (stderr) says what it wrote
-            run_tab.add_sample(event["path"])
+            run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config))
         elif name in ("backup", "saved"):
             self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
         elif name == "error":
             self.show_error("Training failed", event.get("message", ""))
-        elif name == "finished":
+        elif name == "finished" and not self._stop_requested:
             self.progress.set(1.0)
             self.epoch_progress.set(1.0)
 
     def _ended(self, returncode: int) -> None:
         names = {e.get("event") for e in self.run_events}
-        if returncode != 0 and "error" not in names:
-            tail = "\n".join(self.tabs["Run"].log_text().splitlines()[-30:])
-            self.show_error("Training process ended unexpectedly", f"exit code {returncode}\n\n{tail}")
-        done = "finished" in names and returncode == 0
-        self.set_status("Finished." if done else f"Stopped (exit code {returncode}).")
+        errors = [e.get("message", "") for e in self.run_events if e.get("event") == "error"]
+        if returncode != 0 and not errors:
+            tail = self.tabs["Run"].log_text().splitlines()[-30:]
+            self.show_error("Training process ended unexpectedly", error_line(tail) or f"exit code {returncode}",
+                            f"exit code {returncode}\n\n" + "\n".join(tail))
+        steps = [e["step"] for e in self.run_events if e.get("event") == "progress" and "step" in e]
+        where = f" at step {steps[-1]}/{self.total_steps or '?'}" if steps else ""
+        if errors or returncode != 0:
+            first = (errors[0].splitlines() or [""])[0] if errors else ""
+            self.set_status(f"Failed{where} (exit code {returncode})" + (f": {first}" if first else "."))
+        elif self._stop_requested:
+            backup = any(e.get("event") == "backup" for e in self.run_events)
+            self.set_status(f"Stopped{where}" + ("; a backup was written." if backup else "."))
+        elif "finished" in names:
+            self.set_status("Finished.")
+        else:
+            self.set_status(f"Ended{where} without finishing (exit code {returncode}).")
         self.start_button.configure(text="Start training", state="normal", fg_color="#2e7d32", hover_color="#1b5e20")
         for button in self.command_buttons.values():
             button.configure(state="disabled")
@@ -373,14 +436,16 @@ class App(PresetBar, ctk.CTk):
     def set_status(self, text: str) -> None:
         self.status_label.configure(text=text)
 
-    def show_error(self, title: str, message: str) -> ErrorDialog:
-        dialog = ErrorDialog(self, title, message)
+    def show_error(self, title: str, message: str, details: str = "") -> ErrorDialog:
+        """A dialog that leads with the error line (`message`), then the details (a traceback, a log)."""
+        dialog = ErrorDialog(self, title, message, details)
         self.dialogs.append(dialog)
         return dialog
 
     def _refuse(self, title: str, problems: list[str]) -> None:
         self.refused = list(problems)
-        self.show_error(title, "Fix these first:\n\n" + "\n".join(f"• {p}" for p in problems))
+        count = f"{len(problems)} problem{'s' if len(problems) != 1 else ''}"
+        self.show_error(title, problems[0], f"{count} to fix first:\n\n" + "\n".join(f"• {p}" for p in problems))
         self.set_status(f"{title}: {len(problems)} problem{'s' if len(problems) != 1 else ''}.")
 
     def report_callback_exception(self, exc, value, tb) -> None:
@@ -388,7 +453,7 @@ class App(PresetBar, ctk.CTk):
         self.callback_errors.append(text)
         print(text, file=sys.stderr)
         try:
-            self.show_error("Internal error", text)
+            self.show_error("Internal error", "".join(traceback.format_exception_only(exc, value)).strip(), text)
         except tk.TclError:
             pass
 

@@ -61,19 +61,42 @@ def section(parent, text: str):
     return label
 
 
+def subsection(parent, text: str, tooltip: str | None = None):
+    """A framed group with a bold title (a nested part of the config: a concept's captions)."""
+    group = ctk.CTkFrame(parent)
+    group.pack(fill="x", padx=8, pady=4)
+    label = ctk.CTkLabel(group, text=text, font=ctk.CTkFont(weight="bold"), anchor="w")
+    label.pack(fill="x", padx=8, pady=(4, 0))
+    if tooltip:
+        Tooltip(label, tooltip)
+    return group
+
+
 class Field(ctk.CTkFrame):
     """A label, an input bound to `path`, and the path's validation message under it.
 
     widget: entry | switch | option | combo | path | lines. For `path`, `path_mode` is dir, file,
-    save or file_or_dir.
+    save or file_or_dir. `choices(state)` gives the choices of an option/combo from the machine or
+    the family (None: keep `values`, the schema's). `visible(sibling, value)` says whether the
+    field applies now; when not, it is hidden (and shown again in its place when it does).
+
+    The Field owns its bindings: destroying it releases them, and nothing else does.
     """
 
     def __init__(self, parent, state: ConfigState, path: str, label: str, kind: str = "str",
                  widget: str = "entry", values: list[str] | None = None, path_mode: str = "dir",
                  tooltip: str | None = None, width: int | None = None, filetypes=None,
-                 unit: tuple[str, list[str]] | None = None):
+                 unit: tuple[str, list[str]] | None = None, choices: Callable | None = None,
+                 visible: Callable | None = None, registry: dict | None = None):
         super().__init__(parent, fg_color="transparent")
         self.cfg, self.path, self.kind = state, path, kind
+        self.widget_kind = widget
+        self.values = list(values or [])
+        self.choices, self.visible_rule, self.registry = choices, visible, registry
+        self.bindings = []
+        self.shown = True
+        # a zero-height marker packed where the field goes, so a hidden field comes back in its place
+        self.anchor = tk.Frame(parent, height=0, width=0, borderwidth=0, highlightthickness=0)
         self.columnconfigure(1, weight=1)
         self.label = ctk.CTkLabel(self, text=label, width=LABEL_WIDTH, anchor="w", justify="left",
                                   wraplength=LABEL_WIDTH)
@@ -94,9 +117,9 @@ class Field(ctk.CTkFrame):
         elif widget == "switch":
             self.input = ctk.CTkSwitch(self, text="", variable=self.var, onvalue=True, offvalue=False)
         elif widget == "option":
-            self.input = ctk.CTkOptionMenu(self, variable=self.var, values=list(values or [""]), width=width)
+            self.input = ctk.CTkOptionMenu(self, variable=self.var, values=self._choices() or [""], width=width)
         elif widget == "combo":
-            self.input = ctk.CTkComboBox(self, variable=self.var, values=list(values or []), width=width)
+            self.input = ctk.CTkComboBox(self, variable=self.var, values=self._choices(), width=width)
         elif widget == "path":
             self.input = ctk.CTkFrame(self, fg_color="transparent")
             self.entry = ctk.CTkEntry(self.input, textvariable=self.var, width=width)
@@ -119,18 +142,84 @@ class Field(ctk.CTkFrame):
         self.error.grid(row=1, column=1, sticky="w", padx=6)
         self.error.grid_remove()
         text = tooltip or field_description(path)
+        self.tooltip_text = text
         if text:
             Tooltip(self.label, text)
         self._messages: dict[str, str | None] = {}
-        self.binding = state.bind(path, kind, self.var, lambda m: self._message(path, m))
+        self.binding = state.bind(path, kind, self.var, lambda m: self._validated(path, m))
+        self.bindings.append(self.binding)
         if unit:
             self.unit_binding = state.bind(unit[0], "choice", self.unit_var, lambda m: self._message(unit[0], m))
+            self.bindings.append(self.unit_binding)
+        if registry is not None:
+            registry[path] = self
+            if unit:
+                registry[unit[0]] = self
         if widget == "lines":
             self._var_to_text()
+
+    def place_in(self, **pack) -> "Field":
+        self._pack = {"fill": "x", "pady": 1, **pack}
+        self.anchor.pack(fill="x")
+        self.pack(after=self.anchor, **self._pack)
+        self._apply_visibility()
+        return self
+
+    def destroy(self):
+        for binding in self.bindings:
+            self.cfg.release(binding)
+        self.bindings = []
+        if self.registry is not None:
+            for path in [p for p, field in self.registry.items() if field is self]:
+                del self.registry[path]
+        try:
+            self.anchor.destroy()
+        except tk.TclError:
+            pass
+        super().destroy()
+
+    # --- choices and visibility, refreshed after each validation ------------------------------------
+
+    def _choices(self) -> list[str]:
+        offered = self.choices(self.cfg) if self.choices is not None else None
+        return list(offered) if offered is not None else list(self.values)
+
+    def _validated(self, path: str, message: str | None) -> None:
+        self._message(path, message)
+        if self.widget_kind in ("option", "combo") and self.choices is not None:
+            values = self._choices()
+            if list(self.input.cget("values")) != values:
+                self.input.configure(values=values)
+        self._apply_visibility()
+
+    def is_visible(self) -> bool:
+        if self.visible_rule is None:
+            return True
+        prefix = self.path.rsplit(".", 1)[0] if "." in self.path else ""
+
+        def sibling(name):
+            return self.cfg.get(f"{prefix}.{name}" if prefix else name)
+
+        try:
+            return bool(self.visible_rule(sibling, self.cfg.get))
+        except Exception:  # a value of the wrong type while the user types: keep the field shown
+            return True
+
+    def _apply_visibility(self) -> None:
+        if not hasattr(self, "_pack") or not self.winfo_exists():
+            return
+        show = self.is_visible()
+        if show and not self.shown:
+            self.pack(after=self.anchor, **self._pack)
+        elif not show and self.shown:
+            self.pack_forget()
+        self.shown = show
 
     # --- the validation message --------------------------------------------------------------
 
     def _message(self, path: str, message: str | None) -> None:
+        if not self.winfo_exists():
+            return
         self._messages[path] = message
         shown = [m for m in self._messages.values() if m]
         self.show_error("\n".join(shown) if shown else None)
@@ -151,6 +240,7 @@ class Field(ctk.CTkFrame):
 
     def set_values(self, values: list[str]) -> None:
         """New choices for an option menu or combo box; the current value stays selected."""
+        self.values = list(values)
         self.input.configure(values=list(values))
 
     # --- helpers -------------------------------------------------------------------------------
@@ -181,9 +271,10 @@ class Field(ctk.CTkFrame):
 
 
 class ErrorDialog(ctk.CTkToplevel):
-    """A non-modal window with a title and a (selectable) message; the main window stays live."""
+    """A non-modal window: the title, the error line (`message`) first and in bold, then the
+    details (a traceback, a log tail) below it, selectable; the main window stays live."""
 
-    def __init__(self, master, title: str, message: str):
+    def __init__(self, master, title: str, message: str, details: str = ""):
         super().__init__(master)
         self.title(title)
         width, height = 620, 300
@@ -193,11 +284,14 @@ class ErrorDialog(ctk.CTkToplevel):
             self.geometry(f"{width}x{height}+{x}+{y}")
         except tk.TclError:
             self.geometry(f"{width}x{height}")
-        self.message = message
+        self.message = message + (f"\n\n{details}" if details else "")
+        self.headline, self.details = message, details
         ctk.CTkLabel(self, text=title, font=ctk.CTkFont(size=15, weight="bold"),
                      text_color=ERROR_COLOR, anchor="w").pack(fill="x", padx=12, pady=(12, 4))
+        ctk.CTkLabel(self, text=message, font=ctk.CTkFont(weight="bold"), anchor="w", justify="left",
+                     wraplength=width - 24).pack(fill="x", padx=12, pady=(0, 4))
         box = ctk.CTkTextbox(self, wrap="word")
-        box.insert("1.0", message)
+        box.insert("1.0", self.message)
         box.configure(state="disabled")
         box.pack(fill="both", expand=True, padx=12, pady=4)
         ctk.CTkButton(self, text="OK", width=90, command=self.destroy).pack(pady=(4, 12))

@@ -25,17 +25,24 @@ class PresetBar:
         bar.pack(fill="x", padx=8, pady=(8, 4))
         ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(8, 4))
         self.preset_var = tk.StringVar(self)
-        self.preset_menu = ctk.CTkOptionMenu(bar, variable=self.preset_var, values=["-"], width=220)
+        self.preset_menu = ctk.CTkOptionMenu(bar, variable=self.preset_var, values=["-"], width=160)
         self.preset_menu.pack(side="left", padx=4, pady=6)
         self.load_button = ctk.CTkButton(bar, text="Load", width=70, command=self.load_selected_preset)
         self.load_button.pack(side="left", padx=4)
-        self.save_as_button = ctk.CTkButton(bar, text="Save as…", width=90, command=self.save_preset_as)
+        self.save_as_button = ctk.CTkButton(bar, text="Save as…", width=80, command=self.save_preset_as)
         self.save_as_button.pack(side="left", padx=4)
         self.reset_button = ctk.CTkButton(bar, text="Reset", width=70, command=self.reset_defaults)
         self.reset_button.pack(side="left", padx=4)
-        ctk.CTkButton(bar, text="Import…", width=80, command=self.import_config).pack(side="left", padx=(16, 4))
-        ctk.CTkButton(bar, text="Export…", width=80, command=self.export_config).pack(side="left", padx=4)
+        # one menu for import and export, so the bar fits 900 px at 150% scale
+        self.file_menu = ctk.CTkOptionMenu(bar, values=["Import…", "Export…"], width=110,
+                                           command=self._file_chosen)
+        self.file_menu.set("Config file")
+        self.file_menu.pack(side="left", padx=(12, 4))
         self.refresh_presets()
+
+    def _file_chosen(self, choice: str) -> None:
+        self.file_menu.set("Config file")
+        (self.import_config if choice.startswith("Import") else self.export_config)()
 
     # --- presets and files -----------------------------------------------------------------------
 
@@ -49,14 +56,24 @@ class PresetBar:
             self.preset_var.set(names[0])
 
     def load_preset(self, name: str) -> None:
-        """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from."""
+        """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from, except
+        that the base model and the concepts stay as they are unless the preset sets them (a
+        preset is a recipe; the model and the images are the user's)."""
         try:
-            data = build_config([load_preset_overlay(name)]).model_dump(mode="json")
+            overlay = load_preset_overlay(name)
+            data = build_config([overlay]).model_dump(mode="json")
         except ConfigError as error:
             self.show_error(f"Cannot load preset {name!r}", str(error))
             return
+        kept = []
+        if not (overlay.get("model") or {}).get("base") and self.cfg.get("model.base"):
+            data["model"]["base"] = self.cfg.get("model.base")
+            kept.append("base model")
+        if "concepts" not in overlay and self.cfg.get("concepts"):
+            data["concepts"] = self.cfg.get("concepts")
+            kept.append("concepts")
         self.cfg.load(data)
-        self.set_status(f"Loaded preset {name!r}.")
+        self.set_status(f"Loaded preset {name!r}" + (f" (kept your {' and '.join(kept)})." if kept else "."))
 
     def load_selected_preset(self) -> None:
         self.load_preset(self.preset_var.get())

@@ -1,7 +1,11 @@
 """The GUI's config: one JSON dict shaped like TrainConfig, edited by dotted path.
 
 Every widget binds a Tk variable to a dotted path (`adapter.rank`, `model.parts.unet.weight_dtype`,
-`concepts[0].path`). When the variable changes, its text is converted for the field's kind and
+`concepts[0].path`) and owns that binding for its lifetime: the widget releases it when it is
+destroyed, so rebuilding one section (the parts of a new family, a removed concept) never touches
+another section's bindings. There is no unbind-by-prefix.
+
+When the variable changes, its text is converted for the field's kind and
 written into `data`, and the whole dict is validated by TrainConfig itself (the same validation
 the CLI runs), so the GUI and `launch.py train` can never disagree on what is valid. Each problem
 line (`path: message`) is shown on the field bound to that path; problems no field shows are
@@ -30,7 +34,7 @@ from modules.config.loading import (
 )
 from modules.config.train_config import UNION_TAGS, TrainConfig
 
-KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "bool", "choice", "lines")
+KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "bool", "choice", "lines", "intlist")
 
 
 def default_data(family: str = "sd15") -> dict:
@@ -45,9 +49,13 @@ def get_path(data: Any, path: str) -> Any:
 
 
 def set_path(data: Any, path: str, value: Any) -> None:
+    """Write `value` at `path`; a missing key of an object on the way is created (the per-part
+    overrides `adapter.parts.<part>.rank` start out as an empty dict)."""
     steps = parse_dotted(path)
     node = data
     for step in steps[:-1]:
+        if isinstance(node, dict) and step not in node:
+            node[step] = {}
         node = node[step]
     node[steps[-1]] = value
 
@@ -64,6 +72,13 @@ def to_value(kind: str, raw: Any) -> Any:
         return stripped or None
     if kind == "lines":
         return [line.strip() for line in text.splitlines() if line.strip()]
+    if kind == "intlist":  # one number, or several separated by commas
+        items = [item.strip() for item in stripped.split(",") if item.strip()]
+        try:
+            numbers = [int(item) for item in items]
+        except ValueError:
+            return text
+        return numbers[0] if len(numbers) == 1 and "," not in stripped else numbers
     if kind.startswith("opt") and not stripped:
         return None
     try:
@@ -86,6 +101,8 @@ def to_text(kind: str, value: Any) -> Any:
         return ""
     if kind == "lines":
         return "\n".join(value) if isinstance(value, list) else str(value)
+    if kind == "intlist" and isinstance(value, list):
+        return ", ".join(str(item) for item in value)
     if isinstance(value, float):
         return repr(value)
     return str(value)
@@ -150,6 +167,7 @@ class ConfigState:
         self.reload_listeners: list[Callable[[], None]] = []  # rebuild after data was replaced
         self.validate_listeners: list[Callable[[], None]] = []  # after each validation
         self.info_listeners: list[Callable[[], None]] = []  # machine info arrived
+        self.set_hooks: dict[str, Callable[[Any], bool]] = {}  # path -> handles the change itself when True
         self._quiet = False
         self.validate()
 
@@ -170,23 +188,20 @@ class ConfigState:
             show_error(self.errors.get(path))
         return binding
 
-    def unbind(self, predicate: Callable[[Binding], bool]) -> None:
-        keep = []
-        for binding in self.bindings:
-            if predicate(binding):
-                try:
-                    binding.var.trace_remove("write", binding.trace)
-                except Exception:  # the interpreter is gone
-                    pass
-            else:
-                keep.append(binding)
-        self.bindings = keep
-
-    def unbind_prefix(self, prefix: str) -> None:
-        self.unbind(lambda b: b.path.startswith(prefix))
+    def release(self, binding: Binding) -> None:
+        """Called by the widget that owns `binding` when it is destroyed: that binding only."""
+        if binding in self.bindings:
+            self.bindings.remove(binding)
+        try:
+            binding.var.trace_remove("write", binding.trace)
+        except Exception:  # the variable or the interpreter is gone
+            pass
 
     def binding(self, path: str) -> Binding | None:
         return next((b for b in self.bindings if b.path == path), None)
+
+    def bound_paths(self) -> set[str]:
+        return {b.path for b in self.bindings}
 
     def _value(self, path: str) -> Any:
         try:
@@ -209,6 +224,9 @@ class ConfigState:
         return self._value(path)
 
     def set(self, path: str, value: Any, _from: Binding | None = None) -> None:
+        hook = self.set_hooks.get(path)
+        if hook is not None and hook(value):
+            return  # the hook replaced the data (a new family brings its own parts)
         set_path(self.data, path, value)
         # other widgets bound to the same path follow
         self._quiet = True
@@ -230,7 +248,7 @@ class ConfigState:
             listener()
         self._quiet = True
         try:
-            for binding in self.bindings:
+            for binding in list(self.bindings):
                 binding.var.set(to_text(binding.kind, self._value(binding.path)))
         finally:
             self._quiet = False
@@ -269,7 +287,7 @@ class ConfigState:
         for line in problems:
             path, _, message = line.partition(": ")
             self.errors.setdefault(path, message)
-        for binding in self.bindings:
+        for binding in list(self.bindings):
             if binding.show_error:
                 binding.show_error(self.errors.get(binding.path))
         for listener in list(self.validate_listeners):

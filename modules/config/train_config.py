@@ -46,7 +46,7 @@ def valid_regexes(patterns: list[str]) -> list[str]:
 
 class ModelPartConfig(StrictModel):
     path: str | None = Field(None, description="Load this part from here instead of the base model.")
-    train: bool = False
+    train: bool = Field(False, description="Train this part (its adapter, or its weights in a fine-tune).")
     learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
     weight_dtype: WeightDType = Field(
         "float32", description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
@@ -89,11 +89,15 @@ class ModelPartConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    family: str = "sd15"
+    family: str = Field("sd15", description="The model family (architecture): sd15, sdxl, flux, z_image, ...; "
+                        "it decides the parts, the layer presets and how the model is loaded.")
     base: str = Field("", description="A diffusers model folder, or one .safetensors file in the original "
                       "(single-file) layout; parts a single file lacks come from model.parts.<part>.path.")
-    prediction_type: Literal["auto", "epsilon", "v_prediction"] = "auto"
-    parts: dict[str, ModelPartConfig] = Field(default_factory=dict)
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        "auto", description="What the denoiser predicts (DDPM families): auto reads it from the model's scheduler "
+        "config; v_prediction for SD 2.x-style v models.")
+    parts: dict[str, ModelPartConfig] = Field(default_factory=dict, description="Per model part (unet, "
+                                              "text_encoder, ...): training, precision, offloading.")
 
     @model_validator(mode="before")
     @classmethod
@@ -182,7 +186,7 @@ class AdapterConfig(StrictModel):
         default_factory=list,
         description="Regexes searched in 'part.module.name'; when given, they replace the preset.",
     )
-    dtype: DType = "float32"
+    dtype: DType = Field("float32", description="Dtype of the adapter's own weights while training.")
 
     @field_validator("layer_filter")
     @classmethod
@@ -211,7 +215,8 @@ class AdapterConfig(StrictModel):
 
 
 class LossConfig(StrictModel):
-    type: Literal["mse", "huber", "l1"] = "mse"
+    type: Literal["mse", "huber", "l1"] = Field("mse", description="Loss between prediction and target: mse "
+                                                "(squared), huber (squared near 0, linear beyond huber_delta), l1.")
     huber_delta: float = Field(1.0, gt=0, description="huber: where the loss turns from squared to linear.")
     min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR weighting (e.g. 5); epsilon and "
                                         "v-prediction families only.")
@@ -221,22 +226,26 @@ class LossConfig(StrictModel):
     timesteps: Literal["default", "uniform", "logit_normal"] = Field(
         "default", description="How training timesteps are drawn; default: uniform for DDPM families, "
         "logit-normal for flow-matching ones.")
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
+    logit_mean: float = Field(0.0, description="logit_normal timesteps: the mean of the normal before the sigmoid.")
+    logit_std: float = Field(1.0, gt=0, description="logit_normal timesteps: the spread of the normal "
+                             "before the sigmoid.")
     flow_shift: float | None = Field(None, gt=0, description="Flow-matching families: shift the drawn "
                                      "noise levels by this instead of the model's own (dynamic) shift.")
 
 
 class EmaConfig(StrictModel):
-    enabled: bool = False
-    decay: float = Field(0.999, gt=0, lt=1)
+    enabled: bool = Field(False, description="Keep an exponential moving average of the trained weights; "
+                          "samples and saves use it.")
+    decay: float = Field(0.999, gt=0, lt=1, description="Share of the old average kept at each update "
+                         "(0.999: averages over ~1000 updates).")
     update_every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
     device: Literal["train", "cpu"] = Field("train", description="Where the averaged copy lives.")
 
 
 class LrSchedulerConfig(StrictModel):
-    type: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    type: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
+        "constant", description="How the learning rate changes over the run (after the warmup).")
+    warmup_steps: int = Field(0, ge=0, description="Optimizer steps over which the lr rises linearly from 0.")
     cycles: int = Field(1, ge=1, description="cosine_with_restarts: how many cosine cycles.")
     power: float = Field(1.0, gt=0, description="polynomial: the decay's exponent (1 = linear).")
     min_factor: float = Field(0.0, ge=0, le=1, description="The lr never decays below this share of itself.")
@@ -261,7 +270,7 @@ class CaptionConfig(StrictModel):
 
 
 class ConceptConfig(StrictModel):
-    name: str = ""
+    name: str = Field("", description="A name for this concept (shown in logs; optional).")
     path: str = Field(..., description="Folder of png/jpg/webp images.")
     caption_source: Literal["txt", "file", "filename"] = Field(
         "txt",
@@ -269,33 +278,38 @@ class ConceptConfig(StrictModel):
         "filename: the image's file name.",
     )
     caption_file: str = Field("caption.txt", description="For caption_source 'file', relative to the folder.")
-    repeats: int = Field(1, ge=1)
-    enabled: bool = True
-    include_subfolders: bool = False
+    repeats: int = Field(1, ge=1, description="Each image is seen this many times per epoch.")
+    enabled: bool = Field(True, description="Off: the concept stays in the config but is not used.")
+    include_subfolders: bool = Field(False, description="Also take the images in the folder's subfolders.")
     validation: bool = Field(False, description="Not trained on: its images measure the validation loss "
                              "(schedule.validate_every).")
     loss_weight: float = Field(1.0, gt=0, description="Multiplies the loss of this concept's images.")
     samples_per_epoch: int | None = Field(None, ge=1, description="Balance concepts by count: this many of "
                                           "its images per epoch (cycling, reshuffled each epoch) instead of repeats.")
-    captions: CaptionConfig = Field(default_factory=CaptionConfig)
+    captions: CaptionConfig = Field(default_factory=CaptionConfig, description="Caption options: prefix, "
+                                    "suffix, tag shuffle and dropout.")
     masked_loss: bool = Field(False, description="Weight the loss by `<image>-masklabel.png` beside each image "
                               "(white: full weight).")
     unmasked_weight: float = Field(0.1, ge=0, le=1, description="masked_loss: the weight of the black area.")
 
 
 class SamplePromptConfig(StrictModel):
-    prompt: str
-    negative_prompt: str = ""
-    seed: int = 42
-    steps: int = Field(20, ge=1)
-    cfg: float = Field(7.0, ge=0)
-    width: int = Field(512, ge=8, multiple_of=8)
-    height: int = Field(512, ge=8, multiple_of=8)
+    prompt: str = Field(..., description="What to sample.")
+    negative_prompt: str = Field("", description="What to steer away from (with classifier-free guidance).")
+    seed: int = Field(42, description="The noise seed: the same seed gives comparable samples across steps.")
+    steps: int = Field(20, ge=1, description="Denoising steps.")
+    cfg: float = Field(7.0, ge=0, description="Classifier-free guidance scale (1: none; guidance-distilled "
+                       "families use it as their guidance input).")
+    width: int = Field(512, ge=8, multiple_of=8, description="Sample width in pixels (a multiple of 8).")
+    height: int = Field(512, ge=8, multiple_of=8, description="Sample height in pixels (a multiple of 8).")
 
 
 class SamplingConfig(StrictModel):
-    prompts: list[SamplePromptConfig] = Field(default_factory=list)
-    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = "ddim"
+    prompts: list[SamplePromptConfig] = Field(default_factory=list, description="The prompts sampled at each "
+                                              "sampling point.")
+    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field(
+        "ddim", description="The sampler (diffusers scheduler) used for samples (flow-matching families use "
+        "their own).")
 
 
 _CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$")
@@ -304,8 +318,8 @@ _CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$
 class Cadence(StrictModel):
     """How often an action runs; 0 means never. Also accepts "250 steps", "2 epochs", "30 minutes"."""
 
-    value: float = Field(0, ge=0)
-    unit: Literal["steps", "epochs", "minutes"] = "steps"
+    value: float = Field(0, ge=0, description="How many units between two runs of the action; 0: never.")
+    unit: Literal["steps", "epochs", "minutes"] = Field("steps", description="What value counts.")
 
     @model_validator(mode="before")
     @classmethod
@@ -320,14 +334,19 @@ class Cadence(StrictModel):
 
 
 class ScheduleConfig(StrictModel):
-    epochs: int = Field(10, ge=1)
+    epochs: int = Field(10, ge=1, description="Passes over the data set.")
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps; ends the run before the epochs do.")
-    batch_size: int = Field(1, ge=1)
-    gradient_accumulation: int = Field(1, ge=1)
-    max_grad_norm: float | None = Field(1.0, gt=0)
-    sample_every: Cadence = Field(default_factory=Cadence)
-    backup_every: Cadence = Field(default_factory=Cadence)
-    save_every: Cadence = Field(default_factory=Cadence)
+    batch_size: int = Field(1, ge=1, description="Images per forward pass (same bucket).")
+    gradient_accumulation: int = Field(1, ge=1, description="Batches whose gradients add up before one "
+                                       "optimizer step (effective batch = batch_size x this).")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this; "
+                                        "None: no clipping.")
+    sample_every: Cadence = Field(default_factory=Cadence, description="Sample the prompts this often "
+                                  "(0: never).")
+    backup_every: Cadence = Field(default_factory=Cadence, description="Write a backup (adapter, optimizer, "
+                                  "position: to resume) this often (0: only when stopped).")
+    save_every: Cadence = Field(default_factory=Cadence, description="Save the adapter into workspace/save "
+                                "this often (0: only at the end).")
     validate_every: Cadence = Field(default_factory=Cadence, description="Validation loss on the validation "
                                     "concepts, at the same timesteps and noise every time.")
 
@@ -335,7 +354,8 @@ class ScheduleConfig(StrictModel):
 class DataConfig(StrictModel):
     resolution: int | list[Annotated[int, Field(ge=8)]] = Field(
         512, description="Training resolution, or several: each image then trains at each of them.")
-    aspect_buckets: bool = True
+    aspect_buckets: bool = Field(True, description="Train each image at the size of its aspect ratio "
+                                 "(buckets) instead of a centre-cropped square.")
     flip: bool = Field(False, description="Train each image mirrored half of the time (both versions are "
                        "encoded and cached).")
     cache_latents: bool = Field(True, description="Encode each image once and reuse its latents; off: encode "
@@ -367,13 +387,13 @@ class DataConfig(StrictModel):
 
 
 class OutputConfig(StrictModel):
-    path: str = "output/lora.safetensors"
+    path: str = Field("output/lora.safetensors", description="Where the trained adapter is saved.")
     format: Literal["kohya", "comfy", "diffusers"] = Field(
         "kohya", description="Key layout of the saved adapter: kohya (lora_unet_..., LyCORIS names for "
         "loha/lokr/oft; A1111, Forge, ComfyUI, diffusers for LoRA), comfy (ComfyUI's own "
         "diffusion_model./text_encoders. keys), diffusers (peft lora_A/lora_B keys, scale folded in; "
         "lora, DoRA on the output axis, loha, lokr).")
-    dtype: DType = "float16"
+    dtype: DType = Field("float16", description="Dtype of the saved adapter's tensors.")
 
 
 class BackupConfig(StrictModel):
@@ -395,13 +415,16 @@ class TrainConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     backup: BackupConfig = Field(default_factory=BackupConfig)
-    workspace_dir: str = "workspace"
+    workspace_dir: str = Field("workspace", description="Where the run keeps its cache, samples, backups, "
+                               "saves and logs.")
     cache_dir: str | None = Field(None, description="None: <workspace_dir>/cache.")
     train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device)")
     temp_device: str = Field("cpu", description="Where offloaded layers and activations wait (any torch device).")
     train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
-    seed: int = 42
-    tensorboard: bool = True
+    seed: int = Field(42, description="Seed of everything random in the run (noise, timesteps, order, "
+                      "caption shuffles).")
+    tensorboard: bool = Field(True, description="Write TensorBoard logs (loss, lr, samples) to "
+                              "<workspace_dir>/tensorboard.")
     compile: bool = Field(False, description="torch.compile the denoiser; turned off, with a warning saying "
                           "why, for weight modes whose training graph does not compile.")
 

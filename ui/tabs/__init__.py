@@ -1,14 +1,19 @@
-"""One file per tab. Each exposes a class built as `TabClass(parent, app)` that packs itself."""
+"""One file per tab. Each exposes a class built as `TabClass(parent, app)` that packs itself.
+
+A tab decides which groups of the config it shows and in which order; the fields themselves
+come from the schema (ui/form.py)."""
 
 from __future__ import annotations
 
 import customtkinter as ctk
 
 from ui.components import Field
+from ui.form import build_form
 
 
 class Tab(ctk.CTkScrollableFrame):
-    """A scrollable tab body; `field(...)` adds a bound Field and remembers it by path."""
+    """A scrollable tab body; `field(...)` adds a bound Field and remembers it by path (a Field
+    leaves `fields` when it is destroyed)."""
 
     def __init__(self, parent, app):
         super().__init__(parent, fg_color="transparent")
@@ -18,21 +23,24 @@ class Tab(ctk.CTkScrollableFrame):
         self.fields: dict[str, Field] = {}
 
     def field(self, parent, path: str, label: str, kind: str = "str", **options) -> Field:
-        widget = Field(parent if parent is not None else self, self.cfg, path, label, kind, **options)
-        widget.pack(fill="x", pady=1)
-        self.fields[path] = widget
-        return widget
+        widget = Field(parent if parent is not None else self, self.cfg, path, label, kind,
+                       registry=self.fields, **options)
+        return widget.place_in()
+
+    def form(self, parent, model, prefix: str, names: list[str] | None = None, exclude=frozenset()) -> list[str]:
+        return build_form(self, parent if parent is not None else self, model, prefix, names, exclude)
 
     def parts(self) -> list[str]:
         return list(self.cfg.data["model"]["parts"])
 
 
 class PartSections:
-    """Per-model-part groups of fields, rebuilt when the family (and so the part list) changes."""
+    """Per-model-part groups of fields, rebuilt when the family (and so the part list) changes.
+    A rebuild destroys only this section's own widgets (and so only their bindings)."""
 
-    def __init__(self, tab: Tab, build):
+    def __init__(self, tab: Tab, build, parent=None):
         self.tab, self.build = tab, build
-        self.frame = ctk.CTkFrame(tab, fg_color="transparent")
+        self.frame = ctk.CTkFrame(parent if parent is not None else tab, fg_color="transparent")
         self.frame.pack(fill="x")
         self.names: list[str] = []
         self.rebuild()
@@ -42,9 +50,6 @@ class PartSections:
         names = self.tab.parts()
         if names == self.names:
             return
-        self.tab.cfg.unbind_prefix("model.parts.")
-        for path in [p for p in self.tab.fields if p.startswith("model.parts.")]:
-            del self.tab.fields[path]
         for child in self.frame.winfo_children():
             child.destroy()
         self.names = names

@@ -1,22 +1,29 @@
-"""Concepts: folders of images with captions; add, remove, enable; a preview per concept with the
-image count and a few thumbnails with their captions (read the way training reads them)."""
+"""Concepts: folders of images with captions; add, remove, enable. Per concept every option of
+the schema (captions, balancing, loss weight, masks, validation), and a preview read the way
+training reads it: the image count, the aspect buckets the images fall into, and the images one by
+one with the caption the trainer uses (prefix/suffix applied; shuffle and dropout drawn as in
+epoch 1)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import customtkinter as ctk
 
-from ui.components import section
+from modules.config.train_config import CaptionConfig, ConceptConfig
+from ui.components import subsection
 from ui.tabs import Tab
 
-THUMBNAILS = 4
-THUMB_SIZE = 72
+THUMB_SIZE = 160
+GROUPS = [("Captions", ["caption_source", "caption_file"]),
+          ("Balancing and loss", ["repeats", "samples_per_epoch", "loss_weight", "masked_loss", "unmasked_weight"])]
+HEAD = ["enabled", "name", "path", "include_subfolders", "validation"]
 
 
-def preview_items(concept: dict) -> tuple[int, list, str | None]:
-    """(image count, the first items, problem or None) for a concept dict, as training scans it."""
+def preview_items(concept: dict) -> tuple[list, str | None]:
+    """(every item as training scans it, problem or None) for a concept dict."""
     from pydantic import ValidationError
 
-    from modules.config.train_config import ConceptConfig
     from modules.data.concepts import DataError, scan_concept
 
     try:
@@ -24,28 +31,56 @@ def preview_items(concept: dict) -> tuple[int, list, str | None]:
         items = scan_concept(0, config, lambda _message: None)
     except (ValidationError, DataError, OSError) as error:
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return 0, [], text.replace("concepts[0].", "")
-    return len(items), items[:THUMBNAILS], None
+        return [], text.replace("concepts[0].", "")
+    return items, None
+
+
+def bucket_stats(items: list, resolutions: list[int], quantum: int, aspect_buckets: bool) -> Counter:
+    """How many images train at each bucket size (per resolution), from the image headers only."""
+    from PIL import Image
+
+    from modules.data.buckets import bucket_for
+
+    counts: Counter = Counter()
+    for item in items:
+        try:
+            with Image.open(item.image) as image:
+                size = image.size
+        except OSError:
+            continue
+        for resolution in resolutions:
+            counts[bucket_for(*size, resolution, quantum, aspect_buckets)] += 1
+    return counts
+
+
+def trained_caption(caption: str, concept: dict, position: int, seed: int) -> str:
+    """The caption as the trainer uses it in epoch 1 (scan_concept applied prefix/suffix already)."""
+    from modules.data.captions import caption_rng, varied_caption
+
+    try:
+        options = CaptionConfig.model_validate(concept.get("captions") or {})
+    except ValueError:
+        return caption
+    return varied_caption(caption, options, caption_rng(seed, 0, 0, position))
 
 
 class ConceptsTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
-        section(self, "Concepts")
-        ctk.CTkButton(self, text="Add concept", width=130, command=self.add).pack(anchor="w", padx=8, pady=4)
+        ctk.CTkButton(self, text="Add concept", width=130, command=self.add).pack(anchor="w", padx=8, pady=(12, 4))
         self.list_frame = ctk.CTkFrame(self, fg_color="transparent")
         self.list_frame.pack(fill="x")
         self.previews: list[dict] = []
         self._count = -1
         self.rebuild()
         self.cfg.reload_listeners.append(self.rebuild)
+        self.cfg.validate_listeners.append(self._schedule_previews)
 
     def concepts(self) -> list:
         return self.cfg.data.setdefault("concepts", [])
 
     def add(self, path: str = "") -> None:
-        self.concepts().append({"name": "", "path": path, "caption_source": "txt", "caption_file": "caption.txt",
-                                "repeats": 1, "enabled": True, "include_subfolders": False})
+        self.concepts().append(ConceptConfig(path=path).model_dump(mode="json"))
         self.rebuild(force=True)
         self.cfg.validate()
 
@@ -57,15 +92,11 @@ class ConceptsTab(Tab):
     def rebuild(self, force: bool = False) -> None:
         count = len(self.concepts())
         if count == self._count and not force:
-            for index in range(count):
-                self.update_preview(index)
+            self._schedule_previews()
             return
         self._count = count
-        self.cfg.unbind_prefix("concepts[")
-        for path in [p for p in self.fields if p.startswith("concepts[")]:
-            del self.fields[path]
         for child in self.list_frame.winfo_children():
-            child.destroy()
+            child.destroy()  # the concepts' own fields release their own bindings
         self.previews = []
         if not count:
             ctk.CTkLabel(self.list_frame, text="No concepts yet: add a folder of images (captions in .txt files "
@@ -82,24 +113,50 @@ class ConceptsTab(Tab):
         ctk.CTkLabel(head, text=f"Concept {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
         ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
                       command=lambda: self.remove(index)).pack(side="right", padx=8, pady=4)
-        self.field(box, f"{at}.enabled", "Enabled", "bool", widget="switch")
-        self.field(box, f"{at}.name", "Name", "str")
-        path = self.field(box, f"{at}.path", "Image folder", "str", widget="path", path_mode="dir")
-        source = self.field(box, f"{at}.caption_source", "Caption source", "choice", widget="option",
-                            values=["txt", "file", "filename"])
-        caption_file = self.field(box, f"{at}.caption_file", "Caption file (source 'file')", "str")
-        self.field(box, f"{at}.repeats", "Repeats", "int")
-        subfolders = self.field(box, f"{at}.include_subfolders", "Include subfolders", "bool", widget="switch")
+        self.form(box, ConceptConfig, at, HEAD)
+        placed = set(HEAD) | {"captions"}
+        for title, names in GROUPS:
+            group = subsection(box, title)
+            self.form(group, ConceptConfig, at, names)
+            if title == "Captions":
+                self.form(group, CaptionConfig, f"{at}.captions")
+            placed |= set(names)
+        rest = [n for n in ConceptConfig.model_fields if n not in placed]
+        if rest:
+            self.form(subsection(box, "More"), ConceptConfig, at, rest)
+        self._preview_widgets(box, index)
+
+    # --- the preview --------------------------------------------------------------------------------
+
+    def _preview_widgets(self, box, index: int) -> None:
         preview = ctk.CTkFrame(box, fg_color="transparent")
         preview.pack(fill="x", padx=8, pady=(2, 8))
-        count = ctk.CTkLabel(preview, text="", anchor="w")
+        count = ctk.CTkLabel(preview, text="", anchor="w", justify="left")
         count.pack(fill="x")
-        thumbs = ctk.CTkFrame(preview, fg_color="transparent")
-        thumbs.pack(fill="x")
-        self.previews.append({"count": count, "thumbs": thumbs, "key": None, "images": []})
-        for field in (path, source, caption_file, subfolders):
-            field.var.trace_add("write", lambda *_: self.after(300, lambda: self.update_preview(index)))
+        buckets = ctk.CTkLabel(preview, text="", anchor="w", justify="left", wraplength=600)
+        buckets.pack(fill="x")
+        row = ctk.CTkFrame(preview, fg_color="transparent")
+        row.pack(fill="x")
+        back = ctk.CTkButton(row, text="◀", width=32, command=lambda: self.browse(index, -1))
+        back.pack(side="left", padx=(0, 4))
+        image = ctk.CTkLabel(row, text="", width=THUMB_SIZE, height=THUMB_SIZE)
+        image.pack(side="left")
+        forward = ctk.CTkButton(row, text="▶", width=32, command=lambda: self.browse(index, 1))
+        forward.pack(side="left", padx=4)
+        caption = ctk.CTkLabel(row, text="", anchor="nw", justify="left", wraplength=420)
+        caption.pack(side="left", fill="both", expand=True, padx=8)
+        self.previews.append({"count": count, "buckets": buckets, "image": image, "caption": caption,
+                              "key": None, "items": [], "position": 0, "picture": None, "images": []})
         self.update_preview(index)
+
+    def _schedule_previews(self) -> None:
+        if getattr(self, "_preview_job", None) is None:
+            self._preview_job = self.after(300, self._update_previews)
+
+    def _update_previews(self) -> None:
+        self._preview_job = None
+        for index in range(len(self.previews)):
+            self.update_preview(index)
 
     def update_preview(self, index: int) -> None:
         if index >= len(self.previews) or index >= len(self.concepts()):
@@ -108,35 +165,68 @@ class ConceptsTab(Tab):
         if not slot["count"].winfo_exists():
             return
         concept = self.concepts()[index]
-        key = repr(concept)
+        data = self.cfg.data.get("data", {})
+        key = repr((concept, data.get("resolution"), data.get("aspect_buckets"), self.cfg.get("model.family")))
         if key == slot["key"]:
             return
         slot["key"] = key
-        for child in slot["thumbs"].winfo_children():
-            child.destroy()
-        slot["images"] = []
+        slot["items"], slot["position"] = [], 0
         if not str(concept.get("path") or "").strip():
-            slot["count"].configure(text="Preview: choose a folder")
+            self._show(index, "Preview: choose a folder")
             return
-        total, items, problem = preview_items(concept)
+        items, problem = preview_items(concept)
         if problem:
-            slot["count"].configure(text=f"Preview: {problem}")
+            self._show(index, f"Preview: {problem}")
             return
-        slot["count"].configure(text=f"{total} image{'s' if total != 1 else ''}" + (" — first ones:" if items else ""))
+        slot["items"] = items
+        self._show(index, f"{len(items)} image{'s' if len(items) != 1 else ''}", self._bucket_text(items))
+
+    def _bucket_text(self, items: list) -> str:
+        from modules.model.registry import family_names, get_family_class
+
+        config = self.cfg.config
+        family = self.cfg.get("model.family")
+        if config is None or family not in family_names() or not items:
+            return ""
+        quantum = get_family_class(family).bucket_quantum
+        counts = bucket_stats(items, config.data.resolutions, quantum, config.data.aspect_buckets)
+        return "Buckets: " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items(), key=lambda x: -x[1]))
+
+    def browse(self, index: int, step: int) -> None:
+        slot = self.previews[index]
+        if slot["items"]:
+            slot["position"] = (slot["position"] + step) % len(slot["items"])
+            self._show_item(index)
+
+    def _show(self, index: int, count: str, buckets: str = "") -> None:
+        slot = self.previews[index]
+        slot["count"].configure(text=count)
+        slot["buckets"].configure(text=buckets)
+        self._show_item(index)
+
+    def _show_item(self, index: int) -> None:
         from PIL import Image
 
-        for column, item in enumerate(items):
-            try:
-                with Image.open(item.image) as image:
-                    image = image.convert("RGB")
-                    image.thumbnail((THUMB_SIZE, THUMB_SIZE))
-                    picture = ctk.CTkImage(light_image=image, dark_image=image, size=image.size)
-            except OSError:
-                continue
-            slot["images"].append(picture)
-            cell = ctk.CTkFrame(slot["thumbs"], fg_color="transparent")
-            cell.grid(row=0, column=column, padx=4, sticky="n")
-            ctk.CTkLabel(cell, text="", image=picture).pack()
-            caption = item.caption or "(no caption)"
-            ctk.CTkLabel(cell, text=caption[:60] + ("…" if len(caption) > 60 else ""), wraplength=140,
-                         font=ctk.CTkFont(size=11), justify="center").pack()
+        slot = self.previews[index]
+        slot["picture"] = None
+        slot["images"] = []
+        if not slot["items"]:
+            slot["image"].configure(image=None, text="")
+            slot["caption"].configure(text="")
+            return
+        position = slot["position"]
+        item = slot["items"][position]
+        try:
+            with Image.open(item.image) as image:
+                image = image.convert("RGB")
+                image.thumbnail((THUMB_SIZE, THUMB_SIZE))
+                picture = ctk.CTkImage(light_image=image, dark_image=image, size=image.size)
+        except OSError as error:
+            slot["image"].configure(image=None, text=str(error))
+            return
+        slot["picture"] = picture
+        slot["images"] = [picture]
+        slot["image"].configure(image=picture, text="")
+        caption = trained_caption(item.caption, self.concepts()[index], position, int(self.cfg.get("seed") or 0))
+        slot["caption"].configure(text=f"{position + 1}/{len(slot['items'])}  {item.image.name}\n"
+                                       f"Trained caption: {caption or '(empty)'}")

@@ -1,30 +1,33 @@
-"""General: workspace, cache, devices, seed, and the UI scale (a GUI setting, not part of the config)."""
+"""General: workspace, cache, devices, seed, the top-level settings no other tab shows, the UI
+scale and the remote box (GUI settings, not part of the config)."""
 
 from __future__ import annotations
 
 import customtkinter as ctk
 
+from modules.config.train_config import TrainConfig
 from ui.components import section
 from ui.tabs import Tab
 
 UI_SCALES = ["80%", "90%", "100%", "110%", "125%", "150%"]
+
+# top-level fields other tabs place (or that are not user settings: version)
+PLACED_ELSEWHERE = {"version", "model", "adapter", "optimizer", "lr_scheduler", "ema", "loss", "concepts",
+                    "sampling", "schedule", "data", "output", "backup"}
+WORKSPACE = ["workspace_dir", "cache_dir"]
+DEVICES = ["train_device", "temp_device", "train_dtype", "compile"]
 
 
 class GeneralTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
         section(self, "Workspace")
-        self.field(self, "workspace_dir", "Workspace folder", "str", widget="path", path_mode="dir")
-        self.field(self, "cache_dir", "Cache folder (empty: workspace/cache)", "optstr", widget="path", path_mode="dir")
+        self.form(self, TrainConfig, "", WORKSPACE)
         section(self, "Devices")
-        self.train_device = self.field(self, "train_device", "Train device", "str", widget="combo", values=["auto", "cpu"])
-        self.temp_device = self.field(self, "temp_device", "Temp device (offloading)", "str", widget="combo", values=["cpu"])
-        self.field(self, "train_dtype", "Train dtype (autocast)", "choice", widget="option",
-                   values=["float32", "bfloat16", "float16"])
-        self.field(self, "compile", "torch.compile the denoiser", "bool", widget="switch")
+        self.form(self, TrainConfig, "", DEVICES)
         section(self, "Run")
-        self.field(self, "seed", "Seed", "int")
-        self.field(self, "tensorboard", "TensorBoard log", "bool", widget="switch")
+        # every other top-level field, new ones included
+        self.form(self, TrainConfig, "", exclude=PLACED_ELSEWHERE | set(WORKSPACE) | set(DEVICES))
         section(self, "Window")
         row = ctk.CTkFrame(self, fg_color="transparent")
         row.pack(fill="x", pady=1)
@@ -32,9 +35,7 @@ class GeneralTab(Tab):
         self.ui_scale = ctk.CTkOptionMenu(row, values=UI_SCALES, command=app.set_ui_scale, width=120)
         self.ui_scale.set(f"{round(app.settings.get('ui_scale', 1.0) * 100)}%")
         self.ui_scale.pack(side="left", padx=4)
-        self.cfg.info_listeners.append(self._devices)
         self._remote_section(app)
-
     def _remote_section(self, app) -> None:
         """Where the run goes: empty host = this machine. Kept in the GUI's settings, never in a
         config or preset (hosts and key files are not for sharing)."""
@@ -69,7 +70,3 @@ class GeneralTab(Tab):
         problem = self.app.remote_problem()
         self.remote_error.configure(text=problem or "")
 
-    def _devices(self) -> None:
-        devices = list((self.cfg.machine_info or {}).get("devices", {}) or ["cpu"])
-        self.train_device.set_values(["auto", *devices])
-        self.temp_device.set_values(devices)

@@ -1,21 +1,18 @@
-"""Offload: per part gradient checkpointing, layer offload fraction (or auto), activation offloading."""
+"""Offload: per part gradient checkpointing, layer offload fraction (or auto), activation
+offloading, and any other per-part field the Model and Training tabs do not show."""
 
 from __future__ import annotations
 
+from modules.config.train_config import ModelPartConfig
 from ui.components import section
 from ui.tabs import PartSections, Tab
-
-FRACTIONS = ["0.0", "0.25", "0.5", "0.75", "1.0", "auto"]
+from ui.tabs.model import PART_FIELDS as MODEL_PART_FIELDS
+from ui.tabs.training import PART_FIELDS as TRAINING_PART_FIELDS
 
 
 class OffloadTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
         section(self, "Memory, per model part")
-        PartSections(self, self._part)
-
-    def _part(self, group, name: str, prefix: str) -> None:
-        self.field(group, f"{prefix}.gradient_checkpointing", "Gradient checkpointing", "bool", widget="switch")
-        self.field(group, f"{prefix}.offload_fraction", "Offload fraction (0..1 or auto)", "fraction", widget="combo",
-                   values=FRACTIONS)
-        self.field(group, f"{prefix}.activation_offloading", "Activation offloading", "bool", widget="switch")
+        PartSections(self, lambda group, name, prefix: self.form(
+            group, ModelPartConfig, prefix, exclude=set(MODEL_PART_FIELDS) | set(TRAINING_PART_FIELDS)))

@@ -1,4 +1,6 @@
-"""Run: the live loss curve, the latest samples, and the run's log."""
+"""Run: the live loss curve, the latest samples (each with its step and prompt), and the run's log.
+After a resume or a reopen, the curve and gallery start from what the earlier runs left
+(ui/run_history.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ class RunTab(ctk.CTkFrame):
         from matplotlib.backends.backend_tkagg import FigureCanvasTkAgg
         from matplotlib.figure import Figure
 
-        plot = ctk.CTkFrame(self)
+        # the figure canvas asks for the size it was last given, so its frame does not pass that on:
+        # otherwise the plot never shrinks and pushes the log out at small sizes
+        plot = ctk.CTkFrame(self, height=120)
+        plot.pack_propagate(False)
         plot.grid(row=0, column=0, sticky="nsew", padx=4, pady=4)
         dark = ctk.get_appearance_mode() == "Dark"
         background, text = ("#2b2b2b", "#dce4ee") if dark else ("#dbdbdb", "#1a1a1a")
@@ -39,6 +44,8 @@ class RunTab(ctk.CTkFrame):
         (self.line,) = self.axes.plot([], [], color="#4a9eda", linewidth=1.4)
         self.figure.tight_layout()
         self.canvas = FigureCanvasTkAgg(self.figure, master=plot)
+        # a small requested size: the figure follows the space the window gives it
+        self.canvas.get_tk_widget().configure(width=200, height=100)
         self.canvas.get_tk_widget().pack(fill="both", expand=True)
         self.steps: list[int] = []
         self.losses: list[float] = []
@@ -51,11 +58,13 @@ class RunTab(ctk.CTkFrame):
         self.gallery = ctk.CTkFrame(gallery, fg_color="transparent")
         self.gallery.pack(fill="both", expand=True)
         self.samples: list[str] = []
+        self.sample_info: dict[str, dict] = {}
         self._images = []
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
 
-        self.log = ctk.CTkTextbox(self, wrap="none", font=ctk.CTkFont(family="monospace", size=11))
+        # a small requested height: at 900x600 and 150% the plot keeps its share of the space
+        self.log = ctk.CTkTextbox(self, wrap="none", height=60, font=ctk.CTkFont(family="monospace", size=11))
         self.log.grid(row=1, column=0, columnspan=2, sticky="nsew", padx=4, pady=4)
         self.log.configure(state="disabled")
         self.log_lines = 0
@@ -64,6 +73,7 @@ class RunTab(ctk.CTkFrame):
         self.steps, self.losses = [], []
         self._redraw()
         self.samples = []
+        self.sample_info = {}
         self._show_samples()
         self.log.configure(state="normal")
         self.log.delete("1.0", "end")
@@ -73,6 +83,13 @@ class RunTab(ctk.CTkFrame):
     def add_loss(self, step: int, loss: float | None) -> None:
         if loss is None:
             return
+        if self.steps and self.steps[-1] >= step:  # a resumed run retrains from its backup's step
+            while self.steps and self.steps[-1] >= step:
+                self.steps.pop()
+                self.losses.pop()
+            self.samples = [p for p in self.samples if (self.sample_info.get(p) or {}).get("step") is None
+                            or self.sample_info[p]["step"] < step]
+            self._show_samples()
         self.steps.append(step)
         self.losses.append(loss)
         if self._redraw_job is None:  # at most a few redraws a second, however fast steps come
@@ -86,16 +103,34 @@ class RunTab(ctk.CTkFrame):
         self.canvas.draw_idle()
         self.redraws += 1
 
-    def add_sample(self, path: str) -> None:
-        self.samples.append(path)
+    def load_history(self, history) -> None:
+        """The curve and samples of earlier runs (a resume continues them; a reopen shows them)."""
+        self.steps = [step for step, _ in history.losses]
+        self.losses = [loss for _, loss in history.losses]
+        self._redraw()
+        self.samples = [s["path"] for s in history.samples]
+        self.sample_info = {s["path"]: s for s in history.samples}
         self._show_samples()
+
+    def add_sample(self, path: str, info: dict | None = None) -> None:
+        self.samples.append(path)
+        self.sample_info[path] = info or {"path": path, "step": None, "prompt": None}
+        self._show_samples()
+
+    def caption(self, path: str) -> str:
+        info = self.sample_info.get(path) or {}
+        step = f"step {info['step']}" if info.get("step") is not None else Path(path).name
+        prompt = info.get("prompt")
+        if prompt and len(prompt) > 40:
+            prompt = prompt[:39] + "…"
+        return f"{step}: {prompt}" if prompt else step
 
     def _show_samples(self) -> None:
         for child in self.gallery.winfo_children():
             child.destroy()
         self._images = []
         if not self.samples:
-            self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
+            self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.", wraplength=150)
             self._empty.pack(padx=8, pady=8)
             return
         from PIL import Image
@@ -113,7 +148,7 @@ class RunTab(ctk.CTkFrame):
             cell = ctk.CTkFrame(self.gallery, fg_color="transparent")
             cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
             ctk.CTkLabel(cell, text="", image=picture).pack()
-            ctk.CTkLabel(cell, text=Path(path).name, font=ctk.CTkFont(size=11)).pack()
+            ctk.CTkLabel(cell, text=self.caption(path), font=ctk.CTkFont(size=11), wraplength=THUMB).pack()
 
     def append_log(self, text: str) -> None:
         self.log.configure(state="normal")

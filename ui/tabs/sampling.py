@@ -1,27 +1,21 @@
-"""Sampling: prompts (each with its own seed, steps, cfg and size), cadence, scheduler."""
+"""Sampling: cadence, sampler, and the prompt editor (each prompt with all its fields: negative
+prompt, seed, steps, cfg, size); add and remove prompts."""
 
 from __future__ import annotations
 
 import customtkinter as ctk
 
+from modules.config.train_config import SamplePromptConfig, SamplingConfig, ScheduleConfig
 from ui.components import section
 from ui.tabs import Tab
-
-UNITS = ["steps", "epochs", "minutes"]
-
-
-def cadence(tab: Tab, parent, path: str, label: str) -> None:
-    tab.field(parent, f"{path}.value", f"{label} (0: never)", "float", unit=(f"{path}.unit", UNITS),
-              tooltip="How often: a number of steps, epochs or minutes; 0 turns it off.")
 
 
 class SamplingTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
         section(self, "When")
-        cadence(self, self, "schedule.sample_every", "Sample every")
-        self.field(self, "sampling.scheduler", "Sampler", "choice", widget="option",
-                   values=["ddim", "euler", "euler_a", "dpmpp_2m"])
+        self.form(self, ScheduleConfig, "schedule", ["sample_every"])
+        self.form(self, SamplingConfig, "sampling", exclude={"prompts"})
         section(self, "Prompts")
         ctk.CTkButton(self, text="Add prompt", width=130, command=self.add).pack(anchor="w", padx=8, pady=4)
         self.list_frame = ctk.CTkFrame(self, fg_color="transparent")
@@ -34,8 +28,6 @@ class SamplingTab(Tab):
         return self.cfg.data["sampling"].setdefault("prompts", [])
 
     def add(self, prompt: str = "") -> None:
-        from modules.config.train_config import SamplePromptConfig
-
         self.prompts().append(SamplePromptConfig(prompt=prompt).model_dump(mode="json"))
         self.rebuild(force=True)
         self.cfg.validate()
@@ -50,11 +42,8 @@ class SamplingTab(Tab):
         if count == self._count and not force:
             return
         self._count = count
-        self.cfg.unbind_prefix("sampling.prompts[")
-        for path in [p for p in self.fields if p.startswith("sampling.prompts[")]:
-            del self.fields[path]
         for child in self.list_frame.winfo_children():
-            child.destroy()
+            child.destroy()  # the prompts' own fields release their own bindings
         if not count:
             ctk.CTkLabel(self.list_frame, text="No prompts: nothing is sampled.", anchor="w").pack(fill="x", padx=8)
         for index in range(count):
@@ -66,10 +55,4 @@ class SamplingTab(Tab):
             ctk.CTkLabel(head, text=f"Prompt {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
             ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
                           command=lambda i=index: self.remove(i)).pack(side="right", padx=8, pady=4)
-            self.field(box, f"{at}.prompt", "Prompt", "str")
-            self.field(box, f"{at}.negative_prompt", "Negative prompt", "str")
-            self.field(box, f"{at}.seed", "Seed", "int")
-            self.field(box, f"{at}.steps", "Steps", "int")
-            self.field(box, f"{at}.cfg", "CFG scale", "float")
-            self.field(box, f"{at}.width", "Width", "int")
-            self.field(box, f"{at}.height", "Height", "int")
+            self.form(box, SamplePromptConfig, at)

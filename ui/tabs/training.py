@@ -1,5 +1,5 @@
-"""Training: optimizer and its own parameters, learning rate schedule, epochs or steps, batch,
-accumulation, resolution, and per-part train toggles and learning rates."""
+"""Training: optimizer and its own parameters, learning rate schedule, length and batches, data
+(resolution, buckets, augmentations), per-part train toggles and learning rates, EMA, loss."""
 
 from __future__ import annotations
 
@@ -7,12 +7,24 @@ import typing
 
 import customtkinter as ctk
 
-from modules.config.train_config import LrSchedulerConfig, OptimizerConfig
+from modules.config.train_config import (
+    DataConfig,
+    EmaConfig,
+    LossConfig,
+    LrSchedulerConfig,
+    ModelPartConfig,
+    OptimizerConfig,
+    ScheduleConfig,
+)
 from ui.components import section
 from ui.tabs import PartSections, Tab
 
+PART_FIELDS = ["train", "learning_rate"]
+CADENCES = {"sample_every", "backup_every", "save_every", "validate_every"}  # on the Sampling and Backup tabs
+
 
 def optimizer_classes() -> dict[str, type]:
+    """The optimizer union's members by their `type` tag (the schema's discriminator)."""
     members = typing.get_args(typing.get_args(OptimizerConfig)[0]) or (typing.get_args(OptimizerConfig)[0],)
     return {m.model_fields["type"].default: m for m in members}
 
@@ -23,64 +35,41 @@ class TrainingTab(Tab):
         section(self, "Optimizer")
         self.optimizers = optimizer_classes()
         self.optimizer_type = self.field(self, "optimizer.type", "Optimizer", "choice", widget="option",
-                                         values=list(self.optimizers))
-        self.optimizer_type.var.trace_add("write", lambda *_: self._optimizer_changed())
+                                         values=list(self.optimizers),
+                                         tooltip="The optimizer; each has its own parameters below.")
+        self.cfg.set_hooks["optimizer.type"] = self._optimizer_chosen
         self.optimizer_frame = ctk.CTkFrame(self, fg_color="transparent")
         self.optimizer_frame.pack(fill="x")
         self._optimizer_shown = None
         self._optimizer_fields()
-        section(self, "Learning rate schedule")
-        schedules = list(typing.get_args(LrSchedulerConfig.model_fields["type"].annotation))
-        self.field(self, "lr_scheduler.type", "Scheduler", "choice", widget="option", values=schedules)
-        self.field(self, "lr_scheduler.warmup_steps", "Warmup steps", "int")
-        section(self, "Length and batches")
-        self.field(self, "schedule.epochs", "Epochs", "int")
-        self.field(self, "schedule.max_steps", "Max steps (empty: all epochs)", "optint")
-        self.field(self, "schedule.batch_size", "Batch size", "int")
-        self.field(self, "schedule.gradient_accumulation", "Gradient accumulation", "int")
-        self.field(self, "schedule.max_grad_norm", "Max grad norm (empty: off)", "optfloat")
-        self.field(self, "data.resolution", "Resolution", "int")
-        self.field(self, "data.aspect_buckets", "Aspect ratio buckets", "bool", widget="switch")
-        section(self, "Model parts")
-        PartSections(self, self._part)
         self.cfg.reload_listeners.append(self._optimizer_fields)
+        section(self, "Learning rate schedule")
+        self.form(self, LrSchedulerConfig, "lr_scheduler")
+        section(self, "Length and batches")
+        self.form(self, ScheduleConfig, "schedule", exclude=CADENCES)
+        section(self, "Data")
+        self.form(self, DataConfig, "data")
+        section(self, "Model parts: what trains")
+        PartSections(self, lambda group, name, prefix: self.form(group, ModelPartConfig, prefix, PART_FIELDS))
+        section(self, "EMA (an averaged copy of the trained weights)")
+        self.form(self, EmaConfig, "ema")
+        section(self, "Loss")
+        self.form(self, LossConfig, "loss")
 
-    def _part(self, group, name: str, prefix: str) -> None:
-        self.field(group, f"{prefix}.train", "Train", "bool", widget="switch")
-        self.field(group, f"{prefix}.learning_rate", "Learning rate (empty: optimizer's)", "optfloat")
-
-    def _optimizer_changed(self) -> None:
-        kind = self.cfg.get("optimizer.type")
+    def _optimizer_chosen(self, kind) -> bool:
+        """Another optimizer: its own parameters at their defaults (the old ones do not fit it)."""
         current = self.cfg.data.get("optimizer")
-        if kind in self.optimizers and isinstance(current, dict) and set(current) != set(self.optimizers[kind].model_fields):
-            # another optimizer: its own parameters, at their defaults
-            self.cfg.data["optimizer"] = self.optimizers[kind]().model_dump(mode="json")
-        self._optimizer_fields()
-        self.cfg.refresh()
+        if kind not in self.optimizers or (isinstance(current, dict) and current.get("type") == kind):
+            return False
+        self.cfg.data["optimizer"] = self.optimizers[kind]().model_dump(mode="json")
+        self.cfg.refresh()  # rebuilds the parameter fields (reload listener), then validates
+        return True
 
     def _optimizer_fields(self) -> None:
         kind = self.cfg.get("optimizer.type")
         if kind == self._optimizer_shown or kind not in self.optimizers:
             return
         self._optimizer_shown = kind
-        self.cfg.unbind(lambda b: b.path.startswith("optimizer.") and b.path != "optimizer.type")
         for child in self.optimizer_frame.winfo_children():
-            child.destroy()
-        for name, info in self.optimizers[kind].model_fields.items():
-            if name == "type":
-                continue
-            annotation = info.annotation
-            origin = typing.get_origin(annotation)
-            optional = type(None) in typing.get_args(annotation)  # e.g. Prodigy's beta3: None = automatic
-            if origin is tuple:
-                for index, member in enumerate(typing.get_args(annotation)):
-                    kind = "optfloat" if type(None) in typing.get_args(member) else "float"
-                    self.field(self.optimizer_frame, f"optimizer.{name}[{index}]", f"{name} [{index}]", kind)
-            elif optional:
-                self.field(self.optimizer_frame, f"optimizer.{name}", f"{name} (empty: automatic)", "optfloat")
-            elif annotation is bool:
-                self.field(self.optimizer_frame, f"optimizer.{name}", name, "bool", widget="switch")
-            elif annotation is int:
-                self.field(self.optimizer_frame, f"optimizer.{name}", name, "int")
-            else:
-                self.field(self.optimizer_frame, f"optimizer.{name}", "learning rate" if name == "lr" else name, "float")
+            child.destroy()  # only this frame's fields, and so only their bindings
+        self.form(self.optimizer_frame, self.optimizers[kind], "optimizer", exclude={"type"})
