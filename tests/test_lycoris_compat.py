@@ -205,3 +205,29 @@ def test_lycoris_refuses_dora_on_the_input_axis(tmp_path):
     unet.layer = copy.deepcopy(layer)
     with pytest.raises(RuntimeError):
         create_network_from_weights(1.0, str(path), None, None, unet)
+
+
+def test_diffusers_format_is_refused_where_diffusers_cannot_rebuild_lycoris_splits():
+    """diffusers infers peft's decompose_factor from the file; with factor 32 on 320- and
+    640-wide layers (LyCORIS: 10x32 and 20x32) no peft factor reproduces both."""
+    from modules.adapters.formats.files import AdapterFileError, check_output_format
+
+    adapters = AdapterSet()
+    config = AdapterConfig(type="lokr", rank=4, lokr_factor=32)
+    for width in (320, 640):
+        adapters.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
+                                            torch.device("cpu"), torch.float32), f"layer{width}")
+    with pytest.raises(AdapterFileError, match=r"^output\.format: 'diffusers' cannot hold.*lokr_factor"):
+        check_output_format("diffusers", adapters, OneLayerFamily())
+    from diffusers.utils.peft_utils import _create_lokr_config  # what the refusal predicts
+
+    peft_state = {f"{a.name}.{k}": v for a in adapters for k, v in a.state_dict().items() if k != "alpha"}
+    with pytest.raises(ValueError, match="decompose_factor"):
+        _create_lokr_config(peft_state, None)
+    check_output_format("kohya", adapters, OneLayerFamily())
+    small = AdapterSet()
+    config = AdapterConfig(type="lokr", rank=4, lokr_factor=8)
+    for width in (320, 640):
+        small.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
+                                         torch.device("cpu"), torch.float32), f"layer{width}")
+    check_output_format("diffusers", small, OneLayerFamily())

@@ -116,6 +116,9 @@ def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> 
             why = peft_keys.unsupported(adapter.algorithm, axis, axis is not None)
             if why:
                 raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+        why = peft_keys.lokr_split_problem(list(adapters))
+        if why:
+            raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
 
 
 def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:
