@@ -36,12 +36,13 @@ LAYERS = {  # real widths: SD1.5/SDXL attention and MLP, CLIP-L, FLUX's inner wi
 }
 ALGORITHMS = {
     "lora": {"type": "lora", "rank": 8, "alpha": 4},
-    "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True},
+    "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True, "dora_axis": "output"},  # LyCORIS's axis
     "loha": {"type": "loha", "rank": 4, "alpha": 2},
     "lokr-small-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 4},
     "lokr-large-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 32},
     "lokr-square-decomposed-both": {"type": "lokr", "rank": 2, "alpha": 1, "lokr_decompose_both": True},
-    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True},
+    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True,
+                                "dora_axis": "output"},
     "lokr-full": {"type": "lokr", "rank": 4, "alpha": 4, "lokr_factor": 8, "lokr_full_matrix": True},
     "oft": {"type": "oft", "oft_block_size": 32},
     "oft-constrained": {"type": "oft", "oft_block_size": 16, "oft_constraint": 1e-4},

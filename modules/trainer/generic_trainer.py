@@ -209,10 +209,10 @@ class GenericTrainer:
 
     def setup_model(self) -> None:
         config = self.config
-        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device)
+        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device,
+                                          config.output.format)
         if self.adapters.left_out:
-            self.callbacks.on_warning(f"adapter: no adapters on {self.adapters.left_out_summary()}: their output "
-                                      f"never reaches the loss ({self.family.label} reads the layer before)")
+            self.callbacks.on_warning(self.adapters.left_out_message())
         check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
         if config.adapter.init_from:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)

@@ -14,7 +14,7 @@ class AdapterTab(Tab):
         self.field(self, "adapter.rank", "Rank", "int")
         self.field(self, "adapter.alpha", "Alpha", "float")
         self.field(self, "adapter.dora", "DoRA / weight decomposition", "bool", widget="switch")
-        self.field(self, "adapter.dora_axis", "DoRA norm axis", "choice", widget="option", values=["output", "input"])
+        self.field(self, "adapter.dora_axis", "DoRA norm axis", "choice", widget="option", values=["auto", "output", "input"])
         section(self, "LoKr and OFT")
         self.field(self, "adapter.lokr_factor", "LoKr factor (-1: square)", "int")
         self.field(self, "adapter.lokr_decompose_both", "LoKr: decompose both factors", "bool", widget="switch")
