@@ -106,6 +106,8 @@ def _stems_for_loading(adapters: AdapterSet, family: ModelFamily) -> dict[str, t
                 prefix = family.spec(part).adapter_prefix
                 lookup[f"{prefix}_{comfy.removeprefix('diffusion_model.').replace('.', '_')}"] = (name, "kohya")
                 lookup[f"lycoris_{module_name.replace('.', '_')}"] = (name, "kohya")
+        for other in family.other_stems(part, module_name):
+            lookup[other] = (name, "kohya")
         for spelled in {family.canonical_module_name(part, module_name), module_name}:
             lookup[f"{part}.{spelled}"] = (name, "diffusers")
     return lookup
