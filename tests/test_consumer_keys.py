@@ -28,7 +28,8 @@ from modules.adapters.formats.files import file_state, load_adapter_file
 from modules.config.train_config import AdapterConfig
 
 CLIP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-TENSORS = re.compile(r"\.(lora_down\.weight|lora_up\.weight|alpha|hada_\w+|lokr_\w+|oft_blocks|dora_scale)$")
+TENSORS = re.compile(r"\.(lora_down\.weight|lora_up\.weight|lora_A\.weight|lora_B\.weight|lora_magnitude_vector|alpha"
+                     r"|hada_\w+|lokr_\w+|oft_blocks|dora_scale)$")
 
 
 def _flux_original_keys(transformer) -> list[str]:
@@ -172,3 +173,34 @@ def test_a_comfyui_layout_file_with_text_encoder_paths_still_loads(family, tmp_p
         load_adapter_file(path, adapters, family)
     finally:
         adapters.unhook()
+
+
+def test_diffusers_format_says_which_adapters_comfyui_will_not_load(family):
+    """ComfyUI maps diffusers UNet attention projections only as `.processor.to_q` and FLUX's T5
+    only under lora_te2_/lora_te3_; the reproduced map agrees with what the warning names."""
+    from modules.adapters.formats.files import format_warnings
+
+    adapters = _adapters(family, layer_preset="attn-mlp")
+    try:
+        warnings = format_warnings("diffusers", adapters, family)
+        comfyui = comfyui_map(family) | {f"unet.{s}" for s in _unet_diffusers_stems(family)}
+        missing = sorted(s for s in _stems(file_state(adapters, family, "diffusers")) if s not in comfyui)
+        assert format_warnings("kohya", adapters, family) == []
+    finally:
+        adapters.unhook()
+    assert missing  # each family here has layers ComfyUI skips in diffusers files
+    assert len(warnings) == 1 and warnings[0].startswith("output.format: 'diffusers': ComfyUI will not load")
+    example = re.search(r"\(e\.g\. ([^)]*)\)", warnings[0]).group(1)
+    assert f"{len(missing)} of these adapters" in warnings[0] and example in missing
+
+
+def _unet_diffusers_stems(family) -> set[str]:
+    """ComfyUI's `unet.<diffusers name>` keys, attention projections spelled `processor.to_q`."""
+    if family.name == "flux":
+        return set()
+    out = set()
+    for name, module in family.unet.named_modules():
+        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
+            key = name.replace(".to_", ".processor.to_")
+            out.add(key[:-2] if key.endswith(".to_out.0") else key)
+    return out

@@ -7,6 +7,8 @@ reads this file's part list, and should not pay seconds of imports for it.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import torch
@@ -213,6 +215,12 @@ class SD15Family(ModelFamily):
         if part == "unet":
             return "diffusion_model." + ldm_unet_module_name(self.unet, module_name)
         return self.adapter_name(part, module_name)
+
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        # ComfyUI maps diffusers UNet attention projections only as `.processor.to_q` (old diffusers)
+        if part == "unet" and re.search(r"\.to_(q|k|v|out\.0)$", module_name):
+            return "it reads UNet attention projections only as `...processor.to_q`"
+        return None
 
     def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
         if part == "unet":

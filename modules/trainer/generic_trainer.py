@@ -19,6 +19,7 @@ import torch
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.files import (
     check_output_format,
+    format_warnings,
     load_adapter_file,
     network_metadata,
     save_adapter_file,
@@ -214,6 +215,8 @@ class GenericTrainer:
         if self.adapters.left_out:
             self.callbacks.on_warning(self.adapters.left_out_message())
         check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
+        for warning in format_warnings(config.output.format, self.adapters, self.family):
+            self.callbacks.on_warning(warning)
         if config.adapter.init_from:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)
         for part in self.trained_parts:

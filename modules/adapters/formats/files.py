@@ -129,6 +129,21 @@ def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> 
             raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
 
 
+def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list[str]:
+    """What a consumer will not load from a file of `fmt` (said before training; the file is
+    still complete for the tools the format is made for)."""
+    if fmt != "diffusers":
+        return []
+    skipped: dict[str, list[str]] = {}
+    for name in adapters.modules:
+        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
+        why = family.comfyui_skips_diffusers_key(part, module_name)
+        if why:
+            skipped.setdefault(why, []).append(f"{part}.{family.canonical_module_name(part, module_name)}")
+    return [f"output.format: 'diffusers': ComfyUI will not load {len(names)} of these adapters (e.g. {names[0]}): "
+            f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in skipped.items()]
+
+
 def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:
     check_output_format(fmt, adapters, family)
     named = stems(adapters, family, fmt)
