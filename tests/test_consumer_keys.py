@@ -11,8 +11,9 @@ ComfyUI (comfy/lora.py, model_lora_keys_unet / model_lora_keys_clip):
   `text_encoder.text_model.encoder.layers.<b>.<c>`; CLIP-G (with CLIP-L): `lora_te2_...`,
   `text_encoder_2...`; any text-encoder weight `<k>`: `text_encoders.<k>`;
 - T5 next to CLIP-L only (FLUX): `lora_te2_<path with _>` and `lora_te3_...`.
-Forge (backend/patcher/lora.py over its copy of ComfyUI's older maps): the same denoiser and
-CLIP names without ComfyUI's generic `text_encoders.<k>`; T5: `lora_te1_`/`lora_te2_`/`lora_te3_`.
+Forge (backend/patcher/lora.py over packages_3rdparty/comfyui_lora_collection/lora.py): the same
+denoiser names (FLUX's included) and CLIP names, without ComfyUI's generic `text_encoders.<k>`;
+T5: `lora_te1_`/`lora_te2_`/`lora_te3_`.
 """
 
 from __future__ import annotations
@@ -77,9 +78,8 @@ def comfyui_map(family) -> set[str]:
 
 
 def forge_map(family) -> set[str]:
-    stems = {s for s in comfyui_map(family) if not s.startswith(("text_encoders.", "lora_te3_"))}
+    stems = {s for s in comfyui_map(family) if not s.startswith("text_encoders.")}
     if family.name == "flux":
-        stems = {s for s in stems if not s.startswith(("transformer.", "lycoris_", "lora_transformer_"))}
         stems |= _t5_stems(family, ("te1", "te2", "te3"))
     return stems - _clip_stems(family, generic=True) | _clip_stems(family, generic=False)
 
@@ -139,9 +139,6 @@ def test_every_saved_stem_is_one_comfyui_and_forge_match(family, preset, adapter
         for fmt in formats:
             stems = _stems(file_state(adapters, family, fmt))
             assert stems and not stems - comfyui, (fmt, sorted(stems - comfyui)[:5])
-            if family.name == "flux" and adapter["type"] != "lora":
-                # Forge's FLUX map knows BFL's names only; per-module LoHa/LoKr do not fuse
-                stems = {s for s in stems if not s.startswith("lora_transformer_")}
             assert not stems - forge, (fmt, sorted(stems - forge)[:5])
     finally:
         adapters.unhook()
