@@ -232,3 +232,56 @@ def test_diffusers_format_is_refused_where_diffusers_cannot_rebuild_lycoris_spli
         small.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
                                          torch.device("cpu"), torch.float32), f"layer{width}")
     check_output_format("diffusers", small, OneLayerFamily())
+
+
+def _comfyui_oft_weight(weight, blocks, alpha):
+    """ComfyUI's OFT merge (comfy/weight_adapter/oft.py), written from its description: ||Q||
+    clipped to alpha when alpha > 0, R = (I + Q)(I - Q)^-1, W' = R^T applied per block of rows."""
+    q = blocks - blocks.transpose(1, 2)
+    if alpha > 0 and q.norm() + 1e-8 > alpha:
+        q = q * alpha / (q.norm() + 1e-8)
+    eye = torch.eye(blocks.shape[1])
+    r = (eye + q) @ torch.linalg.inv(eye - q)
+    rows = weight.view(blocks.shape[0], blocks.shape[1], -1)
+    return torch.einsum("knm,knc->kmc", r, rows).reshape(weight.shape)
+
+
+def _a1111_oft_weight(weight, blocks, alpha):
+    """A1111's kohya-style OFT (extensions-builtin/Lora/network_oft.py): blocks = oft_blocks.shape[0],
+    block size = out / blocks, ||Q|| clamped to alpha * out (so alpha 0 clamps Q to nothing)."""
+    out = weight.shape[0]
+    q = blocks - blocks.transpose(1, 2)
+    norm = q.norm()
+    q = q * ((torch.clamp(norm, max=alpha * out) + 1e-8) / (norm + 1e-8))
+    size = out // blocks.shape[0]
+    eye = torch.eye(size)
+    r = (eye + q) @ torch.linalg.inv(eye - q)
+    rows = weight.view(blocks.shape[0], size, -1)
+    return torch.einsum("knm,knc->kmc", r, rows).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("constraint", [0.0, 1e-4])
+def test_oft_files_compute_the_same_in_comfyui_and_a1111_maths(tmp_path, constraint):
+    """A file never carries alpha 0 (A1111 would clamp Q to 0: no rotation). Without a constraint
+    its alpha is a bound neither clips at; with one, A1111 matches and ComfyUI (which clips to
+    alpha itself) differs once the constraint binds, as README's table says."""
+    from safetensors.torch import load_file
+
+    layer = nn.Linear(768, 320)
+    adapters, adapter = _ours(layer, {"type": "oft", "oft_block_size": 32, "oft_constraint": constraint})
+    try:
+        with torch.no_grad():
+            adapter.oft_blocks.normal_(0, 0.02, generator=torch.Generator().manual_seed(4))
+            ours = adapter.merged_weight()
+        path = tmp_path / "oft.safetensors"
+        save_adapter_file(path, adapters, OneLayerFamily(), "kohya", torch.float32, {})
+    finally:
+        adapters.unhook()
+    file = load_file(str(path))
+    blocks, alpha = file[f"{NAME}.oft_blocks"], float(file[f"{NAME}.alpha"])
+    assert blocks.shape == (32, 10, 10) and alpha > 0
+    weight = layer.weight.detach()
+    assert (_a1111_oft_weight(weight, blocks, alpha) - ours).abs().max() < 1e-5
+    comfyui = (_comfyui_oft_weight(weight, blocks, alpha) - ours).abs().max()
+    assert comfyui < 1e-5 if constraint == 0 else comfyui > 1e-4
+    assert (_a1111_oft_weight(weight, blocks, 0.0) - weight).abs().max() < 1e-8  # what alpha 0 would do: nothing
