@@ -24,6 +24,7 @@ from modules.adapters.adapter_set import AdapterSet
 from modules.adapters.formats.files import load_adapter_file, save_adapter_file
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
+from modules.model.base import ModelFamily
 
 NAME = "lora_unet_layer"  # LyCORIS's kohya name of a module called "layer" in the unet it is given
 
@@ -50,18 +51,14 @@ ALGORITHMS = {
 
 
 class OneLayerFamily:
-    """The naming side of a ModelFamily for one layer called "layer" in a part called "unet"."""
+    """The naming side of a ModelFamily (its defaults) for one layer "layer" in a part "unet"."""
 
     label = "one layer"
-
-    def original_layers(self, part):
-        return None
-
-    def comfy_module_name(self, part, module_name):
-        raise NotImplementedError
-
-    def canonical_module_name(self, part, module_name):
-        return module_name
+    original_layers = ModelFamily.original_layers
+    other_stems = ModelFamily.other_stems
+    comfy_module_name = ModelFamily.comfy_module_name
+    canonical_module_name = ModelFamily.canonical_module_name
+    comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
 
     def spec(self, part):
         return SimpleNamespace(adapter_prefix="lora_unet")
