@@ -20,6 +20,7 @@ class AdapterTab(Tab):
         self.field(self, "adapter.lokr_decompose_both", "LoKr: decompose both factors", "bool", widget="switch")
         self.field(self, "adapter.lokr_full_matrix", "LoKr: full large factor", "bool", widget="switch")
         self.field(self, "adapter.oft_block_size", "OFT block size", "int")
+        self.field(self, "adapter.oft_constraint", "OFT constraint (0: none)", "float")
         section(self, "Layers")
         self.presets = self.field(self, "adapter.layer_preset", "Layer preset", "choice", widget="option",
                                   values=self._layer_presets())
