@@ -25,7 +25,7 @@ def test_defaults_are_a_plain_lora_saved_as_kohya():
     ({"adapter": {"lokr_factor": 0}}, "adapter.lokr_factor: must be -1 (as square as possible) or a positive factor"),
     ({"adapter": {"oft_block_size": 1}}, "adapter.oft_block_size: must be >= 2"),
     ({"adapter": {"rank_dropout": 1}}, "adapter.rank_dropout: must be < 1"),
-    ({"adapter": {"dora_axis": "row"}}, "adapter.dora_axis: must be one of 'output' or 'input'"),
+    ({"adapter": {"dora_axis": "row"}}, "adapter.dora_axis: must be one of 'auto', 'output' or 'input'"),
     ({"adapter": {"parts": {"unet": {"rank": 0}}}}, "adapter.parts.unet.rank: must be >= 1"),
     ({"adapter": {"parts": {"unet": {"alpah": 2}}}}, "adapter.parts.unet.alpah: unknown key"),
     ({"output": {"format": "a1111"}}, "output.format: must be one of 'kohya', 'comfy' or 'diffusers'"),
@@ -47,3 +47,15 @@ def test_adapter_presets_build_a_valid_config(name, expected):
 
     adapter = build_config([load_preset_overlay(name)]).adapter
     assert (adapter.type, adapter.dora) == expected
+
+
+def test_dora_axis_auto_is_the_axis_the_format_s_consumers_apply_exactly():
+    """auto: input for kohya/comfy files (ComfyUI, Forge and A1111 divide by the merged weight's
+    norm per input column), output for diffusers files (peft's magnitude is per output row)."""
+    from modules.config.train_config import AdapterConfig
+
+    config = AdapterConfig(dora=True)
+    assert config.dora_axis == "auto"
+    assert config.resolved_dora_axis("kohya") == "input" and config.resolved_dora_axis("comfy") == "input"
+    assert config.resolved_dora_axis("diffusers") == "output"
+    assert AdapterConfig(dora=True, dora_axis="output").resolved_dora_axis("kohya") == "output"

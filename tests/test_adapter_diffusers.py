@@ -76,7 +76,7 @@ def compare(family, pipe, adapters, with_text: bool):
 @pytest.mark.parametrize("fmt, options, parts", [
     ("kohya", {}, ["unet", "text_encoder"]),
     ("diffusers", {}, ["unet", "text_encoder"]),
-    ("diffusers", {"dora": True}, ["unet"]),
+    ("diffusers", {"dora": True, "dora_axis": "output"}, ["unet"]),
 ], ids=["kohya-lora", "diffusers-lora", "diffusers-dora"])
 def test_load_lora_weights_matches_the_hooked_model(family, tiny_model, tmp_path, fmt, options, parts):
     path, adapters = written(family, tmp_path, fmt, parts, layer_preset="all", **options)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from modules.adapters.loha import LoHaModule
+from modules.adapters.base import InertAdapter
 from modules.adapters.lokr import LoKrModule, factorize
 from modules.adapters.lora import LoRAModule
 from modules.adapters.oft import OFTModule
@@ -214,8 +215,8 @@ def test_oft_rotation_is_orthogonal_and_blocks_fit_the_channels():
     rotation = oft.rotation_t()
     eye = torch.eye(4).expand_as(rotation)
     assert torch.allclose(rotation @ rotation.transpose(1, 2), eye, atol=1e-5)
-    with pytest.raises(ValueError, match=r"adapter\.oft_block_size: its 7 output channels"):
-        OFTModule("x", nn.Linear(4, 7), block_size=4)
+    with pytest.raises(InertAdapter, match=r"adapter\.oft_block_size 4 splits their output channels into 1-wide"):
+        OFTModule("x", nn.Linear(4, 7), block_size=4)  # 7 = 1 x 7: LyCORIS's layout is 1x1 blocks
 
 
 # --- peft as the reference -------------------------------------------------------------------

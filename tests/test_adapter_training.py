@@ -12,7 +12,7 @@ from modules.trainer.generic_trainer import GenericTrainer
 
 RUNS = {
     "lora": ({"type": "lora", "dropout": 0.1, "rank_dropout": 0.1, "module_dropout": 0.1}, "diffusers"),
-    "dora": ({"type": "lora", "dora": True}, "diffusers"),
+    "dora": ({"type": "lora", "dora": True, "dora_axis": "output"}, "diffusers"),
     "dora-input": ({"type": "lora", "dora": True, "dora_axis": "input"}, "comfy"),
     "loha": ({"type": "loha", "dropout": 0.1, "rank_dropout": 0.1, "module_dropout": 0.1}, "kohya"),
     "lokr": ({"type": "lokr", "rank": 2, "lokr_factor": 4}, "comfy"),

@@ -121,8 +121,9 @@ def test_kohya_and_comfy_names(family):
     assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight" in kohya
     assert "lora_te2_text_model_encoder_layers_1_mlp_fc2.lora_up.weight" in kohya
     assert "diffusion_model.input_blocks.4.1.transformer_blocks.0.attn1.to_q.lora_down.weight" in comfy
-    assert "text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha" in comfy
-    assert "text_encoders.clip_g.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha" in comfy
+    # text encoders keep kohya's names in comfy files: ComfyUI and Forge both match them
+    assert "lora_te1_text_model_encoder_layers_0_self_attn_q_proj.alpha" in comfy
+    assert "lora_te2_text_model_encoder_layers_0_self_attn_q_proj.alpha" in comfy
 
 
 def test_checkpoint_blocks_cover_the_unet_in_order(family):

@@ -24,6 +24,7 @@ from modules.adapters.adapter_set import AdapterSet
 from modules.adapters.formats.files import load_adapter_file, save_adapter_file
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
+from modules.model.base import ModelFamily
 
 NAME = "lora_unet_layer"  # LyCORIS's kohya name of a module called "layer" in the unet it is given
 
@@ -36,12 +37,13 @@ LAYERS = {  # real widths: SD1.5/SDXL attention and MLP, CLIP-L, FLUX's inner wi
 }
 ALGORITHMS = {
     "lora": {"type": "lora", "rank": 8, "alpha": 4},
-    "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True},
+    "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True, "dora_axis": "output"},  # LyCORIS's axis
     "loha": {"type": "loha", "rank": 4, "alpha": 2},
     "lokr-small-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 4},
     "lokr-large-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 32},
     "lokr-square-decomposed-both": {"type": "lokr", "rank": 2, "alpha": 1, "lokr_decompose_both": True},
-    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True},
+    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True,
+                                "dora_axis": "output"},
     "lokr-full": {"type": "lokr", "rank": 4, "alpha": 4, "lokr_factor": 8, "lokr_full_matrix": True},
     "oft": {"type": "oft", "oft_block_size": 32},
     "oft-constrained": {"type": "oft", "oft_block_size": 16, "oft_constraint": 1e-4},
@@ -49,18 +51,14 @@ ALGORITHMS = {
 
 
 class OneLayerFamily:
-    """The naming side of a ModelFamily for one layer called "layer" in a part called "unet"."""
+    """The naming side of a ModelFamily (its defaults) for one layer "layer" in a part "unet"."""
 
     label = "one layer"
-
-    def original_layers(self, part):
-        return None
-
-    def comfy_module_name(self, part, module_name):
-        raise NotImplementedError
-
-    def canonical_module_name(self, part, module_name):
-        return module_name
+    original_layers = ModelFamily.original_layers
+    other_stems = ModelFamily.other_stems
+    comfy_module_name = ModelFamily.comfy_module_name
+    canonical_module_name = ModelFamily.canonical_module_name
+    comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
 
     def spec(self, part):
         return SimpleNamespace(adapter_prefix="lora_unet")
@@ -205,3 +203,82 @@ def test_lycoris_refuses_dora_on_the_input_axis(tmp_path):
     unet.layer = copy.deepcopy(layer)
     with pytest.raises(RuntimeError):
         create_network_from_weights(1.0, str(path), None, None, unet)
+
+
+def test_diffusers_format_is_refused_where_diffusers_cannot_rebuild_lycoris_splits():
+    """diffusers infers peft's decompose_factor from the file; with factor 32 on 320- and
+    640-wide layers (LyCORIS: 10x32 and 20x32) no peft factor reproduces both."""
+    from modules.adapters.formats.files import AdapterFileError, check_output_format
+
+    adapters = AdapterSet()
+    config = AdapterConfig(type="lokr", rank=4, lokr_factor=32)
+    for width in (320, 640):
+        adapters.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
+                                            torch.device("cpu"), torch.float32), f"layer{width}")
+    with pytest.raises(AdapterFileError, match=r"^output\.format: 'diffusers' cannot hold.*lokr_factor"):
+        check_output_format("diffusers", adapters, OneLayerFamily())
+    from diffusers.utils.peft_utils import _create_lokr_config  # what the refusal predicts
+
+    peft_state = {f"{a.name}.{k}": v for a in adapters for k, v in a.state_dict().items() if k != "alpha"}
+    with pytest.raises(ValueError, match="decompose_factor"):
+        _create_lokr_config(peft_state, None)
+    check_output_format("kohya", adapters, OneLayerFamily())
+    small = AdapterSet()
+    config = AdapterConfig(type="lokr", rank=4, lokr_factor=8)
+    for width in (320, 640):
+        small.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
+                                         torch.device("cpu"), torch.float32), f"layer{width}")
+    check_output_format("diffusers", small, OneLayerFamily())
+
+
+def _comfyui_oft_weight(weight, blocks, alpha):
+    """ComfyUI's OFT merge (comfy/weight_adapter/oft.py), written from its description: ||Q||
+    clipped to alpha when alpha > 0, R = (I + Q)(I - Q)^-1, W' = R^T applied per block of rows."""
+    q = blocks - blocks.transpose(1, 2)
+    if alpha > 0 and q.norm() + 1e-8 > alpha:
+        q = q * alpha / (q.norm() + 1e-8)
+    eye = torch.eye(blocks.shape[1])
+    r = (eye + q) @ torch.linalg.inv(eye - q)
+    rows = weight.view(blocks.shape[0], blocks.shape[1], -1)
+    return torch.einsum("knm,knc->kmc", r, rows).reshape(weight.shape)
+
+
+def _a1111_oft_weight(weight, blocks, alpha):
+    """A1111's kohya-style OFT (extensions-builtin/Lora/network_oft.py): blocks = oft_blocks.shape[0],
+    block size = out / blocks, ||Q|| clamped to alpha * out (so alpha 0 clamps Q to nothing)."""
+    out = weight.shape[0]
+    q = blocks - blocks.transpose(1, 2)
+    norm = q.norm()
+    q = q * ((torch.clamp(norm, max=alpha * out) + 1e-8) / (norm + 1e-8))
+    size = out // blocks.shape[0]
+    eye = torch.eye(size)
+    r = (eye + q) @ torch.linalg.inv(eye - q)
+    rows = weight.view(blocks.shape[0], size, -1)
+    return torch.einsum("knm,knc->kmc", r, rows).reshape(weight.shape)
+
+
+@pytest.mark.parametrize("constraint", [0.0, 1e-4])
+def test_oft_files_compute_the_same_in_comfyui_and_a1111_maths(tmp_path, constraint):
+    """A file never carries alpha 0 (A1111 would clamp Q to 0: no rotation). Without a constraint
+    its alpha is a bound neither clips at; with one, A1111 matches and ComfyUI (which clips to
+    alpha itself) differs once the constraint binds, as README's table says."""
+    from safetensors.torch import load_file
+
+    layer = nn.Linear(768, 320)
+    adapters, adapter = _ours(layer, {"type": "oft", "oft_block_size": 32, "oft_constraint": constraint})
+    try:
+        with torch.no_grad():
+            adapter.oft_blocks.normal_(0, 0.02, generator=torch.Generator().manual_seed(4))
+            ours = adapter.merged_weight()
+        path = tmp_path / "oft.safetensors"
+        save_adapter_file(path, adapters, OneLayerFamily(), "kohya", torch.float32, {})
+    finally:
+        adapters.unhook()
+    file = load_file(str(path))
+    blocks, alpha = file[f"{NAME}.oft_blocks"], float(file[f"{NAME}.alpha"])
+    assert blocks.shape == (32, 10, 10) and alpha > 0
+    weight = layer.weight.detach()
+    assert (_a1111_oft_weight(weight, blocks, alpha) - ours).abs().max() < 1e-5
+    comfyui = (_comfyui_oft_weight(weight, blocks, alpha) - ours).abs().max()
+    assert comfyui < 1e-5 if constraint == 0 else comfyui > 1e-4
+    assert (_a1111_oft_weight(weight, blocks, 0.0) - weight).abs().max() < 1e-8  # what alpha 0 would do: nothing

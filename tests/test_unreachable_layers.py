@@ -52,7 +52,7 @@ def test_training_every_text_encoder_runs_to_the_end(tmp_path, one_image, name):
         assert not trainer.adapters.left_out and not said
         return
     part, last = left_out, len(trainer.family.checkpoint_blocks(left_out)) - 1
-    names = trainer.adapters.left_out
+    names = list(trainer.adapters.left_out)
     assert names and all(n.startswith(part + ".") and f".layers.{last}." in n for n in names), names
     block = names[0].removeprefix(part + ".").split(f"layers.{last}.")[0] + "layers"
     assert len(said) == 1 and f"{part}.{block}.{last}" in said[0], warnings.messages

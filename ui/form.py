@@ -144,6 +144,7 @@ VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
     "adapter.lokr_decompose_both": lambda s, v: v("adapter.type") == "lokr",
     "adapter.lokr_full_matrix": lambda s, v: v("adapter.type") == "lokr",
     "adapter.oft_block_size": lambda s, v: v("adapter.type") == "oft",
+    "adapter.oft_constraint": lambda s, v: v("adapter.type") == "oft",
     "adapter.parts.*.rank": lambda s, v: v("adapter.type") != "oft",
     "adapter.parts.*.alpha": lambda s, v: v("adapter.type") != "oft",
     "concepts[].caption_file": lambda s, v: s("caption_source") == "file",

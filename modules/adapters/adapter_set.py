@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from modules.adapters.base import AdapterModule
+from modules.adapters.base import AdapterModule, InertAdapter
 from modules.adapters.registry import create_adapter
 from modules.util.torch_utils import dtype_of
 
@@ -34,8 +34,8 @@ class AdapterSet:
         self.modules = nn.ModuleDict()
         self.part_of: dict[str, str] = {}  # adapter name -> model part
         self.module_name_of: dict[str, str] = {}  # adapter name -> module name inside its part
-        # "part.module" of layers the filter chose but whose output never reaches the loss
-        self.left_out: list[str] = []
+        # "part.module" -> why the filter chose it but it got no adapter (it could never learn)
+        self.left_out: dict[str, str] = {}
 
     def add(self, part: str, adapter: AdapterModule, module_name: str | None = None) -> None:
         self.modules[adapter.name] = adapter
@@ -48,13 +48,17 @@ class AdapterSet:
     def __iter__(self):
         return iter(self.modules.values())
 
-    def left_out_summary(self) -> str:
-        """Which layers got no adapter because no gradient reaches them, by block."""
-        blocks: dict[str, int] = {}
-        for name in self.left_out:
+    def left_out_message(self) -> str:
+        """Which layers got no adapter and why, by block: what the run tells the user."""
+        by_reason: dict[str, dict[str, int]] = {}
+        for name, reason in self.left_out.items():
             block = name.rsplit(".", 2)[0] if name.count(".") > 2 else name
+            blocks = by_reason.setdefault(reason, {})
             blocks[block] = blocks.get(block, 0) + 1
-        return ", ".join(f"{block} ({count} layer{'s' * (count > 1)})" for block, count in blocks.items())
+        return "; ".join(
+            "adapter: no adapters on " + ", ".join(f"{block} ({count} layer{'s' * (count > 1)})"
+                                                   for block, count in blocks.items()) + f": {reason}"
+            for reason, blocks in by_reason.items())
 
     def hook(self) -> None:
         for adapter in self:
@@ -92,8 +96,9 @@ class AdapterSet:
 
 
 def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts: list[str],
-                      device: torch.device) -> AdapterSet:
-    """Create adapters on `device` for the layers of `trained_parts` the filter selects, and hook them."""
+                      device: torch.device, output_format: str = "kohya") -> AdapterSet:
+    """Create adapters on `device` for the layers of `trained_parts` the filter selects, and hook
+    them (`output_format`: the file format they will be saved in, which resolves dora_axis 'auto')."""
     unknown = sorted(set(adapter.parts) - {spec.name for spec in family.part_specs if spec.adapter_prefix})
     if unknown:
         known = ", ".join(spec.name for spec in family.part_specs if spec.adapter_prefix)
@@ -108,11 +113,15 @@ def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts
             qualified = f"{part}.{module_name}"
             matched_filters.update(i for i, p in enumerate(adapter.layer_filter) if re.search(p, qualified))
             if module_name.startswith(unreachable):  # an adapter there would never learn
-                adapters.left_out.append(qualified)
+                adapters.left_out[qualified] = (f"their output never reaches the loss ({family.label} reads the "
+                                                "layer before)")
                 continue
             name = family.adapter_name(part, module_name)
             try:
-                created = create_adapter(adapter, part, name, module, device, dtype)
+                created = create_adapter(adapter, part, name, module, device, dtype, output_format)
+            except InertAdapter as why:
+                adapters.left_out[qualified] = str(why)
+                continue
             except ValueError as error:
                 raise AdapterSetError(f"{qualified}: {error}") from None
             adapters.add(part, created, module_name)

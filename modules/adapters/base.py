@@ -27,6 +27,11 @@ from torch import nn
 from modules.quantization.base import is_linear, unquantized_weight
 
 
+class InertAdapter(ValueError):
+    """The layer's shape leaves this algorithm nothing to learn (an OFT layout of 1-wide blocks):
+    the layer is left without an adapter, and the run says so."""
+
+
 class _AdapterHook:
     """The forward hook of one adapter; deep copies of the hooked module share it (see above)."""
 

@@ -54,6 +54,7 @@ class LoKrModule(WeightDecomposed, AdapterModule):
         out_l, out_k = factorize(self.out_dim, factor)
         in_m, in_n = factorize(self.in_dim, factor)
         kernel = math.prod(self.kernel_size)
+        self.splits = ((out_l, out_k), (in_m, in_n))
         self.w2_shape = (out_k, in_n, *self.kernel_size)
         self.rank = rank
         self.use_w1 = not (decompose_both and rank < max(out_l, in_m) / 2 and not full_matrix)

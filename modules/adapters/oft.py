@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modules.adapters.base import AdapterModule
+from modules.adapters.base import AdapterModule, InertAdapter
 from modules.adapters.lokr import factorize
 
 
@@ -42,9 +42,9 @@ class OFTModule(AdapterModule):
                  rank_dropout: float = 0.0, module_dropout: float = 0.0, constraint: float = 0.0):
         super().__init__(name, base, dropout=dropout, rank_dropout=rank_dropout, module_dropout=module_dropout)
         size, number = block_layout(self.out_dim, block_size)
-        if size < 2:
-            raise ValueError(f"adapter.oft_block_size: its {self.out_dim} output channels have no divisor "
-                             f"between 2 and {block_size} to make rotation blocks of")
+        if size < 2:  # 1x1 blocks rotate nothing (Q = B - B^T = 0): LyCORIS would make a no-op there
+            raise InertAdapter(f"LyCORIS's OFT layout for adapter.oft_block_size {block_size} splits their "
+                               "output channels into 1-wide blocks, which cannot rotate")
         self.block_size, self.block_num = size, number
         self.oft_blocks = nn.Parameter(torch.zeros(self.block_num, size, size, device=device, dtype=dtype))
         self.register_buffer("alpha", torch.tensor(float(constraint), device=device), persistent=True)

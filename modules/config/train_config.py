@@ -162,9 +162,12 @@ class AdapterConfig(StrictModel):
                                   "probability while training.")
     dora: bool = Field(False, description="Weight decomposition (magnitude and direction): DoRA for lora, "
                        "weight-decomposed LoKr for lokr.")
-    dora_axis: Literal["output", "input"] = Field(
-        "output", description="The norm DoRA divides by: per output row (peft, diffusers, LyCORIS wd_on_out) "
-        "or per input column (OneTrainer's default; exact in ComfyUI/Forge).")
+    dora_axis: Literal["auto", "output", "input"] = Field(
+        "auto", description="The norm DoRA divides by. Exact per consumer: output axis (one norm per output "
+        "row) in LyCORIS, peft and diffusers, approximate in ComfyUI (it divides by the base weight's norm); "
+        "input axis (one per input column) in ComfyUI, Forge and A1111, refused by LyCORIS's loader and not "
+        "writable as diffusers keys. auto: output for output.format 'diffusers', input for 'kohya'/'comfy' "
+        "(the tools that load those files).")
     lokr_factor: int = Field(-1, description="lokr: split each dimension with this factor; -1: as square as possible.")
     lokr_decompose_both: bool = Field(False, description="lokr: make the small factor low-rank too.")
     lokr_full_matrix: bool = Field(False, description="lokr: keep the large factor a full matrix whatever the rank.")
@@ -192,6 +195,12 @@ class AdapterConfig(StrictModel):
     @classmethod
     def _valid_regexes(cls, patterns: list[str]) -> list[str]:
         return valid_regexes(patterns)
+
+    def resolved_dora_axis(self, output_format: str) -> Literal["output", "input"]:
+        """The axis `auto` stands for with this output format (see the field's description)."""
+        if self.dora_axis != "auto":
+            return self.dora_axis
+        return "output" if output_format == "diffusers" else "input"
 
     @field_validator("lokr_factor")
     @classmethod

@@ -360,6 +360,16 @@ class ModelFamily(ABC):
         """The module's name as other tools spell it (library versions may rename modules)."""
         return module_name
 
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        """Why ComfyUI's loader would not load this module's adapter from a diffusers-format file
+        (its key map has no such name: "lora key not loaded"), or None."""
+        return None
+
+    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
+        """More key stems other tools write for the module (read when loading, never written),
+        e.g. ComfyUI's own `text_encoders.clip_l.transformer...` paths."""
+        return ()
+
     def original_layers(self, part: str) -> list[OriginalLayer] | None:
         """The part's layers in the original checkpoint layout, where kohya LoRA files for this
         family use those names (sd-scripts' FLUX files): None where kohya names are the diffusers

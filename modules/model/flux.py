@@ -349,6 +349,11 @@ class FluxFamily(ModelFamily):
             ]
         return [x for x in layers if x is not None]
 
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        if part == "text_encoder_2":
+            return "it reads T5 adapters only under kohya's lora_te2_/lora_te3_ names"
+        return None
+
     def canonical_module_name(self, part: str, module_name: str) -> str:
         if part == "text_encoder" and not module_name.startswith("text_model."):
             return "text_model." + module_name

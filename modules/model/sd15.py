@@ -7,6 +7,8 @@ reads this file's part list, and should not pay seconds of imports for it.
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import torch
@@ -209,12 +211,26 @@ class SD15Family(ModelFamily):
         return module_name
 
     def comfy_module_name(self, part: str, module_name: str) -> str:
-        # ComfyUI keeps the original (ldm) UNet names and the CLIP-L state-dict paths
+        # ComfyUI keeps the original (ldm) UNet names. Text encoders keep the kohya names
+        # (lora_te_...): ComfyUI maps them, and Forge, which does not match ComfyUI's own
+        # `text_encoders.clip_l.` paths, skips a whole file past 12 unmatched keys
         from modules.adapters.formats.ldm_unet import ldm_unet_module_name
 
         if part == "unet":
             return "diffusion_model." + ldm_unet_module_name(self.unet, module_name)
-        return "text_encoders.clip_l.transformer." + self.canonical_module_name(part, module_name)
+        return self.adapter_name(part, module_name)
+
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        # ComfyUI maps diffusers UNet attention projections only as `.processor.to_q` (old diffusers)
+        if part == "unet" and re.search(r"\.to_(q|k|v|out\.0)$", module_name):
+            return "it reads UNet attention projections only as `...processor.to_q`"
+        return None
+
+    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
+        if part == "unet":
+            return ()
+        clip = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}[part]  # SDXL's second: CLIP-G
+        return (f"text_encoders.{clip}.transformer." + self.canonical_module_name(part, module_name),)
 
     # --- tiny model --------------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ subclasses it and overrides what differs. diffusers and transformers are importe
 Key names other tools use:
 - kohya (sd-scripts' SDXL networks): `lora_unet_<ldm module>` (`lora_unet_input_blocks_4_1_...`),
   `lora_te1_text_model_...` (CLIP-L), `lora_te2_text_model_...` (CLIP-G).
-- ComfyUI: `diffusion_model.<ldm module>`, `text_encoders.clip_l.transformer.text_model...`,
-  `text_encoders.clip_g.transformer.text_model...`.
+- ComfyUI ("comfy"): `diffusion_model.<ldm module>`; the text encoders keep the kohya names,
+  which ComfyUI and Forge both match (Forge does not match ComfyUI's `text_encoders.clip_l.`
+  paths, which are still read when loading).
 - diffusers: `unet.<module>`, `text_encoder.text_model...`, `text_encoder_2.text_model...`.
 """
 
@@ -206,8 +207,7 @@ class SDXLFamily(SD15Family):
     def comfy_module_name(self, part: str, module_name: str) -> str:
         if part == "unet":
             return "diffusion_model." + sdxl_ldm_unet_module_name(self.unet, module_name)
-        clip = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}[part]
-        return f"text_encoders.{clip}.transformer." + self.canonical_module_name(part, module_name)
+        return self.adapter_name(part, module_name)  # lora_te1_/lora_te2_: ComfyUI and Forge (sd15.py)
 
     # --- tiny model --------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ import torch
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.files import (
     check_output_format,
+    format_warnings,
     load_adapter_file,
     network_metadata,
     save_adapter_file,
@@ -211,11 +212,13 @@ class GenericTrainer:
 
     def setup_model(self) -> None:
         config = self.config
-        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device)
+        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device,
+                                          config.output.format)
         if self.adapters.left_out:
-            self.callbacks.on_warning(f"adapter: no adapters on {self.adapters.left_out_summary()}: their output "
-                                      f"never reaches the loss ({self.family.label} reads the layer before)")
+            self.callbacks.on_warning(self.adapters.left_out_message())
         check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
+        for warning in format_warnings(config.output.format, self.adapters, self.family):
+            self.callbacks.on_warning(warning)
         if config.adapter.init_from:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)
         for part in self.trained_parts:

@@ -8,7 +8,8 @@ from ui.components import section
 from ui.tabs import PartSections, Tab
 
 GROUPS = [("Adapter", ["type", "rank", "alpha", "dora", "dora_axis"]),
-          ("LoKr and OFT", ["lokr_factor", "lokr_decompose_both", "lokr_full_matrix", "oft_block_size"]),
+          ("LoKr and OFT", ["lokr_factor", "lokr_decompose_both", "lokr_full_matrix", "oft_block_size",
+                                   "oft_constraint"]),
           ("Layers", ["layer_preset", "layer_filter"])]
 
 

@@ -37,6 +37,24 @@ def unsupported(algorithm: str, dora_axis: str | None, decomposed: bool) -> str 
     return None
 
 
+def lokr_split_problem(adapters: list[AdapterModule]) -> str | None:
+    """Why diffusers would not rebuild these LoKr adapters' shapes, or None. Its loader keeps no
+    factor in the file: it tries each w1 height as peft's `decompose_factor` (then -1) until peft's
+    factorization reproduces every layer's split. peft keeps a dividing factor first where
+    LyCORIS (this trainer) sorts it, so a factor whose square exceeds a width may find none."""
+    from peft.tuners.lokr.layer import factorization
+
+    splits = [a.splits for a in adapters if a.algorithm == "lokr"]
+    if not splits:
+        return None
+    for candidate in sorted({out[0] for out, _ in splits}) + [-1]:
+        if all(factorization(o[0] * o[1], candidate) == o and factorization(i[0] * i[1], candidate) == i
+               for o, i in splits):
+            return None
+    return ("diffusers re-derives LoKr's factor splits with peft's rule, which differs from LyCORIS's where "
+            "adapter.lokr_factor squared exceeds a layer's width; use 'kohya' or 'comfy', or a smaller lokr_factor")
+
+
 def to_peft(adapter: AdapterModule, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The adapter's own state dict -> peft local keys, scale folded in, alpha dropped."""
     out = {}

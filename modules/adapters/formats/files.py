@@ -18,6 +18,7 @@ key that maps to none; then the strict AdapterSet load names what is missing or 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,11 @@ _ALGORITHM = {"lora_down.weight": "lora", "lora_up.weight": "lora", "lora_A.weig
               "oft_blocks": "oft"}
 _ALGORITHM.update({k: "loha" for k in CANONICAL_KEYS if k.startswith("hada_")})
 _ALGORITHM.update({k: "lokr" for k in CANONICAL_KEYS if k.startswith("lokr_")})
+
+
+# header of a file whose OFT alphas are bounds no reader reaches (oft.py file_alpha): this
+# trainer reads them back as "no constraint"
+_OFT_UNCONSTRAINED = "difftrainer.oft_unconstrained"
 
 
 class AdapterFileError(AdapterSetError):
@@ -100,6 +106,8 @@ def _stems_for_loading(adapters: AdapterSet, family: ModelFamily) -> dict[str, t
                 prefix = family.spec(part).adapter_prefix
                 lookup[f"{prefix}_{comfy.removeprefix('diffusion_model.').replace('.', '_')}"] = (name, "kohya")
                 lookup[f"lycoris_{module_name.replace('.', '_')}"] = (name, "kohya")
+        for other in family.other_stems(part, module_name):
+            lookup[other] = (name, "kohya")
         for spelled in {family.canonical_module_name(part, module_name), module_name}:
             lookup[f"{part}.{spelled}"] = (name, "diffusers")
     return lookup
@@ -116,6 +124,24 @@ def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> 
             why = peft_keys.unsupported(adapter.algorithm, axis, axis is not None)
             if why:
                 raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+        why = peft_keys.lokr_split_problem(list(adapters))
+        if why:
+            raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+
+
+def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list[str]:
+    """What a consumer will not load from a file of `fmt` (said before training; the file is
+    still complete for the tools the format is made for)."""
+    if fmt != "diffusers":
+        return []
+    skipped: dict[str, list[str]] = {}
+    for name in adapters.modules:
+        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
+        why = family.comfyui_skips_diffusers_key(part, module_name)
+        if why:
+            skipped.setdefault(why, []).append(f"{part}.{family.canonical_module_name(part, module_name)}")
+    return [f"output.format: 'diffusers': ComfyUI will not load {len(names)} of these adapters (e.g. {names[0]}): "
+            f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in skipped.items()]
 
 
 def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:
@@ -138,14 +164,14 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
     return out
 
 
-def network_metadata(config: AdapterConfig) -> dict[str, str]:
+def network_metadata(config: AdapterConfig, output_format: str = "kohya") -> dict[str, str]:
     """kohya's ss_network_* fields; LyCORIS's `algo` args for what is not plain LoRA."""
     if config.type == "lora" and not config.dora:
         return {"ss_network_module": "networks.lora", "ss_network_dim": str(config.rank),
                 "ss_network_alpha": str(config.alpha)}
     args = {"algo": {"lora": "locon", "oft": "diag-oft"}.get(config.type, config.type)}
     if config.dora:
-        args.update(dora_wd=True, wd_on_output=config.dora_axis == "output")
+        args.update(dora_wd=True, wd_on_output=config.resolved_dora_axis(output_format) == "output")
     if config.type == "lokr":
         args.update(factor=config.lokr_factor, decompose_both=config.lokr_decompose_both,
                     full_matrix=config.lokr_full_matrix)
@@ -161,7 +187,10 @@ def save_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamil
                       metadata: dict[str, str]) -> Path:
     state = file_state(adapters, family, fmt)
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in state.items()}
-    write_with(path, lambda temp: save_file(tensors, str(temp), metadata={**metadata, "difftrainer.format": fmt}))
+    header = {**metadata, "difftrainer.format": fmt}
+    if any(a.algorithm == "oft" and float(a.alpha) == 0 for a in adapters):
+        header[_OFT_UNCONSTRAINED] = "1"  # its alpha is a bound for other readers, not a constraint
+    write_with(path, lambda temp: save_file(tensors, str(temp), metadata=header))
     return Path(path)
 
 
@@ -232,6 +261,8 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
             local = peft_keys.from_peft(adapter, local, scale)
         elif "alpha" not in local and "alpha" in adapter.state_dict():
             local["alpha"] = torch.tensor(_default_alpha(adapter, local))
+        if adapter.algorithm == "oft" and metadata.get(_OFT_UNCONSTRAINED) == "1":
+            local["alpha"] = torch.tensor(0.0)
         state.update({f"{name}.{key}": tensor for key, tensor in local.items()})
     return state
 
@@ -248,29 +279,31 @@ def _default_alpha(adapter, local: dict[str, torch.Tensor]) -> float:
 
 def _check_algorithms(grouped: dict[str, dict[str, torch.Tensor]], adapters: AdapterSet, source: str, where: str) -> None:
     """Name the setting to change when the file holds another algorithm or another DoRA than the run."""
-    problems = set()
+    problems: dict[str, str] = {}  # one message per kind of mismatch, with its first example
+
+    def add(message: str) -> None:
+        problems.setdefault(re.sub(r"\([^)]*\)", "", message), message)  # the example in parentheses
+
     for name, local in grouped.items():
         adapter = adapters.modules[name]
         found = {_ALGORITHM[k] for k in local if k in _ALGORITHM}
         if found and found != {adapter.algorithm}:
-            problems.add(f"it holds {'/'.join(sorted(found))} adapters (e.g. {name}) and adapter.type is "
-                         f"{adapter.algorithm!r}")
+            add(f"it holds {'/'.join(sorted(found))} adapters (e.g. {name}) and adapter.type is {adapter.algorithm!r}")
         has_dora = "dora_scale" in local or "lora_magnitude_vector" in local
         axis = getattr(adapter, "dora_axis", None)
         if has_dora and axis is None:
-            problems.add(f"it has weight decomposition (dora_scale, e.g. {name}); set adapter.dora: true")
+            add(f"it has weight decomposition (dora_scale, e.g. {name}); set adapter.dora: true")
         elif axis is not None and not has_dora:
-            problems.add(f"it has no weight decomposition (no dora_scale at {name}); set adapter.dora: false")
+            add(f"it has no weight decomposition (no dora_scale at {name}); set adapter.dora: false")
         elif has_dora and axis == "input" and "lora_magnitude_vector" in local:
-            problems.add(f"its magnitudes are peft's, on the output axis (e.g. {name}); set adapter.dora_axis: output")
+            add(f"its magnitudes are peft's, on the output axis (e.g. {name}); set adapter.dora_axis: output")
         elif has_dora and "dora_scale" in local:
             shape = tuple(local["dora_scale"].shape)
             file_axis = "output" if shape[0] == adapter.out_dim and (len(shape) < 2 or shape[1] == 1) else "input"
             if file_axis != axis and adapter.out_dim != 1:
-                problems.add(f"its dora_scale is on the {file_axis} axis (e.g. {name}: {shape}); "
-                             f"set adapter.dora_axis: {file_axis}")
+                add(f"its dora_scale is on the {file_axis} axis (e.g. {name}: {shape}); set adapter.dora_axis: {file_axis}")
     if problems:
-        raise AdapterFileError(f"{where}: {source} does not fit adapter settings: " + "; ".join(sorted(problems)))
+        raise AdapterFileError(f"{where}: {source} does not fit adapter settings: " + "; ".join(sorted(problems.values())))
 
 
 def load_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamily,
