@@ -391,3 +391,32 @@ def test_internal_error_dialog_leads_with_the_error_line(app):
     assert dialog.message.startswith("ValueError: the thing that went wrong\n\nTraceback")
     dialog.destroy()
     app.callback_errors.clear()
+
+
+def test_tensorboard_button_serves_the_workspace_logs(app, tmp_path, monkeypatch):
+    import urllib.request
+    import webbrowser
+
+    from test_gui import pump as _pump
+
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url))
+    through_widget(app, "workspace_dir", str(tmp_path / "ws"))
+    app.tensorboard_button.invoke()
+    assert app.status_label.cget("text").startswith("No TensorBoard logs yet")
+    (tmp_path / "ws" / "tensorboard").mkdir(parents=True)
+    try:
+        app.tensorboard_button.invoke()
+        assert opened and opened[0] == app.tensorboard.url
+
+        def answers():
+            try:
+                with urllib.request.urlopen(opened[0], timeout=1) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        _pump(app, answers, timeout=60, what="tensorboard to answer")
+        assert app.tensorboard.logdir == (tmp_path / "ws" / "tensorboard").resolve()
+    finally:
+        app.tensorboard.stop()

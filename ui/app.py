@@ -32,6 +32,7 @@ from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.run_client import ROOT, RunClient, local_train_argv
 from ui.run_history import history, run_dirs, sample_info
+from ui.tensorboard import TensorBoard
 from ui.state import ConfigState, default_data
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
@@ -103,6 +104,7 @@ class App(PresetBar, ctk.CTk):
         self._stop_requested = False
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
+        self.tensorboard = TensorBoard()
 
         self.cfg = ConfigState(default_data())
         self.cfg.set_hooks["model.family"] = self._family_changed
@@ -172,6 +174,8 @@ class App(PresetBar, ctk.CTk):
         line.pack(fill="x", padx=8, pady=(0, 4))
         self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
         self.status_label.pack(side="left")
+        self.tensorboard_button = ctk.CTkButton(line, text="TensorBoard", width=100, command=self.open_tensorboard)
+        self.tensorboard_button.pack(side="right")
         # what blocks Start, always in view (the run bar never leaves the window)
         self.problem_label = ctk.CTkLabel(line, text="", text_color=ERROR_COLOR, anchor="w", justify="left")
         self.problem_label.pack(side="left", fill="x", expand=True, padx=(12, 0))
@@ -354,6 +358,21 @@ class App(PresetBar, ctk.CTk):
             self.set_status("Stopping at the next step (a backup will be written)…")
             self.start_button.configure(state="disabled")
 
+    def tensorboard_dir(self) -> Path:
+        """Where the run writes TensorBoard logs: <workspace_dir>/tensorboard (relative paths are
+        relative to the trainer's folder, the child's working directory)."""
+        return ROOT / str(self.cfg.get("workspace_dir") or "workspace") / "tensorboard"
+
+    def open_tensorboard(self) -> str | None:
+        folder = self.tensorboard_dir()
+        if not folder.is_dir():
+            self.set_status(f"No TensorBoard logs yet in {folder} (they appear once a run with tensorboard on "
+                            "has trained a step).")
+            return None
+        url = self.tensorboard.open(folder)
+        self.set_status(f"TensorBoard: {url} ({folder})")
+        return url
+
     def send_command(self, command: str) -> None:
         if self.running and self.client.send(command):
             self.tabs["Run"].append_log(f"[asked for: {command}]")
@@ -505,6 +524,7 @@ class App(PresetBar, ctk.CTk):
         self._destroy()
 
     def _destroy(self) -> None:
+        self.tensorboard.stop()
         self.save_last_config()
         try:
             self.settings["geometry"] = self.geometry()

@@ -95,8 +95,6 @@ class Field(ctk.CTkFrame):
         self.choices, self.visible_rule, self.registry = choices, visible, registry
         self.bindings = []
         self.shown = True
-        # a zero-height marker packed where the field goes, so a hidden field comes back in its place
-        self.anchor = tk.Frame(parent, height=0, width=0, borderwidth=0, highlightthickness=0)
         self.columnconfigure(1, weight=1)
         self.label = ctk.CTkLabel(self, text=label, width=LABEL_WIDTH, anchor="w", justify="left",
                                   wraplength=LABEL_WIDTH)
@@ -160,10 +158,19 @@ class Field(ctk.CTkFrame):
 
     def place_in(self, **pack) -> "Field":
         self._pack = {"fill": "x", "pady": 1, **pack}
-        self.anchor.pack(fill="x")
-        self.pack(after=self.anchor, **self._pack)
+        self.pack(**self._pack)
         self._apply_visibility()
         return self
+
+    def _show_in_place(self) -> None:
+        """Pack again where it was: before the first later sibling that is packed (widgets are
+        packed in the order they are made)."""
+        siblings = self.master.winfo_children()
+        for later in siblings[siblings.index(self) + 1:]:
+            if later.winfo_manager() == "pack":
+                self.pack(before=later, **self._pack)
+                return
+        self.pack(**self._pack)
 
     def destroy(self):
         for binding in self.bindings:
@@ -172,10 +179,6 @@ class Field(ctk.CTkFrame):
         if self.registry is not None:
             for path in [p for p, field in self.registry.items() if field is self]:
                 del self.registry[path]
-        try:
-            self.anchor.destroy()
-        except tk.TclError:
-            pass
         super().destroy()
 
     # --- choices and visibility, refreshed after each validation ------------------------------------
@@ -210,7 +213,7 @@ class Field(ctk.CTkFrame):
             return
         show = self.is_visible()
         if show and not self.shown:
-            self.pack(after=self.anchor, **self._pack)
+            self._show_in_place()
         elif not show and self.shown:
             self.pack_forget()
         self.shown = show
