@@ -270,21 +270,26 @@ def test_per_part_fields_stay_bound_and_reach_the_run(app, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("scale", [1.0, 1.5])
 def test_run_bar_visible_at_the_smallest_size(app, tmp_path, scale):
+    """At 900x600 (the minimum size) and 150% scale, on every tab: Start/Stop, the commands, the
+    progress and the status are shown and inside the window."""
+    from test_gui import TABS
     from test_gui import screenshot as grab
 
+    app.cfg.load(base_data())  # a concept and a prompt: the Concepts and Sampling tabs are long
     app.set_ui_scale(f"{round(scale * 100)}%")
     try:
         app.geometry("900x600")
-        app.tabview.set("Run")
-        pump(app, timeout=0.5)
-        shot = grab(app, tmp_path / f"run-bar-{round(scale * 100)}.png")
-        print(f"screenshot: {shot}")
-        window_bottom = app.winfo_rooty() + app.winfo_height()
-        window_right = app.winfo_rootx() + app.winfo_width()
-        for widget in [app.start_button, *app.command_buttons.values(), app.progress, app.status_label]:
-            assert widget.winfo_ismapped(), f"{widget} is not shown"
-            assert widget.winfo_rooty() + widget.winfo_height() <= window_bottom, f"{widget} below the window"
-            assert widget.winfo_rootx() + widget.winfo_width() <= window_right, f"{widget} right of the window"
+        for tab in TABS:
+            app.tabview.set(tab)
+            pump(app, timeout=0.3)
+            if tab == "Run":
+                print(f"screenshot: {grab(app, tmp_path / f'run-bar-{round(scale * 100)}.png')}")
+            window_bottom = app.winfo_rooty() + app.winfo_height()
+            window_right = app.winfo_rootx() + app.winfo_width()
+            for widget in [app.start_button, *app.command_buttons.values(), app.progress, app.status_label]:
+                assert widget.winfo_ismapped(), f"{tab}: {widget} is not shown"
+                assert widget.winfo_rooty() + widget.winfo_height() <= window_bottom, f"{tab}: {widget} below the window"
+                assert widget.winfo_rootx() + widget.winfo_width() <= window_right, f"{tab}: {widget} right of the window"
     finally:
         app.set_ui_scale("100%")
         pump(app, timeout=0.2)
