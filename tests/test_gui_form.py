@@ -217,7 +217,10 @@ def test_fields_that_do_not_apply_are_hidden(app):
     for path in hidden:
         assert not app.field_for(path)[1].is_visible(), f"{path} shows under the defaults"
         assert not app.field_for(path)[1].winfo_ismapped()
+    headers = app.tabs["Adapter"].headers
+    assert not headers["LoKr"].winfo_manager() and not headers["OFT"].winfo_manager()  # no empty sections
     through_widget(app, "adapter.type", "lokr")
+    assert headers["LoKr"].winfo_manager() == "pack" and not headers["OFT"].winfo_manager()
     through_widget(app, "concepts[0].caption_source", "file")
     pump(app, timeout=0.1)
     for path in ("adapter.lokr_factor", "concepts[0].caption_file"):
