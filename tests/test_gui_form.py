@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-from test_gui import FAKE_RUN, display, home, pump, run_to_end, screenshot  # noqa: F401  (fixtures, helpers)
+from test_gui import FAKE_RUN, display, home, pump, run_to_end  # noqa: F401  (fixtures, helpers)
 
 FAMILY = "sd15"
 

@@ -420,7 +420,9 @@ class App(PresetBar, ctk.CTk):
         elif name in ("backup", "saved"):
             self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
         elif name == "error":
-            self.show_error("Training failed", event.get("message", ""))
+            message = event.get("message", "")
+            first, _, rest = message.partition("\n")
+            self.show_error("Training failed", first, rest.strip())
         elif name == "finished" and not self._stop_requested:
             self.progress.set(1.0)
             self.epoch_progress.set(1.0)
