@@ -49,8 +49,24 @@ TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab),
         ("Run", RunTab)]
 
 # training method -> (adapter.type, adapter.dora)
-METHODS = {"LoRA": ("lora", False), "DoRA": ("lora", True), "LoHa": ("loha", False), "LoKr": ("lokr", False),
-           "OFT": ("oft", False)}
+METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  # display names only
+
+
+def training_methods() -> dict[str, tuple[str, bool]]:
+    """Menu entry -> (adapter.type, adapter.dora): each type the schema allows, and DoRA after LoRA."""
+    import typing
+
+    from modules.config.train_config import AdapterConfig
+
+    methods = {}
+    for kind in typing.get_args(AdapterConfig.model_fields["type"].annotation):
+        methods[METHOD_NAMES.get(kind, kind)] = (kind, False)
+        if kind == "lora":
+            methods["DoRA"] = ("lora", True)
+    return methods
+
+
+METHODS = training_methods()
 
 
 REFUSED_STATUS = "Training cannot start"
@@ -223,8 +239,8 @@ class App(PresetBar, ctk.CTk):
             if name == family and self.family_menu.get() != label:
                 self.family_menu.set(label)
         adapter = data.get("adapter", {})
-        method = {"lora": "DoRA" if adapter.get("dora") else "LoRA", "loha": "LoHa", "lokr": "LoKr",
-                  "oft": "OFT"}.get(adapter.get("type"))
+        shown = (adapter.get("type"), bool(adapter.get("dora")) and adapter.get("type") == "lora")
+        method = next((name for name, value in METHODS.items() if value == shown), None)
         if method and self.method_menu.get() != method:
             self.method_menu.set(method)
         problems = self.cfg.problems
