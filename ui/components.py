@@ -253,8 +253,8 @@ class Field(ctk.CTkFrame):
         self.show_error("\n".join(shown) if shown else None)
 
     def show_error(self, message: str | None) -> None:
-        if not self.winfo_exists():
-            return
+        if not self.winfo_exists() or (message or "") == self.error.cget("text"):
+            return  # unchanged: configuring the label would redraw it for nothing
         if message:
             self.error.configure(text=message)
             self.error.grid()
