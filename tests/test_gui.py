@@ -389,9 +389,18 @@ def test_concept_preview_shows_count_and_thumbnails(app, gui_run, shots):
     app.tabview.set("Concepts")
     pump(app, timeout=0.3)
     screenshot(app, shots / "concepts-preview.png")
-    preview = app.tabs["Concepts"].previews[0]
+    concepts = app.tabs["Concepts"]
+    preview = concepts.previews[0]
     assert preview["count"].cget("text").startswith("4 images")
-    assert len(preview["images"]) == 4
+    assert preview["buckets"].cget("text").startswith("Buckets: 64x64: 4")  # resolution 64, square images
+    seen = set()
+    for _ in range(4):  # the ▶ button: each image with the caption training uses
+        assert len(preview["images"]) == 1
+        text = preview["caption"].cget("text")
+        assert "Trained caption: " in text and "(empty)" not in text
+        seen.add(text.splitlines()[0])
+        concepts.browse(0, 1)
+    assert len(seen) == 4
 
 
 def test_run_from_gui_completes_with_progress_loss_and_gallery(app, gui_run, shots):
@@ -450,6 +459,9 @@ def test_stop_stops_and_leaves_a_backup(app, tmp_path):
     assert run_to_end(app) == 0
     names = [e["event"] for e in app.run_events]
     assert "backup" in names and names[-1] == "finished"
+    # a stopped run says so, with where it stopped, and its bars are not full
+    assert app.status_label.cget("text").startswith("Stopped at step ")
+    assert app.progress.get() < 1.0
     steps = max(e["step"] for e in app.run_events if e["event"] == "progress")
     assert steps < 500 * 2
     backup = Path(next(e["path"] for e in app.run_events if e["event"] == "backup"))
@@ -489,7 +501,7 @@ def test_failed_run_shows_its_error_and_the_window_stays_live(app, monkeypatch):
     dialog = app.dialogs[-1]
     assert dialog.winfo_exists() and dialog.message == "model.base: /nowhere is not a model folder"
     assert "Traceback-free log line on stderr" in app.tabs["Run"].log_text()
-    assert app.status_label.cget("text") == "Stopped (exit code 1)."
+    assert app.status_label.cget("text") == "Failed (exit code 1): model.base: /nowhere is not a model folder"
     edit(app, "Adapter", "adapter.rank", "5")  # the window still works
     assert app.cfg.data["adapter"]["rank"] == 5
     dialog.destroy()

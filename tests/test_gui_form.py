@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
 
-from test_gui import FAKE_RUN, display, home, pump, run_to_end, screenshot  # noqa: F401  (fixtures, helpers)
+from test_gui import FAKE_RUN, display, home, pump, run_to_end  # noqa: F401  (fixtures, helpers)
 
 FAMILY = "sd15"
 
@@ -217,7 +216,10 @@ def test_fields_that_do_not_apply_are_hidden(app):
     for path in hidden:
         assert not app.field_for(path)[1].is_visible(), f"{path} shows under the defaults"
         assert not app.field_for(path)[1].winfo_ismapped()
+    headers = app.tabs["Adapter"].headers
+    assert not headers["LoKr"].winfo_manager() and not headers["OFT"].winfo_manager()  # no empty sections
     through_widget(app, "adapter.type", "lokr")
+    assert headers["LoKr"].winfo_manager() == "pack" and not headers["OFT"].winfo_manager()
     through_widget(app, "concepts[0].caption_source", "file")
     pump(app, timeout=0.1)
     for path in ("adapter.lokr_factor", "concepts[0].caption_file"):
@@ -270,21 +272,26 @@ def test_per_part_fields_stay_bound_and_reach_the_run(app, tmp_path, monkeypatch
 
 @pytest.mark.parametrize("scale", [1.0, 1.5])
 def test_run_bar_visible_at_the_smallest_size(app, tmp_path, scale):
+    """At 900x600 (the minimum size) and 150% scale, on every tab: Start/Stop, the commands, the
+    progress and the status are shown and inside the window."""
+    from test_gui import TABS
     from test_gui import screenshot as grab
 
+    app.cfg.load(base_data())  # a concept and a prompt: the Concepts and Sampling tabs are long
     app.set_ui_scale(f"{round(scale * 100)}%")
     try:
         app.geometry("900x600")
-        app.tabview.set("Run")
-        pump(app, timeout=0.5)
-        shot = grab(app, tmp_path / f"run-bar-{round(scale * 100)}.png")
-        print(f"screenshot: {shot}")
-        window_bottom = app.winfo_rooty() + app.winfo_height()
-        window_right = app.winfo_rootx() + app.winfo_width()
-        for widget in [app.start_button, *app.command_buttons.values(), app.progress, app.status_label]:
-            assert widget.winfo_ismapped(), f"{widget} is not shown"
-            assert widget.winfo_rooty() + widget.winfo_height() <= window_bottom, f"{widget} below the window"
-            assert widget.winfo_rootx() + widget.winfo_width() <= window_right, f"{widget} right of the window"
+        for tab in TABS:
+            app.tabview.set(tab)
+            pump(app, timeout=0.3)
+            if tab == "Run":
+                print(f"screenshot: {grab(app, tmp_path / f'run-bar-{round(scale * 100)}.png')}")
+            window_bottom = app.winfo_rooty() + app.winfo_height()
+            window_right = app.winfo_rootx() + app.winfo_width()
+            for widget in [app.start_button, *app.command_buttons.values(), app.progress, app.status_label]:
+                assert widget.winfo_ismapped(), f"{tab}: {widget} is not shown"
+                assert widget.winfo_rooty() + widget.winfo_height() <= window_bottom, f"{tab}: {widget} below the window"
+                assert widget.winfo_rootx() + widget.winfo_width() <= window_right, f"{tab}: {widget} right of the window"
     finally:
         app.set_ui_scale("100%")
         pump(app, timeout=0.2)
@@ -391,3 +398,32 @@ def test_internal_error_dialog_leads_with_the_error_line(app):
     assert dialog.message.startswith("ValueError: the thing that went wrong\n\nTraceback")
     dialog.destroy()
     app.callback_errors.clear()
+
+
+def test_tensorboard_button_serves_the_workspace_logs(app, tmp_path, monkeypatch):
+    import urllib.request
+    import webbrowser
+
+    from test_gui import pump as _pump
+
+    opened = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url))
+    through_widget(app, "workspace_dir", str(tmp_path / "ws"))
+    app.tensorboard_button.invoke()
+    assert app.status_label.cget("text").startswith("No TensorBoard logs yet")
+    (tmp_path / "ws" / "tensorboard").mkdir(parents=True)
+    try:
+        app.tensorboard_button.invoke()
+        assert opened and opened[0] == app.tensorboard.url
+
+        def answers():
+            try:
+                with urllib.request.urlopen(opened[0], timeout=1) as response:
+                    return response.status == 200
+            except OSError:
+                return False
+
+        _pump(app, answers, timeout=60, what="tensorboard to answer")
+        assert app.tensorboard.logdir == (tmp_path / "ws" / "tensorboard").resolve()
+    finally:
+        app.tensorboard.stop()

@@ -32,6 +32,7 @@ from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.run_client import ROOT, RunClient, local_train_argv
 from ui.run_history import history, run_dirs, sample_info
+from ui.tensorboard import TensorBoard
 from ui.state import ConfigState, default_data
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
@@ -48,8 +49,24 @@ TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab),
         ("Run", RunTab)]
 
 # training method -> (adapter.type, adapter.dora)
-METHODS = {"LoRA": ("lora", False), "DoRA": ("lora", True), "LoHa": ("loha", False), "LoKr": ("lokr", False),
-           "OFT": ("oft", False)}
+METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  # display names only
+
+
+def training_methods() -> dict[str, tuple[str, bool]]:
+    """Menu entry -> (adapter.type, adapter.dora): each type the schema allows, and DoRA after LoRA."""
+    import typing
+
+    from modules.config.train_config import AdapterConfig
+
+    methods = {}
+    for kind in typing.get_args(AdapterConfig.model_fields["type"].annotation):
+        methods[METHOD_NAMES.get(kind, kind)] = (kind, False)
+        if kind == "lora":
+            methods["DoRA"] = ("lora", True)
+    return methods
+
+
+METHODS = training_methods()
 
 
 REFUSED_STATUS = "Training cannot start"
@@ -103,6 +120,7 @@ class App(PresetBar, ctk.CTk):
         self._stop_requested = False
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
+        self.tensorboard = TensorBoard()
 
         self.cfg = ConfigState(default_data())
         self.cfg.set_hooks["model.family"] = self._family_changed
@@ -172,6 +190,8 @@ class App(PresetBar, ctk.CTk):
         line.pack(fill="x", padx=8, pady=(0, 4))
         self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
         self.status_label.pack(side="left")
+        self.tensorboard_button = ctk.CTkButton(line, text="TensorBoard", width=100, command=self.open_tensorboard)
+        self.tensorboard_button.pack(side="right")
         # what blocks Start, always in view (the run bar never leaves the window)
         self.problem_label = ctk.CTkLabel(line, text="", text_color=ERROR_COLOR, anchor="w", justify="left")
         self.problem_label.pack(side="left", fill="x", expand=True, padx=(12, 0))
@@ -219,8 +239,8 @@ class App(PresetBar, ctk.CTk):
             if name == family and self.family_menu.get() != label:
                 self.family_menu.set(label)
         adapter = data.get("adapter", {})
-        method = {"lora": "DoRA" if adapter.get("dora") else "LoRA", "loha": "LoHa", "lokr": "LoKr",
-                  "oft": "OFT"}.get(adapter.get("type"))
+        shown = (adapter.get("type"), bool(adapter.get("dora")) and adapter.get("type") == "lora")
+        method = next((name for name, value in METHODS.items() if value == shown), None)
         if method and self.method_menu.get() != method:
             self.method_menu.set(method)
         problems = self.cfg.problems
@@ -354,6 +374,21 @@ class App(PresetBar, ctk.CTk):
             self.set_status("Stopping at the next step (a backup will be written)…")
             self.start_button.configure(state="disabled")
 
+    def tensorboard_dir(self) -> Path:
+        """Where the run writes TensorBoard logs: <workspace_dir>/tensorboard (relative paths are
+        relative to the trainer's folder, the child's working directory)."""
+        return ROOT / str(self.cfg.get("workspace_dir") or "workspace") / "tensorboard"
+
+    def open_tensorboard(self) -> str | None:
+        folder = self.tensorboard_dir()
+        if not folder.is_dir():
+            self.set_status(f"No TensorBoard logs yet in {folder} (they appear once a run with tensorboard on "
+                            "has trained a step).")
+            return None
+        url = self.tensorboard.open(folder)
+        self.set_status(f"TensorBoard: {url} ({folder})")
+        return url
+
     def send_command(self, command: str) -> None:
         if self.running and self.client.send(command):
             self.tabs["Run"].append_log(f"[asked for: {command}]")
@@ -401,7 +436,9 @@ class App(PresetBar, ctk.CTk):
         elif name in ("backup", "saved"):
             self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
         elif name == "error":
-            self.show_error("Training failed", event.get("message", ""))
+            message = event.get("message", "")
+            first, _, rest = message.partition("\n")
+            self.show_error("Training failed", first, rest.strip())
         elif name == "finished" and not self._stop_requested:
             self.progress.set(1.0)
             self.epoch_progress.set(1.0)
@@ -505,6 +542,7 @@ class App(PresetBar, ctk.CTk):
         self._destroy()
 
     def _destroy(self) -> None:
+        self.tensorboard.stop()
         self.save_last_config()
         try:
             self.settings["geometry"] = self.geometry()

@@ -55,6 +55,38 @@ class Tooltip:
             self._window = None
 
 
+def pack_in_place(widget, options: dict) -> None:
+    """Pack a hidden widget again where it was: before the first later sibling that is packed
+    (widgets here are packed in the order they are made)."""
+    siblings = widget.master.winfo_children()
+    for later in siblings[siblings.index(widget) + 1:]:
+        if later.winfo_manager() == "pack":
+            widget.pack(before=later, **options)
+            return
+    widget.pack(**options)
+
+
+class SectionHeader(ctk.CTkLabel):
+    """A section title that hides itself while every field under it is hidden (LoKr options
+    under LoRA); `fields` is filled by the tab as it builds the section."""
+
+    PACK = {"fill": "x", "padx": 8, "pady": (12, 2)}
+
+    def __init__(self, parent, text: str):
+        super().__init__(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
+        self.pack(**self.PACK)
+        self.fields: list = []
+
+    def follow(self) -> None:
+        if not self.winfo_exists() or not self.fields:
+            return
+        show = any(f.winfo_exists() and f.is_visible() for f in self.fields)
+        if show and not self.winfo_manager():
+            pack_in_place(self, self.PACK)
+        elif not show and self.winfo_manager():
+            self.pack_forget()
+
+
 def section(parent, text: str):
     label = ctk.CTkLabel(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
     label.pack(fill="x", padx=8, pady=(12, 2))
@@ -95,8 +127,6 @@ class Field(ctk.CTkFrame):
         self.choices, self.visible_rule, self.registry = choices, visible, registry
         self.bindings = []
         self.shown = True
-        # a zero-height marker packed where the field goes, so a hidden field comes back in its place
-        self.anchor = tk.Frame(parent, height=0, width=0, borderwidth=0, highlightthickness=0)
         self.columnconfigure(1, weight=1)
         self.label = ctk.CTkLabel(self, text=label, width=LABEL_WIDTH, anchor="w", justify="left",
                                   wraplength=LABEL_WIDTH)
@@ -160,10 +190,12 @@ class Field(ctk.CTkFrame):
 
     def place_in(self, **pack) -> "Field":
         self._pack = {"fill": "x", "pady": 1, **pack}
-        self.anchor.pack(fill="x")
-        self.pack(after=self.anchor, **self._pack)
+        self.pack(**self._pack)
         self._apply_visibility()
         return self
+
+    def _show_in_place(self) -> None:
+        pack_in_place(self, self._pack)
 
     def destroy(self):
         for binding in self.bindings:
@@ -172,10 +204,6 @@ class Field(ctk.CTkFrame):
         if self.registry is not None:
             for path in [p for p, field in self.registry.items() if field is self]:
                 del self.registry[path]
-        try:
-            self.anchor.destroy()
-        except tk.TclError:
-            pass
         super().destroy()
 
     # --- choices and visibility, refreshed after each validation ------------------------------------
@@ -210,7 +238,7 @@ class Field(ctk.CTkFrame):
             return
         show = self.is_visible()
         if show and not self.shown:
-            self.pack(after=self.anchor, **self._pack)
+            self._show_in_place()
         elif not show and self.shown:
             self.pack_forget()
         self.shown = show
@@ -225,8 +253,8 @@ class Field(ctk.CTkFrame):
         self.show_error("\n".join(shown) if shown else None)
 
     def show_error(self, message: str | None) -> None:
-        if not self.winfo_exists():
-            return
+        if not self.winfo_exists() or (message or "") == self.error.cget("text"):
+            return  # unchanged: configuring the label would redraw it for nothing
         if message:
             self.error.configure(text=message)
             self.error.grid()

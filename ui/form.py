@@ -81,10 +81,15 @@ def leaf_spec(annotation: Any) -> Spec | None:
     return None
 
 
+ACRONYMS = {"lr": "learning rate", "dora": "DoRA", "lokr": "LoKr", "oft": "OFT", "ema": "EMA", "snr": "SNR",
+            "cfg": "CFG", "nf4": "nf4", "d0": "d0"}
+
+
 def words(name: str) -> str:
-    text = name.replace("_", " ")
-    text = re.sub(r"\blr\b", "learning rate", text)
-    return text[:1].upper() + text[1:]
+    """'lokr_decompose_both' -> 'LoKr decompose both'."""
+    text = " ".join(ACRONYMS.get(word, word) for word in name.split("_"))
+    keep_case = name.split("_")[0] in ("nf4", "d0")  # names, not words
+    return text if keep_case else text[:1].upper() + text[1:]
 
 
 # --- hints the types cannot give (keyed by the generic path: [] for a list item, * for a dict key) ---

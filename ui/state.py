@@ -249,7 +249,13 @@ class ConfigState:
         self._quiet = True
         try:
             for binding in list(self.bindings):
-                binding.var.set(to_text(binding.kind, self._value(binding.path)))
+                text = to_text(binding.kind, self._value(binding.path))
+                try:
+                    same = binding.var.get() == text
+                except Exception:  # a variable that cannot read its text
+                    same = False
+                if not same:  # an unchanged variable is left alone: setting it redraws its widget
+                    binding.var.set(text)
         finally:
             self._quiet = False
         self.validate()

@@ -182,14 +182,20 @@ class ConceptsTab(Tab):
         self._show(index, f"{len(items)} image{'s' if len(items) != 1 else ''}", self._bucket_text(items))
 
     def _bucket_text(self, items: list) -> str:
+        from pydantic import ValidationError
+
+        from modules.config.train_config import DataConfig
         from modules.model.registry import family_names, get_family_class
 
-        config = self.cfg.config
         family = self.cfg.get("model.family")
-        if config is None or family not in family_names() or not items:
+        if family not in family_names() or not items:
+            return ""
+        try:  # the data settings as they are now (cfg.config may not be validated yet during a reload)
+            data = DataConfig.model_validate(self.cfg.data.get("data") or {})
+        except ValidationError:
             return ""
         quantum = get_family_class(family).bucket_quantum
-        counts = bucket_stats(items, config.data.resolutions, quantum, config.data.aspect_buckets)
+        counts = bucket_stats(items, data.resolutions, quantum, data.aspect_buckets)
         return "Buckets: " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items(), key=lambda x: -x[1]))
 
     def browse(self, index: int, step: int) -> None:
