@@ -51,6 +51,7 @@ from modules.trainer.guards import (
     snapshot,
 )
 from modules.trainer.loss import snr_weighting_requested, training_loss
+from modules.trainer.regional_compile import compile_regions_
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.timed_actions import TimedAction
@@ -128,7 +129,8 @@ class GenericTrainer:
 
     def setup_optimizations(self) -> None:
         """Per part: weight modes are applied at load (quantized layers replace Linear there);
-        gradient checkpointing (with activation offloading); torch.compile where it can work."""
+        gradient checkpointing (with activation offloading); torch.compile of the repeated blocks
+        where it can work."""
         parts = self.config.model.parts
         temp_device = torch.device(self.config.temp_device)
         for name, part in parts.items():
@@ -149,8 +151,8 @@ class GenericTrainer:
             if blocker:
                 self.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
                 continue
-            self.family.parts[part].compile()
-            self.callbacks.on_status(f"compile: model.parts.{part} compiles on first use")
+            compiled = compile_regions_(self.family.parts[part], self.family.checkpoint_blocks(part))
+            self.callbacks.on_status(f"compile: model.parts.{part}: {len(compiled)} block(s) compile on first use")
 
     def setup_train_device(self) -> None:
         """Move each part to the train device; a part with offload_fraction > 0 gets a
