@@ -54,6 +54,7 @@ from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.regional_compile import compile_regions_
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
+from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
 from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
@@ -305,6 +306,7 @@ class GenericTrainer:
 
     # --- train -------------------------------------------------------------------------------
 
+    @with_pinned_sdpa  # flash / memory-efficient attention while training, the process's choice after
     def train(self) -> None:
         config, schedule = self.config, self.config.schedule
         accumulation = schedule.gradient_accumulation
