@@ -19,7 +19,8 @@ def unusual_state():
     original = current_state()
     enabled = dict(original.enabled)
     enabled.update({SDPBackend.FLASH_ATTENTION: False, SDPBackend.CUDNN_ATTENTION: True})
-    priority = [int(SDPBackend.CUDNN_ATTENTION)] + [b for b in original.priority if b != int(SDPBackend.CUDNN_ATTENTION)]
+    cudnn = int(SDPBackend.CUDNN_ATTENTION)
+    priority = [cudnn] + [b for b in original.priority if b != cudnn]
     state = SdpaState(tuple(enabled.items()), tuple(priority))
     restore_state(state)
     assert current_state() == state
