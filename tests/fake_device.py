@@ -346,6 +346,13 @@ def _to_fake_storage(source):
     return source
 
 
+def _native_group_norm(*args):
+    # torch's CompositeExplicitAutograd kernel (used for devices without their own) views the input
+    # as (N, G, -1), which fails on the channels-last layout that at::group_norm keeps, e.g. for a
+    # VAE mid-block attention output at batch >= 2; the CPU kernel handles every layout.
+    return _fallback(aten.native_group_norm.default, *args)
+
+
 def _has_compatible_shallow_copy_type(self, src):
     # torch only counts CPU/CUDA/... as dense backends, so without this `param.data = t` between
     # cpu and fakegpu fails, and Module.to replaces Parameters instead of updating them in place.
@@ -511,6 +518,7 @@ def enable_fake_device() -> torch.device:
         "set_.source_Tensor": _set_source_tensor,
         "set_": _set_empty,
         "_has_compatible_shallow_copy_type": _has_compatible_shallow_copy_type,
+        "native_group_norm": _native_group_norm,
     }.items():
         impls.impl(op_name, fn, "PrivateUse1")
 

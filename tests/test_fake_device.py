@@ -259,3 +259,31 @@ def test_storage_allocation_on_device_is_refused_not_crashing(fake_device):
     buf.seek(0)
     with pytest.raises(RuntimeError, match="no storage allocator"):
         torch.load(buf, map_location=fake_device)
+
+
+def test_group_norm_on_a_channels_last_batch(fake_device):
+    # A VAE mid-block attention hands the next GroupNorm a channels-last tensor; torch's fallback
+    # kernel for devices without their own cannot view that layout at batch >= 2.
+    torch.manual_seed(0)
+    norm = nn.GroupNorm(4, 16)
+    x = torch.randn(2, 16, 6, 6).to(memory_format=torch.channels_last).requires_grad_()
+    fx = x.detach().to(fake_device).to(memory_format=torch.channels_last).requires_grad_()
+    fake_norm = nn.GroupNorm(4, 16).to(fake_device)
+    fake_norm.load_state_dict(norm.state_dict())
+    expected, got = norm(x), fake_norm(fx)
+    _same(got, expected, atol=1e-5)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    _same(fx.grad, x.grad, atol=1e-4)
+    _same(fake_norm.weight.grad, norm.weight.grad, atol=1e-4)
+
+
+def test_tiny_vae_encodes_a_batch_of_two(fake_device, tiny_model):
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(tiny_model / "vae")
+    pixels = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = vae.encode(pixels).latent_dist.mean
+        got = vae.to(fake_device).encode(pixels.to(fake_device)).latent_dist.mean
+    _same(got, expected, atol=1e-4)

@@ -97,7 +97,7 @@ def test_compile_is_turned_off_with_the_reason_where_the_mode_does_not_trace(tmp
     trainer = GenericTrainer(config, log)
     trainer.start()
     assert "compile: off for model.parts.unet (nf4 weights: 1 graph break(s): opaque kernel)" in log.warnings
-    assert trainer.family.parts["unet"]._compiled_call_impl is None
+    assert all(m._compiled_call_impl is None for m in trainer.family.parts["unet"].modules())
 
 
 def test_compile_is_applied_where_the_mode_traces(tmp_path, tiny_model, shape_images):
@@ -107,7 +107,8 @@ def test_compile_is_applied_where_the_mode_traces(tmp_path, tiny_model, shape_im
     trainer = GenericTrainer(config, log)
     trainer.start()
     assert not log.warnings
-    assert trainer.family.parts["unet"]._compiled_call_impl is not None
+    # regional compile: each repeated block (tests/test_compile.py)
+    assert all(block._compiled_call_impl is not None for block in trainer.family.checkpoint_blocks("unet"))
 
 
 @pytest.mark.parametrize("mode", ["float8", "nf4", "w8a8_int8"])

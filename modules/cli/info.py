@@ -1,6 +1,7 @@
 """`launch.py info [--json] [--device DEV]`: what this machine can train with: families, presets,
-devices, and the base-weight precision modes that work on the train device, with the one auto
-would pick for each family. The GUI offers only the modes listed here."""
+devices, and the base-weight precision modes that work on the train device (and whether
+`compile: true` can compile each), with the one auto would pick for each family. The GUI offers
+only the modes listed here."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from modules.quantization.capabilities import (
     mode_support,
     working_modes,
 )
+from modules.quantization.compile_gate import compile_blocker
 from modules.quantization.policy import (
     BYTES_PER_PARAMETER,
     HEADROOM,
     plan_base_precision,
 )
+from modules.quantization.replace import DENSE_MODES
 from modules.util.torch_utils import resolve_device
 
 
@@ -39,6 +42,16 @@ def _train_device(name: str) -> torch.device:
     except (RuntimeError, AssertionError, ValueError) as error:  # torch says "not compiled with CUDA" by assert
         raise ValueError(f"--device: {name!r} is not usable here: {error}") from None
     return device
+
+
+def _compile_blocker(mode: str, works: bool, device: torch.device) -> str | None:
+    """Why `compile: true` would be turned off for a part stored in `mode` on `device`, or None; the
+    trainer asks the same gate. Quantized modes are probed computing in bfloat16 (what presets train
+    in) where the device computes in it."""
+    if not works:
+        return f"{mode} does not work on {device}"
+    dtype = DENSE_MODES.get(mode) or (torch.bfloat16 if _dtype_works(torch.bfloat16, str(device)) else torch.float32)
+    return compile_blocker(mode, str(device), dtype)
 
 
 def _auto_offload(modes: dict[str, str], sizes: dict[str, int], free_memory: int | None) -> dict[str, float]:
@@ -89,8 +102,10 @@ def machine_info(train_device: str = "auto") -> dict:
             for device_name in devices
         },
         "train_device": capabilities.as_dict(),
-        "weight_dtypes": {mode: {"works": s.works, "fast_kernel": s.fast_kernel, "how": s.why}
-                          for mode, s in support.items()},
+        "weight_dtypes": {mode: {"works": s.works, "fast_kernel": s.fast_kernel, "how": s.why,
+                                 "supports_compile": blocker is None, "compile_blocker": blocker}
+                          for mode, s in support.items()
+                          for blocker in [_compile_blocker(mode, s.works, device)]},
         "auto_headroom": HEADROOM,
         "families": families,
     }
@@ -122,6 +137,9 @@ def format_info(info: dict) -> str:
         state = "works" if support["works"] else "no"
         speed = {True: "fast kernel", False: "slow fallback", None: ""}[support["fast_kernel"]] if support["works"] else ""
         lines.append(f"  {mode:10s} {state:6s}{speed:14s} {support['how']}")
+        if support["works"]:
+            lines.append("             compile: " + ("yes" if support["supports_compile"]
+                                                   else f"no ({support['compile_blocker']})"))
     lines += ["", "devices:"]
     for name, device in info["devices"].items():
         extra = f" ({device['name']}, {device['memory_gb']} GB)" if "name" in device else ""

@@ -1,10 +1,13 @@
-"""Whether a weight mode's training graph compiles here, found by trying it on one tiny layer.
+"""Whether a weight mode's training graph compiles here, found by asking the compiler.
 
-A static table would be wrong somewhere: whether bitsandbytes' or torchao's ops trace depends on
-their versions and on the device. So the trainer asks dynamo to trace the forward
-of one layer of the mode, on the train device, before compiling the real model; a graph
-break or a tracing error turns compile off for that part, with the reason in the log.
-Measured on torch 2.13 CPU (tests pin it): every mode here traces as one graph.
+Two things can stop torch.compile: the device (inductor generates code only for the device types
+that register a code generator with it: cpu, cuda, xpu, mps; on any other, the first compiled call
+fails with a KeyError naming the device type), and the weight mode (whether bitsandbytes' or
+torchao's ops trace depends on their versions and on the device, so a static table would be wrong
+somewhere). So the trainer checks the device's code generator, then asks dynamo to trace the
+forward of one layer of the mode on the train device, before compiling the real model; a missing
+code generator, a graph break or a tracing error turns compile off for that part, with the
+reason in the log. Measured on torch 2.13 CPU (tests pin it): every mode here traces as one graph.
 """
 
 from __future__ import annotations
@@ -43,10 +46,23 @@ def graph_blocker(module: nn.Module, example: torch.Tensor) -> str | None:
     return None
 
 
+def device_blocker(device: torch.device) -> str | None:
+    """Why inductor cannot generate code for `device`, or None when it can."""
+    from torch._inductor.codegen.common import get_scheduling_for_device, init_backend_registration
+
+    init_backend_registration()  # registers the built-in device types (idempotent)
+    if get_scheduling_for_device(device.type) is None:
+        return f"torch.compile (inductor) has no code generator for {device.type} devices"
+    return None
+
+
 @functools.cache
 def compile_blocker(mode: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32) -> str | None:
     """Why training with weights in `mode` cannot be compiled on `device`, or None."""
     device = torch.device(device)
+    blocker = device_blocker(device)
+    if blocker:
+        return blocker
     try:
         layer = _probe_layer(mode, device, compute_dtype)
     except Exception as error:  # the mode itself cannot run here: nothing to compile

@@ -27,7 +27,10 @@ KERNEL_MULTIPLE = 16
 
 
 def _class_list(model: nn.Module, attribute: str) -> list[str]:
-    return list(getattr(type(model), attribute, None) or getattr(model, attribute, None) or [])
+    value = getattr(type(model), attribute, None) or getattr(model, attribute, None) or []
+    # a bare string is one entry (diffusers and transformers accept it so); list() would split it
+    # into characters, and a one-letter regex matches nearly every module name
+    return [value] if isinstance(value, str) else list(value)
 
 
 def keeps_float32(model: nn.Module, module_name: str) -> bool:

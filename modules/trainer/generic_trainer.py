@@ -53,8 +53,10 @@ from modules.trainer.guards import (
 )
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.preflight import run_preflight
+from modules.trainer.regional_compile import compile_regions_
 from modules.trainer.resume import check_resume_compatible
 from modules.trainer.scalar_log import ScalarLog
+from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
 from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
@@ -131,7 +133,8 @@ class GenericTrainer:
 
     def setup_optimizations(self) -> None:
         """Per part: weight modes are applied at load (quantized layers replace Linear there);
-        gradient checkpointing (with activation offloading); torch.compile where it can work."""
+        gradient checkpointing (with activation offloading); torch.compile of the repeated blocks
+        where it can work."""
         parts = self.config.model.parts
         temp_device = torch.device(self.config.temp_device)
         for name, part in parts.items():
@@ -152,8 +155,8 @@ class GenericTrainer:
             if blocker:
                 self.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
                 continue
-            self.family.parts[part].compile()
-            self.callbacks.on_status(f"compile: model.parts.{part} compiles on first use")
+            compiled = compile_regions_(self.family.parts[part], self.family.checkpoint_blocks(part))
+            self.callbacks.on_status(f"compile: model.parts.{part}: {len(compiled)} block(s) compile on first use")
 
     def setup_train_device(self) -> None:
         """Move each part to the train device; a part with offload_fraction > 0 gets a
@@ -311,6 +314,7 @@ class GenericTrainer:
 
     # --- train -------------------------------------------------------------------------------
 
+    @with_pinned_sdpa  # flash / memory-efficient attention while training, the process's choice after
     def train(self) -> None:
         config, schedule = self.config, self.config.schedule
         accumulation = schedule.gradient_accumulation
