@@ -30,28 +30,8 @@ BUILTIN = [preset for preset in list_presets() if preset.builtin]
 DIFFUSERS_LOADS = {"lora"}
 
 
-class KohyaFluxMlpKeyError(Exception):
-    """issue 13 item 1: diffusers' kohya-FLUX converter raises KeyError 'single_transformer_blocks.0.weight'
-    on the MLP adapters of the attn-mlp layer preset (fixed on branch formats). Only that error,
-    raised by the diffusers load, is expected; any other failure of those presets fails the test."""
-
-
-KNOWN_KOHYA_FLUX_MLP = pytest.mark.xfail(strict=True, raises=KohyaFluxMlpKeyError,
-                                         reason="issue 13.1: fixed on branch formats")
-
-
 def _params():
-    from modules.config.loading import read_json_file
-
-    params = []
-    for preset in BUILTIN:
-        overlay = read_json_file(preset.path)
-        adapter = overlay.get("adapter", {})
-        kohya_flux_mlp = (preset.family == "flux" and overlay.get("output", {}).get("format", "kohya") == "kohya"
-                          and adapter.get("layer_preset") == "attn-mlp")
-        params.append(pytest.param(preset, id=f"{preset.family}/{preset.name}",
-                                   marks=[KNOWN_KOHYA_FLUX_MLP] if kohya_flux_mlp else []))
-    return params
+    return [pytest.param(preset, id=f"{preset.family}/{preset.name}") for preset in BUILTIN]
 
 
 @pytest.fixture(autouse=True)
@@ -112,13 +92,13 @@ def test_builtin_preset_trains_samples_backs_up_and_saves(preset, tmp_path, tiny
 
     if config.adapter.type not in DIFFUSERS_LOADS:
         return  # no diffusers loader for this adapter type (see DIFFUSERS_LOADS)
+    if config.model.family == "flux" and config.output.format == "kohya":
+        # diffusers' kohya-FLUX converter splits the fused qkv/linear1 LoRAs at FLUX's real widths
+        # (3072/12288, hard-coded), so a tiny model's file cannot be split there; the same layer
+        # sets load exactly at real width in tests/test_flux_kohya_files.py.
+        return
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True)
-    try:
-        pipe.load_lora_weights(str(saved))
-    except KeyError as error:
-        if error.args != ("single_transformer_blocks.0.weight",):
-            raise
-        raise KohyaFluxMlpKeyError(error) from error
+    pipe.load_lora_weights(str(saved))
     assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"
