@@ -28,17 +28,23 @@ def _fingerprint(path: Path) -> dict:
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
-def record_output(workspace: Path, path: Path) -> None:
-    """Remember the file this workspace's run saved (a resume of it may replace it)."""
-    write_text(Path(workspace) / RECORD_NAME, json.dumps(_fingerprint(path), indent=2))
+def record_output(workspace: Path, requested: Path, written: Path) -> None:
+    """Remember the file this workspace's run saved for `output.path` = `requested` (perhaps a
+    versioned name): a resume of the run replaces that file."""
+    record = {"requested": str(Path(requested).resolve()), **_fingerprint(Path(written))}
+    write_text(Path(workspace) / RECORD_NAME, json.dumps(record, indent=2))
 
 
-def written_by_workspace(workspace: Path, path: Path) -> bool:
+def workspace_output(workspace: Path, requested: Path) -> Path | None:
+    """The file this workspace's run saved for `requested`, if it is still exactly that file."""
     try:
         record = json.loads((Path(workspace) / RECORD_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return record == _fingerprint(path)
+        written = Path(record["path"])
+        if record["requested"] != str(Path(requested).resolve()) or not written.is_file():
+            return None
+        return written if {**record, **_fingerprint(written)} == record else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def versioned(path: Path) -> Path:
@@ -54,13 +60,15 @@ def versioned(path: Path) -> Path:
 def resolve_output(path: Path, policy: str, workspace: Path, resuming: bool,
                    warn: Callable[[str], None]) -> Path:
     """The path the final save writes to, under `policy` (refuse / version / overwrite)."""
+    if resuming:
+        own = workspace_output(workspace, path)
+        if own is not None:
+            return own  # the earlier part of this very run saved it (perhaps as name-2)
     if path.is_dir():
         raise UserError(f"{path} is a folder; give the adapter's file name (e.g. {path / 'lora.safetensors'})",
                         field="output.path")
     if not path.exists():
         return path
-    if resuming and written_by_workspace(workspace, path):
-        return path  # the earlier part of this very run saved it
     if policy == "overwrite":
         warn(f"output.path: {path} exists (not written by this run) and will be replaced at the end "
              "(output.if_exists: overwrite)")

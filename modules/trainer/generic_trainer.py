@@ -523,7 +523,7 @@ class GenericTrainer:
         # stops at once still saves: its adapter is the backup's trained one.
         if self.step > 0:
             path = self.save(self.output_path)
-            record_output(self.workspace, path)
+            record_output(self.workspace, self.config.output_path, path)
         else:
             self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
                                       f"({self.output_path} is left as it was)")
