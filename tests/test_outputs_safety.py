@@ -72,8 +72,8 @@ def test_a_stop_before_the_first_step_saves_nothing_over_a_good_file(tmp_path, t
     output = Path(config.output.path)
     before = _good_output(output)
     process = _child(config_file)
-    if how == "stop command":
-        process.stdin.write('{"command": "stop"}\n')
+    if how == "stop command":  # after a malformed one, which must not deafen the command reader
+        process.stdin.write('{"command": ["stop"]}\n{"command": "stop"}\n')
         process.stdin.flush()
     else:
         for line in process.stderr:  # the console log: SIGINT once the model load has begun
@@ -86,6 +86,8 @@ def test_a_stop_before_the_first_step_saves_nothing_over_a_good_file(tmp_path, t
     names = [e["event"] for e in events]
     assert "saved" not in names and "backup" not in names and "progress" not in names, names
     assert any("no training step ran, so nothing was saved" in e.get("message", "") for e in events), events
+    if how == "stop command":
+        assert any(e["event"] == "warning" and '{"command": ["stop"]}' in e["message"] for e in events), events
     assert _state(output) == before
     assert not (Path(config.workspace_dir) / "backup").exists()
     assert not (Path(config.workspace_dir) / LOCK_NAME).exists()  # released at the end

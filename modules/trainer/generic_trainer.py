@@ -99,6 +99,8 @@ class GenericTrainer:
             self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
         self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
                                           config.backup.resume, self.callbacks.on_warning)
+        if config.backup.resume:
+            self._check_resume_early()
         self.callbacks.on_status("loading model")
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
@@ -302,6 +304,13 @@ class GenericTrainer:
         self.steps_at_start = self.step
 
     # --- resume ------------------------------------------------------------------------------
+
+    def _check_resume_early(self) -> None:
+        """A change the backup cannot follow is refused before the (slow) model load."""
+        folder = newest_backup(self.workspace)
+        if folder is not None:
+            check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
+                                    self.config, folder)
 
     def _load_resume_state(self) -> dict | None:
         folder = newest_backup(self.workspace)
