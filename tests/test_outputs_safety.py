@@ -90,7 +90,25 @@ def test_a_stop_before_the_first_step_saves_nothing_over_a_good_file(tmp_path, t
         assert any(e["event"] == "warning" and '{"command": ["stop"]}' in e["message"] for e in events), events
     assert _state(output) == before
     assert not (Path(config.workspace_dir) / "backup").exists()
+    assert not (Path(config.workspace_dir) / "cache").exists()  # stopped before caching the data
     assert not (Path(config.workspace_dir) / LOCK_NAME).exists()  # released at the end
+
+
+def test_a_stop_after_loading_before_step_1_writes_no_backup_and_no_output(tmp_path, tiny_model, shape_images):
+    from modules.trainer.commands import TrainCommands
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"output": {"if_exists": "overwrite"}})
+    before = _good_output(Path(config.output.path))
+    commands, callbacks = TrainCommands(), Recorder()
+    trainer = GenericTrainer(config, callbacks, commands)
+    trainer.start()
+    commands.stop()  # the GUI's stop, between the data caching and the first step
+    trainer.train()
+    assert trainer.end() is None
+    assert trainer.step == 0 and callbacks.saved == []
+    assert not (Path(config.workspace_dir) / "backup").exists()
+    assert _state(Path(config.output.path)) == before
 
 
 def test_an_existing_output_of_another_run_is_refused_before_training(tmp_path, tiny_model, shape_images):
