@@ -97,3 +97,32 @@ def test_remote_python_under_the_home_folder_expands_on_the_box(tmp_path):
     literal = SshTarget("user@box", python="/opt/py 3/bin/python").helper_argv("dir")[-1]
     assert subprocess.run(["sh", "-c", "printf '%s\\n' " + literal], capture_output=True, text=True,
                           check=True).stdout.split("\n")[0] == "/opt/py 3/bin/python"
+
+
+def test_on_the_cpu_a_big_model_s_step_cost_is_said_before_the_first_step(tmp_path, tiny_model, shape_images,
+                                                                           monkeypatch):
+    from modules.trainer import cpu_notice
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    monkeypatch.setattr(cpu_notice, "NOTICE_MIN_PARAMETERS", 0)  # the tiny model stands in for a full-size one
+    warnings, order = [], []
+
+    class Calls:
+        def __getattr__(self, name):
+            if name == "on_warning":
+                return lambda message: (warnings.append(message), order.append(message))
+            if name == "on_started":
+                return lambda total: order.append("started")
+            return lambda *args: None
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 1}})
+    trainer = GenericTrainer(config, Calls())
+    trainer.start()
+    rng = torch.get_rng_state()
+    notice = cpu_notice.cpu_notice(trainer)
+    assert torch.equal(rng, torch.get_rng_state())  # measuring draws nothing from the run's RNG
+    assert "training runs on the CPU" in notice and "one step will take roughly" in notice
+    trainer.train()
+    trainer.end()
+    (said,) = [w for w in warnings if "training runs on the CPU" in w]
+    assert order.index(said) < order.index("started")

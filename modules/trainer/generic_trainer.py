@@ -46,6 +46,7 @@ from modules.saving.output_target import record_output, resolve_output
 from modules.saving.workspace_lock import WorkspaceLock
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
+from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.guards import (
     TrainingError,
     check_finite,
@@ -374,6 +375,9 @@ class GenericTrainer:
         compute_dtype = dtype_of(config.train_dtype)
         scaler = self.scaler
         first_step_snapshot = snapshot(self.adapters.named_parameters())
+        notice = cpu_notice(self)  # before a first step that can take many minutes there
+        if notice:
+            self.callbacks.on_warning(notice)
         self.callbacks.on_started(self.total_steps)
         self.callbacks.on_status("training")
         started, steps_at_start = time.monotonic(), self.steps_at_start
