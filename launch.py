@@ -86,6 +86,8 @@ def cmd_demo(args) -> int:
     commands = TrainCommands()
     install_stop_signals(commands)
     path = run_training(config, ConsoleCallbacks(), commands)
+    if path is None:  # stopped before its first step
+        return 0
     print(f"demo LoRA written to {path}")
     print(f"samples in {os.path.join(config.workspace_dir, 'samples')}")
     return 0

@@ -17,8 +17,10 @@ class ModelTab(Tab):
         self.dtype_fields = []
         self.sections = PartSections(self, self._part)
         section(self, "Output")
-        self.field(self, "output.path", "Adapter file", "str", widget="path", path_mode="save",
+        self.field(self, "output.path", "Adapter file (empty: in the workspace)", "str", widget="path", path_mode="save",
                    filetypes=[("safetensors", "*.safetensors")])
+        self.field(self, "output.if_exists", "If the file exists", "choice", widget="option",
+                   values=["version", "refuse", "overwrite"])
         self.field(self, "output.format", "Key format", "choice", widget="option", values=["kohya", "comfy", "diffusers"])
         self.field(self, "output.dtype", "Saved dtype", "choice", widget="option", values=["float16", "bfloat16", "float32"])
         self.cfg.info_listeners.append(self._offer_modes)
