@@ -218,3 +218,14 @@ def test_written_files_have_the_umask_s_permissions_not_0600(tmp_path):
         assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o664
     finally:
         os.umask(old)
+
+
+def test_a_lock_whose_pid_now_names_another_program_is_reclaimed(tmp_path):
+    # the PID exists (this test's own parent), but it was created long before the run that wrote the lock
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": os.getppid(), "host": os.uname().nodename,
+                                                  "created": time.time() - 5}))
+    warnings = []
+    lock = WorkspaceLock(tmp_path, warnings.append)
+    lock.acquire()
+    assert len(warnings) == 1 and "reclaimed" in warnings[0]
+    lock.release()

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from modules.errors import UserError
 
 LOCK_NAME = "difftrainer.lock"
@@ -26,16 +28,17 @@ class WorkspaceBusyError(UserError):
     """Another live run holds the workspace."""
 
 
-def _process_alive(pid: int) -> bool:
+def _process_alive(pid: int, created: float | None) -> bool:
+    """Whether the run that wrote the lock still runs: its PID exists and, where the lock records
+    it, was created when that run was (so a PID reused by another program is not mistaken for it).
+    psutil rather than os.kill(pid, 0): on Windows signal 0 is CTRL_C_EVENT, not a probe."""
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
+        process = psutil.Process(pid)
+        return created is None or abs(process.create_time() - created) < 1.0
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return False
-    except PermissionError:  # exists, owned by another user
+    except psutil.AccessDenied:  # exists, owned by another user
         return True
-    except OSError:
-        return False
-    return True
 
 
 def _read(path: Path) -> dict | None:
@@ -56,7 +59,8 @@ class WorkspaceLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "created": psutil.Process().create_time()}
         for _ in range(3):  # a stale lock removed by us (or a racing run) is retried
             try:
                 handle = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -81,7 +85,8 @@ class WorkspaceLock:
                 f"lock file {self.path}); use another workspace_dir, or delete the lock file if that run has ended",
                 field="workspace_dir")
         pid = owner.get("pid") if owner else None
-        if isinstance(pid, int) and _process_alive(pid):
+        created = owner.get("created") if owner else None
+        if isinstance(pid, int) and _process_alive(pid, created if isinstance(created, (int, float)) else None):
             raise WorkspaceBusyError(
                 f"{self.path.parent} is in use by another run (PID {pid}, since {owner.get('started', '?')}; "
                 f"lock file {self.path}); wait for it to end or stop it, or use another workspace_dir",
