@@ -62,11 +62,24 @@ def test_caching_shows_a_progress_bar_on_a_terminal(tmp_path, tiny_model, shape_
     config = train_config(tiny_model, shape_images, tmp_path)
     family = SD15Family(config)
     family.load()
+    import modules.data.dataset as dataset_module
+    from tqdm import tqdm
+
+    closed = []
+
+    class Recorded(tqdm):
+        def close(self):
+            if not self.disable:
+                closed.append((self.desc, self.n, self.total))
+            super().close()
+
+    monkeypatch.setattr(dataset_module, "tqdm", Recorded)
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     prepare_dataset(config, family, torch.device("cpu"), tmp_path / "cache", lambda message: None, cache_text=True)
     shown = terminal.getvalue()
-    assert "encoding latents" in shown and "4/4" in shown and "encoding captions" in shown
+    assert "encoding latents" in shown and "encoding captions" in shown
+    assert closed == [("encoding latents", 4, 4), ("encoding captions", 4, 4)]  # counted to the end
 
 
 def test_the_tqdm_eta_after_a_resume_counts_only_this_process_s_steps():

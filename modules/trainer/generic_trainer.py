@@ -272,7 +272,7 @@ class GenericTrainer:
 
         try:
             old = build_config([self.backup_config])
-        except Exception:  # a backup of an older trainer: every hyperparameter of this run applies
+        except ConfigError:  # a backup this trainer no longer reads: every hyperparameter of this run applies
             return None
         optimizer = build_optimizer(old.optimizer, self._param_groups(old))
         return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]

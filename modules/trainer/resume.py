@@ -118,6 +118,12 @@ def describe_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     return changes
 
 
+def _differs(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # some optimizers keep a tensor lr
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    return a != b
+
+
 def apply_current_hyperparameters(optimizer: torch.optim.Optimizer, current: list[dict],
                                   backup_fresh: list[dict] | None) -> None:
     """After `optimizer.load_state_dict`, put back this run's value of every group setting this run's
@@ -128,7 +134,7 @@ def apply_current_hyperparameters(optimizer: torch.optim.Optimizer, current: lis
     for index, (group, mine) in enumerate(zip(optimizer.param_groups, current)):
         theirs = backup_fresh[index] if backup_fresh is not None and index < len(backup_fresh) else None
         for key, value in mine.items():
-            if theirs is None or key not in theirs or theirs[key] != value:
+            if theirs is None or key not in theirs or _differs(theirs[key], value):
                 group[key] = value
 
 
