@@ -4,7 +4,7 @@
   python launch.py                      the desktop GUI (ui/app.py)
   python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--protocol jsonl]
   python launch.py demo [--workspace DIR]
-  python launch.py presets [list] | presets show NAME | presets save NAME --config FILE
+  python launch.py presets [list] | presets show NAME | presets save NAME [--preset P] [--config FILE]
   python launch.py schema
   python launch.py make-tiny-model --family sd15 --out DIR
   python launch.py info [--json] [--device DEV]
@@ -88,7 +88,7 @@ def cmd_train(args) -> int:
             raise
         report_user_error(error, args.debug, callbacks.on_error)
         return 1
-    if args.protocol != "jsonl":
+    if args.protocol != "jsonl" and path is not None:  # None: stopped before the first step, nothing saved
         print(path)
     return 0
 
@@ -104,6 +104,8 @@ def cmd_demo(args) -> int:
     commands = TrainCommands()
     install_stop_signals(commands)
     path = run_training(config, ConsoleCallbacks(), commands)
+    if path is None:  # stopped before its first step
+        return 0
     print(f"demo LoRA written to {path}")
     print(f"samples in {os.path.join(config.workspace_dir, 'samples')}")
     return 0
@@ -124,10 +126,11 @@ def cmd_presets(args) -> int:
         config = build_config([load_preset_overlay(args.name)], args.set)
         print(config.model_dump_json(indent=2))
     elif args.action == "save":
-        if not args.name or not args.config:
-            print("error: presets save needs NAME and --config FILE", file=sys.stderr)
+        if not args.name or not (args.config or args.preset):
+            print("error: presets save needs NAME and --config FILE and/or --preset NAME", file=sys.stderr)
             return 2
-        config = build_config([read_json_file(path) for path in args.config], args.set)
+        layers = [load_preset_overlay(args.preset)] if args.preset else []  # under the config files, as in train
+        config = build_config(layers + [read_json_file(path) for path in args.config], args.set)
         print(save_preset(config, args.name))
     return 0
 
@@ -190,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     presets.add_argument("action", nargs="?", choices=["list", "show", "save"])
     presets.add_argument("name", nargs="?")
     presets.add_argument("--config", action="append", default=[], metavar="FILE")
+    presets.add_argument("--preset", help="save: start from this preset (the config files and --set go on top)")
     presets.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     presets.set_defaults(run=cmd_presets)
 

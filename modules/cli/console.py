@@ -32,9 +32,12 @@ class ConsoleCallbacks(TrainCallbacks):
 
     def on_progress(self, p: Progress) -> None:
         if self.bar is not None:
-            self.bar.n = p.step
-            self.bar.set_postfix(epoch=f"{p.epoch}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}", refresh=False)
-            self.bar.refresh()
+            if self.bar.n == self.bar.initial == 0 and p.step > 1:
+                # resumed: the steps of earlier processes count as tqdm's `initial`, so its rate
+                # and ETA cover only the steps this process ran
+                self.bar.initial = self.bar.n = self.bar.last_print_n = p.step - 1
+            self.bar.update(p.step - self.bar.n)
+            self.bar.set_postfix(epoch=f"{p.epoch}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}")
         elif p.step % self.every == 0 or p.step == p.total_steps or p.step == 1:
             eta = f"{p.eta_s:.0f}s" if p.eta_s != float("inf") else "?"
             self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch}/{p.epochs} loss {p.loss:.4f} "

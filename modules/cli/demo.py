@@ -29,6 +29,7 @@ def prepare_demo(workspace: Path, overrides: list[str] = ()) -> TrainConfig:
         "model": {"family": "sd15", "base": str(model_dir)},
         "concepts": [{"name": "shapes", "path": str(images)}],
         "workspace_dir": str(workspace / "run"),
-        "output": {"path": str(workspace / "output" / "demo-lora.safetensors")},
+        # the demo's folder is its own: a second demo replaces the first one's result
+        "output": {"path": str(workspace / "output" / "demo-lora.safetensors"), "if_exists": "overwrite"},
     }
     return build_config([load_preset_overlay("demo"), layer], overrides)

@@ -1,7 +1,7 @@
 """`launch.py train`: run one training from presets, config files and overrides, headless.
 
 SIGINT or SIGTERM asks the run to stop at the next step; it then writes a backup (and the
-output) and exits 0. A second SIGINT exits at once with code 130 (and an `error` event): atomic
+output) and exits 0. Stopped before its first step (while loading), it writes neither. A second SIGINT exits at once with code 130 (and an `error` event): atomic
 writes mean no file is left half-written, and the backups already written stay whole.
 """
 
@@ -40,7 +40,8 @@ def install_stop_signals(commands: TrainCommands, log=lambda text: print(text, f
     signal.signal(signal.SIGTERM, request_stop)
 
 
-def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: TrainCommands | None = None) -> Path:
+def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: TrainCommands | None = None) -> Path | None:
+    """The saved adapter's path, or None when the run stopped before its first step (nothing saved)."""
     from modules.trainer.generic_trainer import (
         GenericTrainer,  # heavy imports only when training
     )
@@ -56,3 +57,5 @@ def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: Train
         # so the output and the backups that exist are whole; no backup of this step is written
         callbacks.on_error(f"interrupted at step {trainer.step}: quit without a backup of this step")
         raise SystemExit(EXIT_INTERRUPTED) from None
+    finally:
+        trainer.release()  # the workspace lock, whatever ended the run

@@ -101,5 +101,11 @@ def load_preset_overlay(name: str) -> dict:
 def save_preset(config: TrainConfig, name: str) -> Path:
     check_preset_name(name)
     path = user_presets_dir() / f"{name}.json"
-    write_text(path, json.dumps(config_overlay(config), indent=2) + "\n")
+    overlay = config_overlay(config)
+    # resuming is a choice of one run (a resumed run's config.json says it), not part of a recipe
+    backup = overlay.get("backup", {})
+    backup.pop("resume", None)
+    if not backup:
+        overlay.pop("backup", None)
+    write_text(path, json.dumps(overlay, indent=2) + "\n")
     return path

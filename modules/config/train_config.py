@@ -8,6 +8,7 @@ breaking change that needs a migration (migrations.py).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -333,6 +334,8 @@ class Cadence(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _from_text(cls, data: Any) -> Any:
+        if isinstance(data, (int, float)) and not isinstance(data, bool):
+            return {"value": data, "unit": "steps"}  # a bare number counts steps; 0: never
         if isinstance(data, str):
             match = _CADENCE_TEXT.match(data)
             if not match:
@@ -396,7 +399,13 @@ class DataConfig(StrictModel):
 
 
 class OutputConfig(StrictModel):
-    path: str = Field("output/lora.safetensors", description="Where the trained adapter is saved.")
+    path: str = Field("", description="The adapter file the run saves at its end; empty: "
+                      "<workspace_dir>/output/<workspace folder name>.safetensors, so runs in different "
+                      "workspaces never share one file.")
+    if_exists: Literal["version", "refuse", "overwrite"] = Field(
+        "version", description="When output.path already holds a file this run did not write (a --resume "
+        "may replace its own): version saves beside it as name-2.safetensors, name-3, ...; refuse stops "
+        "before training; overwrite replaces it at the end.")
     format: Literal["kohya", "comfy", "diffusers"] = Field(
         "kohya", description="Key layout of the saved adapter: kohya (lora_unet_..., LyCORIS names for "
         "loha/lokr/oft; A1111, Forge, ComfyUI, diffusers for LoRA), comfy (ComfyUI's own "
@@ -407,7 +416,8 @@ class OutputConfig(StrictModel):
 
 class BackupConfig(StrictModel):
     rolling_count: int = Field(3, ge=1, description="Older backups beyond this many are deleted.")
-    resume: bool = Field(False, description="Continue from the newest backup in the workspace.")
+    resume: bool = Field(False, description="Continue from the newest backup in the workspace (a run "
+                         "setting, never saved into presets).")
 
 
 class TrainConfig(StrictModel):
@@ -436,6 +446,14 @@ class TrainConfig(StrictModel):
                               "<workspace_dir>/tensorboard.")
     compile: bool = Field(False, description="torch.compile the denoiser; turned off, with a warning saying "
                           "why, for weight modes whose training graph does not compile.")
+
+    @property
+    def output_path(self) -> Path:
+        """`output.path`, or the workspace's own default when it is empty."""
+        if self.output.path:
+            return Path(self.output.path).expanduser()
+        workspace = Path(self.workspace_dir).expanduser()
+        return workspace / "output" / f"{workspace.resolve().name or 'adapter'}.safetensors"
 
     @model_validator(mode="after")
     def _offloaded_trained_parts_recompute(self) -> "TrainConfig":

@@ -8,12 +8,14 @@ uninterrupted one from the same position.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+from tqdm import tqdm
 
 from modules.config.train_config import CaptionConfig
 from modules.data.augment import color_jitter, crop_position
@@ -234,6 +236,13 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     return dataset
 
 
+def caching_progress(total: int, what: str, unit: str) -> tqdm:
+    """A tqdm bar on stderr while the encoders run (minutes for a big data set on a slow machine);
+    tqdm turns it off where stderr is no terminal (the GUI and log files get the summary line)."""
+    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=None if total else True)
+
+
 @torch.no_grad()
 def _fill_latents(entries, family, device, cache, warn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Latents per latent key and, for masked entries, their masks on the latent grid."""
@@ -253,6 +262,7 @@ def _fill_latents(entries, family, device, cache, warn) -> tuple[dict[str, torch
         else:
             todo[entry.bucket].append(entry)
             pending.add(entry.latent_key)
+    bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
     for (width, height), group in todo.items():
         pixels, ready = [], []
         for entry in group:
@@ -261,6 +271,7 @@ def _fill_latents(entries, family, device, cache, warn) -> tuple[dict[str, torch
                 ready.append(entry)
             except Exception as error:
                 warn(f"skipping unreadable image {entry.item.image}: {error}")
+                bar.update(1)
         for start in range(0, len(pixels), ENCODE_BATCH):
             chunk, chunk_entries = pixels[start:start + ENCODE_BATCH], ready[start:start + ENCODE_BATCH]
             encoded = family.encode_images(torch.stack(chunk).to(device)).float().cpu()
@@ -280,6 +291,8 @@ def _fill_latents(entries, family, device, cache, warn) -> tuple[dict[str, torch
                     target = masks if name.startswith("mask") else latents
                     target[key + (FLIPPED if name.endswith("_flipped") else "")] = value
                 cache.put(key, stored)
+            bar.update(len(chunk_entries))
+    bar.close()
     return latents, masks
 
 
@@ -296,10 +309,13 @@ def _fill_texts(entries, family, device, cache) -> dict[str, dict[str, torch.Ten
         else:
             todo[entry.text_key] = entry.item.caption
     keys = list(todo)
+    bar = caching_progress(len(keys), "encoding captions", "caption")
     for start in range(0, len(keys), ENCODE_BATCH):
         chunk = keys[start:start + ENCODE_BATCH]
         encoded = family.encode_text(family.tokenize([todo[k] for k in chunk]))
         for row, key in enumerate(chunk):
             texts[key] = {name: t[row].float().cpu().clone() for name, t in encoded.items()}
             cache.put(key, texts[key])
+        bar.update(len(chunk))
+    bar.close()
     return texts

@@ -1,4 +1,11 @@
-"""Read an image and bring it to its bucket: resize to cover, then center-crop."""
+"""Read an image and bring it to its bucket: resize to cover, then center-crop.
+
+Every mode Pillow opens is brought to 8-bit RGB (or L for masks) by what it means, not by
+Pillow's clipping convert: 16- and 32-bit integer grey (`I;16`, `I`: a 16-bit PNG or TIFF) is
+scaled from 0..65535 (a plain convert clips it to white), and transparency (RGBA, LA, PA, a
+palette or grey image with a transparent colour) is composited on white, as image viewers show it,
+instead of being dropped (which leaves whatever colour the transparent pixels happen to hold).
+"""
 
 from __future__ import annotations
 
@@ -40,11 +47,37 @@ def crop_origin(size: tuple[int, int], width: int, height: int,
     return top, left
 
 
+# what transparent pixels become in training images (README, "Data")
+ALPHA_BACKGROUND = (255, 255, 255)
+_WIDE_GREY = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
+def _wide_grey_to_l(image: Image.Image) -> Image.Image:
+    """An integer (or float) grey image scaled from the 16-bit range to 8 bits."""
+    array = np.asarray(image, dtype=np.float64)
+    scaled = np.clip(np.rint(array / 257.0), 0, 255).astype(np.uint8)  # 65535 / 255 = 257
+    return Image.fromarray(scaled, "L")
+
+
+def _has_alpha(image: Image.Image) -> bool:
+    return image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info
+
+
+def to_mode(image: Image.Image, mode: str) -> Image.Image:
+    """`image` in "RGB" (transparency composited on ALPHA_BACKGROUND) or "L", for any mode Pillow reads."""
+    if image.mode in _WIDE_GREY:
+        image = _wide_grey_to_l(image)
+    if mode == "RGB" and _has_alpha(image):
+        background = Image.new("RGBA", image.size, (*ALPHA_BACKGROUND, 255))
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image if image.mode == mode else image.convert(mode)
+
+
 def open_covering(path: Path, mode: str, width: int, height: int, position: tuple[float, float],
                   resample: Image.Resampling) -> Image.Image:
     """The image file (EXIF-rotated, in `mode`) resized to cover width x height and cropped at `position`."""
     with Image.open(path) as opened:
-        image = ImageOps.exif_transpose(opened).convert(mode)
+        image = to_mode(ImageOps.exif_transpose(opened), mode)
     image = image.resize(cover_size(image.size, width, height), resample)
     return image.crop(crop_box(image.size, width, height, position))
 

@@ -29,6 +29,7 @@ from modules.config.train_config import TrainConfig
 from modules.remote import helper
 from modules.remote.ssh import RemoteError, SshTarget
 from modules.saving.atomic import write_text
+from modules.saving.output_target import record_output, resolve_output
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PROJECT_ITEMS = ("launch.py", "requirements.txt", "modules", "resources")
@@ -60,6 +61,7 @@ class RemoteRun:
         self.target = target
         self.local_workspace = Path(local_workspace).resolve()
         self.local_output = Path(local_output).resolve()
+        self.requested_output = self.local_output  # output.path as configured (local_output may be name-2)
         self.remote_dir = remote_dir  # absolute on the box
         self.offset = offset  # bytes of events.jsonl already relayed
         self.log = log or (lambda text: print(f"[remote] {text}", file=sys.stderr, flush=True))
@@ -98,7 +100,7 @@ class RemoteRun:
     def save_session(self) -> None:
         write_text(self.local_workspace / SESSION_FILE, json.dumps({
             "target": self.target.to_json(), "remote_dir": self.remote_dir, "offset": self.offset,
-            "local_output": str(self.local_output)}, indent=2))
+            "local_output": str(self.local_output), "requested_output": str(self.requested_output)}, indent=2))
 
     @classmethod
     def from_session(cls, local_workspace: str | Path, log=None) -> RemoteRun:
@@ -108,8 +110,10 @@ class RemoteRun:
                               "start one with launch.py remote --host ... --config ...)")
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
-            return cls(SshTarget(**data["target"]), local_workspace, data["local_output"], data["remote_dir"],
-                       int(data.get("offset", 0)), log)
+            run = cls(SshTarget(**data["target"]), local_workspace, data["local_output"], data["remote_dir"],
+                      int(data.get("offset", 0)), log)
+            run.requested_output = Path(data.get("requested_output", data["local_output"]))
+            return run
         except (ValueError, KeyError, TypeError, AttributeError, RemoteError) as error:  # not JSON, not our fields
             problem = str(error) if isinstance(error, (ValueError, RemoteError)) else f"{type(error).__name__}: {error}"
             raise RemoteError(f"--attach: {path} is damaged ({problem}): it no longer says where the remote run "
@@ -128,7 +132,11 @@ class RemoteRun:
             f"{'CUDA: ' + ', '.join(info['gpus']) if info['cuda'] else 'no CUDA (training on its CPU)'}, "
             f"{info['free_bytes'] / 2**30:.1f} GiB free in {remote_dir}")
         cls._check_box(target, info, config, send_model)
-        run = cls(target, config.workspace_dir, config.output.path, remote_dir, 0, log)
+        # output.if_exists is settled here, for the local file the result is fetched to
+        local_output = resolve_output(config.output_path, config.output.if_exists, Path(config.workspace_dir),
+                                      resume, lambda text: log(f"warning: {text}"))
+        run = cls(target, config.workspace_dir, local_output, remote_dir, 0, log)
+        run.requested_output = config.output_path.resolve()
         state = target.run_json(target.helper_argv(remote_dir, "status", run.run_dir), "checking for a run in progress")
         if state["state"] == "running":
             raise RemoteError(f"{target.label}: a run is still going in {run.run_dir}; reattach with "
@@ -210,6 +218,7 @@ class RemoteRun:
         data["workspace_dir"] = self.remote_workspace
         data["cache_dir"] = None
         data["output"]["path"] = self.remote_output
+        data["output"]["if_exists"] = "overwrite"  # the box's copy only carries the result here
         data["backup"]["resume"] = False  # --resume says it on the command line
         return pairs, data
 
@@ -367,6 +376,7 @@ class RemoteRun:
             self._pull(self.remote_workspace, in_workspace, self.local_workspace)
         if self.remote_output in remote_paths:
             self._pull(f"{self.remote_dir}/output", [self.local_output.name], self.local_output.parent)
+            record_output(self.local_workspace, self.requested_output, self.local_output)  # a --resume replaces it
 
     def _pull(self, remote_root: str, relatives: list[str], local_root: Path) -> None:
         argv = self.target.helper_argv(self.remote_dir, "send", remote_root, *relatives)

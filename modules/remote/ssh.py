@@ -16,6 +16,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+def remote_word(arg: str) -> str:
+    """One shell word for the box's login shell. Quoting keeps a `~/` prefix literal there, and the
+    user meant the box's home (`--remote-python ~/venv/bin/python`), so that prefix is left to
+    the remote shell as "$HOME" and only the rest is quoted."""
+    if arg == "~":
+        return '"$HOME"'
+    if arg.startswith("~/"):
+        return '"$HOME"/' + shlex.quote(arg[2:])
+    return shlex.quote(arg)
+
+
 class RemoteError(UserError):
     """Something about the box or the connection; the message names the host and what to do."""
 
@@ -56,7 +67,7 @@ class SshTarget:
 
     def argv(self, remote_args: list[str]) -> list[str]:
         """`ssh ... host 'quoted remote command'` (sshd hands the command to the login shell)."""
-        return ["ssh", *self.ssh_options(), self.host, " ".join(shlex.quote(str(a)) for a in remote_args)]
+        return ["ssh", *self.ssh_options(), self.host, " ".join(remote_word(str(a)) for a in remote_args)]
 
     def helper_argv(self, remote_dir: str, *args: str) -> list[str]:
         return self.argv([self.python, f"{remote_dir}/helper.py", *args])

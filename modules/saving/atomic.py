@@ -18,6 +18,25 @@ from typing import Callable, Iterator
 from modules.errors import environment_error
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where the OS tells it (Linux /proc), else by
+    the set-and-restore that is the only portable way to read it."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_file_mode() -> int:
+    """What open() would have given a new file: 0o666 less the umask (mkstemp always makes 0o600)."""
+    return 0o666 & ~_umask()
+
+
 @contextlib.contextmanager
 def atomic_path(target: str | Path) -> Iterator[Path]:
     """Yield a temp path beside `target`; on success it replaces `target`, on error it is removed."""
@@ -30,6 +49,7 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         handle, temp_name = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp", dir=target.parent)
     os.close(handle)
     temp = Path(temp_name)
+    os.chmod(temp, _plain_file_mode())  # others may read outputs as they may any file the user writes
     try:
         with write_errors(target):
             yield temp

@@ -56,6 +56,18 @@ def write_backup(workspace: Path, step: int, adapter_state: dict[str, torch.Tens
     return final
 
 
+def remove_unfinished_backups(workspace: Path) -> int:
+    """Delete the temp folders (`.tmp-*`) of backups a killed run never finished; how many.
+    Called with the workspace lock held, so no live run is writing one."""
+    root = Path(workspace) / BACKUP_DIR
+    if not root.is_dir():
+        return 0
+    unfinished = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(".tmp-")]
+    for folder in unfinished:
+        shutil.rmtree(folder, ignore_errors=True)
+    return len(unfinished)
+
+
 def list_backups(workspace: Path) -> list[Path]:
     """Complete backups, oldest first (names start with their time)."""
     root = Path(workspace) / BACKUP_DIR

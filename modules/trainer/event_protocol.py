@@ -62,21 +62,33 @@ COMMANDS = {"stop": TrainCommands.stop, "sample": TrainCommands.sample_now,
             "backup": TrainCommands.backup_now, "save": TrainCommands.save_now}
 
 
+def command_name(line: str) -> str | None:
+    """The command a line asks for, or None for anything else: malformed JSON, a JSON value that is
+    not an object, a "command" that is not one of the names (a list, a number, an unknown string).
+    Nothing a client sends may end the reader: every later stop would be ignored."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):  # malformed, a number too large to convert, nesting too deep
+        return None
+    name = message.get("command") if isinstance(message, dict) else None
+    return name if isinstance(name, str) and name in COMMANDS else None
+
+
 def read_commands(stream: IO[str], commands: TrainCommands, events: JsonlEvents) -> threading.Thread:
     """Read commands from `stream` on a daemon thread until it closes."""
+    if hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")  # a stray non-UTF-8 byte becomes a bad line, not a dead reader
 
     def loop() -> None:
         for line in stream:
             if not line.strip():
                 continue
-            try:
-                name = json.loads(line).get("command")
-            except (json.JSONDecodeError, AttributeError):
-                name = None
-            if name in COMMANDS:
+            name = command_name(line)
+            if name is not None:
                 COMMANDS[name](commands)
             else:
-                events.on_warning(f"ignored command line {line.strip()!r} (expected {{\"command\": one of {', '.join(COMMANDS)}}})")
+                events.on_warning(f"ignored command line {line.strip()[:200]!r} "
+                                  f"(expected {{\"command\": one of {', '.join(COMMANDS)}}})")
 
     thread = threading.Thread(target=loop, name="command-reader", daemon=True)
     thread.start()

@@ -42,9 +42,12 @@ from modules.quantization.policy import plan_base_precision
 from modules.quantization.replace import DENSE_MODES
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
-from modules.saving.backup import newest_backup, read_backup, write_backup
+from modules.saving.backup import newest_backup, read_backup, remove_unfinished_backups, write_backup
+from modules.saving.output_target import record_output, resolve_output
+from modules.saving.workspace_lock import WorkspaceLock
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
+from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.guards import (
     TrainingError,
     check_finite,
@@ -54,7 +57,12 @@ from modules.trainer.guards import (
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.preflight import run_preflight
 from modules.trainer.regional_compile import compile_regions_
-from modules.trainer.resume import check_resume_compatible
+from modules.trainer.resume import (
+    apply_current_hyperparameters,
+    check_resume_compatible,
+    describe_changes,
+    follow_current_schedule,
+)
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
@@ -71,6 +79,11 @@ class GenericTrainer:
         self.cache_dir = Path(config.cache_dir) if config.cache_dir else self.workspace / "cache"
         self.device = resolve_device(config.train_device)
         self.step = 0  # optimizer steps done
+        self.steps_at_start = 0  # of them, those done before this process (a resume)
+        self.lock = WorkspaceLock(self.workspace, self.callbacks.on_warning)
+        self.output_path = config.output_path  # settled in start(): output.if_exists may version it
+        self.scalars: ScalarLog | None = None
+        self.backup_config: dict | None = None  # the config a resumed backup was written with
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of `epoch` already trained
         self.last_loss = float("nan")
@@ -86,8 +99,15 @@ class GenericTrainer:
         config = self.config
         run_preflight(config)  # every problem the config alone shows, together, before the slow model load
         check_concepts(config.concepts)  # before the slow model load
+        self.lock.acquire()  # before anything is written into the workspace
+        removed = remove_unfinished_backups(self.workspace)
+        if removed:
+            self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
+        self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
+                                          config.backup.resume, self.callbacks.on_warning)
+        if config.backup.resume:
+            self._check_resume_early()
         self.callbacks.on_status("loading model")
-        self.workspace.mkdir(parents=True, exist_ok=True)
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
         self.family = get_family_class(config.model.family)(config)
@@ -101,11 +121,15 @@ class GenericTrainer:
                                f"{config.model.family} trains with flow matching"])
         self.family.weight_modes = self.resolve_weight_modes()
         self.family.load()
+        if self.commands.stop_requested:
+            return self._stopped_while_loading()
         for part, report in self.family.quantization_reports.items():
             self.callbacks.on_status(report.summary(part))
         self.setup_optimizations()
         self.setup_train_device()
         self.setup_model()
+        if self.commands.stop_requested:
+            return self._stopped_while_loading()
         self.callbacks.on_status("caching latents and text")
         self.setup_data()
         self.sample_action = TimedAction(config.schedule.sample_every)
@@ -113,6 +137,11 @@ class GenericTrainer:
         self.save_action = TimedAction(config.schedule.save_every)
         self.validate_action = TimedAction(config.schedule.validate_every)
         self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard)
+
+    def _stopped_while_loading(self) -> None:
+        """A stop (Ctrl-C, the GUI) before training: nothing more is loaded; train() and end() then do
+        nothing, so no untrained adapter is saved or backed up."""
+        self.callbacks.on_status("stopped before the first step: nothing is saved")
 
     def resolve_weight_modes(self) -> dict[str, str]:
         """Each part's storage mode for this machine: "auto" resolved, and a mode that cannot work
@@ -226,6 +255,15 @@ class GenericTrainer:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)
         for part in self.trained_parts:
             self.family.parts[part].train()
+        self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
+        self.ema = (EMA(self.adapters.parameters(), config.ema.decay,
+                        self.device if config.ema.device == "train" else torch.device("cpu"))
+                    if config.ema.enabled else None)
+        # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train_dtype == "float16")
+        self.resume_state = self._load_resume_state() if config.backup.resume else None
+
+    def _param_groups(self, config: TrainConfig) -> list[dict]:
         groups = []
         # kohya's scale_lr: the same per-sample step size whatever the effective batch
         lr_scale = (config.schedule.batch_size * config.schedule.gradient_accumulation
@@ -235,13 +273,20 @@ class GenericTrainer:
             if params:
                 lr = (config.model.parts[part].learning_rate or config.optimizer.lr) * lr_scale
                 groups.append({"params": params, "lr": lr, "name": part})
-        self.optimizer = build_optimizer(config.optimizer, groups)
-        self.ema = (EMA(self.adapters.parameters(), config.ema.decay,
-                        self.device if config.ema.device == "train" else torch.device("cpu"))
-                    if config.ema.enabled else None)
-        # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train_dtype == "float16")
-        self.resume_state = self._load_resume_state() if config.backup.resume else None
+        return groups
+
+    def _backup_groups(self) -> list[dict] | None:
+        """The parameter groups a fresh optimizer of the backup's config has: what differs from this
+        run's are the hyperparameters the user changed (the rest of a loaded group is the optimizer's
+        own state, e.g. Prodigy's d, and stays as loaded). None where the backup's config no longer loads."""
+        from modules.config.loading import build_config
+
+        try:
+            old = build_config([self.backup_config])
+        except ConfigError:  # a backup this trainer no longer reads: every hyperparameter of this run applies
+            return None
+        optimizer = build_optimizer(old.optimizer, self._param_groups(old))
+        return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     def setup_data(self) -> None:
         # text conditioning can be cached only while no text encoder trains and every caption is
@@ -268,8 +313,16 @@ class GenericTrainer:
         self.generator = make_generator(self.device, self.config.seed)
         if self.resume_state is not None:
             self._restore(self.resume_state)
+        self.steps_at_start = self.step
 
     # --- resume ------------------------------------------------------------------------------
+
+    def _check_resume_early(self) -> None:
+        """A change the backup cannot follow is refused before the (slow) model load."""
+        folder = newest_backup(self.workspace)
+        if folder is not None:
+            check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
+                                    self.config, folder)
 
     def _load_resume_state(self) -> dict | None:
         folder = newest_backup(self.workspace)
@@ -280,11 +333,21 @@ class GenericTrainer:
         check_resume_compatible(config_json, self.config, folder)
         self.adapters.load_state_dict(adapter_state, source=str(folder / "adapter.safetensors"))
         self.callbacks.on_status(f"resuming from {folder}")
+        changes = describe_changes(config_json, self.config)
+        if changes:
+            self.callbacks.on_warning(f"resume: changed since the backup (this run's values apply from step "
+                                      f"{state['step'] + 1}): " + "; ".join(changes))
+        self.backup_config = config_json
         return state
 
     def _restore(self, state: dict) -> None:
+        # load_state_dict brings back the backup's hyperparameters (lr, betas, ...) with the state;
+        # the ones this run's config changed are put back, and the schedule follows this run's config
+        current_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(state["optimizer"])
+        apply_current_hyperparameters(self.optimizer, current_groups, self._backup_groups())
         self.scheduler.load_state_dict(state["scheduler"])
+        follow_current_schedule(self.scheduler)
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.generator.set_state(state["generator"])
@@ -316,15 +379,20 @@ class GenericTrainer:
 
     @with_pinned_sdpa  # flash / memory-efficient attention while training, the process's choice after
     def train(self) -> None:
+        if self.dataset is None:  # stopped while loading
+            return
         config, schedule = self.config, self.config.schedule
         accumulation = schedule.gradient_accumulation
         params = self.adapters.parameters()
         compute_dtype = dtype_of(config.train_dtype)
         scaler = self.scaler
         first_step_snapshot = snapshot(self.adapters.named_parameters())
+        notice = cpu_notice(self)  # before a first step that can take many minutes there
+        if notice:
+            self.callbacks.on_warning(notice)
         self.callbacks.on_started(self.total_steps)
         self.callbacks.on_status("training")
-        started, steps_at_start = time.monotonic(), self.step
+        started, steps_at_start = time.monotonic(), self.steps_at_start
         while self.step < self.total_steps and self.epoch < schedule.epochs and not self.commands.stop_requested:
             batches = self.dataset.epoch_batches(self.epoch)
             if self.batch_in_epoch >= len(batches):  # resumed into a data set that has shrunk since
@@ -362,7 +430,7 @@ class GenericTrainer:
                 self._on_boundary(epoch_finished)
                 if self.commands.stop_requested or epoch_finished:
                     break
-        if self.commands.stop_requested:
+        if self.commands.stop_requested and self.step > self.steps_at_start:
             self.callbacks.on_status("stopping: writing a backup")
             self.backup()
 
@@ -453,7 +521,7 @@ class GenericTrainer:
     def save(self, path: Path | None = None) -> Path:
         output = self.config.output
         if path is None:
-            target = Path(output.path)
+            target = self.output_path
             path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
         family = self.family
         metadata = {
@@ -472,8 +540,24 @@ class GenericTrainer:
 
     # --- end ---------------------------------------------------------------------------------
 
-    def end(self) -> Path:
-        path = self.save(Path(self.config.output.path))
-        self.scalars.close()
+    def end(self) -> Path | None:
+        """The final save, unless no optimizer step ran in this process: then the file at the output
+        path (perhaps a good adapter of another run) is left as it was, and None is returned."""
+        path = None
+        # step 0: nothing trained (stopped while loading, or before step 1). A resumed run that
+        # stops at once still saves: its adapter is the backup's trained one.
+        if self.step > 0:
+            path = self.save(self.output_path)
+            record_output(self.workspace, self.config.output_path, path)
+        else:
+            self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
+                                      f"({self.output_path} is left as it was)")
+        if self.scalars is not None:
+            self.scalars.close()
+        self.release()
         self.callbacks.on_finished()
         return path
+
+    def release(self) -> None:
+        """Free the workspace for the next run (also after an error: run_training calls it)."""
+        self.lock.release()

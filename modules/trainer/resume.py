@@ -1,14 +1,18 @@
-"""Refuse to resume a backup into a run whose model or adapter differs from it.
+"""Resuming a backup into a run whose config changed: refuse what cannot follow, apply the rest.
 
-Loading would fail on shapes anyway for some changes, but not for all (another base model of
-the same architecture loads fine and silently trains a mismatched adapter; a LoRA of another
-alpha loads and trains at another scale), so compare the settings that define what the adapter
-is attached to and what it is, and name every one that changed with its dotted path.
+Refused (loading would fail on shapes for some, but not for all: another base model of the same
+architecture loads fine and silently trains a mismatched adapter; a LoRA of another alpha trains at
+another scale): the settings that define what the adapter is attached to and what it is, and the
+optimizer's type (the backup's optimizer state belongs to its own algorithm). Every other change is
+reported and applied: hyperparameters (lr, betas, ...) and the LR schedule take this run's values
+from the first resumed step, while the optimizer's state (moments, step counts, Prodigy's d) is kept.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from modules.config.train_config import TrainConfig
 from modules.trainer.guards import TrainingError
@@ -77,8 +81,75 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     return changes
 
 
+def _optimizer_type_change(backup_config: dict, config: TrainConfig) -> list[str]:
+    old = _get(backup_config, ("optimizer", "type"), _get(TrainConfig().model_dump(mode="json"), ("optimizer", "type")))
+    if old == config.optimizer.type:
+        return []
+    return [f"optimizer.type: {old!r} in the backup, {config.optimizer.type!r} now (the backup's optimizer "
+            f"state belongs to {old}; to switch optimizers, start a new run with adapter.init_from set to the "
+            "backup's adapter.safetensors)"]
+
+
+def _leaves(tree, prefix: str = "") -> dict[str, object]:
+    """Dotted path -> value of every leaf of a dumped config (a list is one leaf)."""
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out = {}
+    for key, value in tree.items():
+        out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+# not settings of the training: how this run was started, and the file format
+_NOT_COMPARED = {"version", "backup.resume"}
+
+
+def describe_changes(backup_config: dict, config: TrainConfig) -> list[str]:
+    """Every setting that differs between the backup's config and this run's, as 'path: old -> new'."""
+    defaults = _leaves(TrainConfig.model_validate({"model": {"family": config.model.family}}).model_dump(mode="json"))
+    old, new = _leaves(backup_config), _leaves(config.model_dump(mode="json"))
+    changes = []
+    for path in sorted(set(old) | set(new)):
+        if path in _NOT_COMPARED:
+            continue
+        before, after = old.get(path, defaults.get(path)), new.get(path, defaults.get(path))
+        if before != after:
+            changes.append(f"{path}: {before!r} -> {after!r}")
+    return changes
+
+
+def _differs(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):  # some optimizers keep a tensor lr
+        return not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b))
+    return a != b
+
+
+def apply_current_hyperparameters(optimizer: torch.optim.Optimizer, current: list[dict],
+                                  backup_fresh: list[dict] | None) -> None:
+    """After `optimizer.load_state_dict`, put back this run's value of every group setting this run's
+    config changed: where `current` (this run's fresh groups) differs from `backup_fresh` (a fresh
+    optimizer of the backup's config). Settings equal in both keep their loaded value, which is the
+    optimizer's own state where it keeps some in the group (Prodigy's d). Without `backup_fresh`,
+    this run's settings all apply."""
+    for index, (group, mine) in enumerate(zip(optimizer.param_groups, current)):
+        theirs = backup_fresh[index] if backup_fresh is not None and index < len(backup_fresh) else None
+        for key, value in mine.items():
+            if theirs is None or key not in theirs or _differs(theirs[key], value):
+                group[key] = value
+
+
+def follow_current_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """After `scheduler.load_state_dict`, which restores the backup's base lrs: this run's base lrs
+    (the groups' initial_lr) and this run's schedule at the resumed step."""
+    groups = scheduler.optimizer.param_groups
+    scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]
+
+
 def check_resume_compatible(backup_config: dict, config: TrainConfig, folder: Path) -> None:
-    changes = resume_changes(backup_config, config)
+    changes = resume_changes(backup_config, config) + _optimizer_type_change(backup_config, config)
     if changes:
         raise TrainingError(f"cannot resume from {folder}: the run changed in ways the backup cannot follow "
                             "(change them back, or start without --resume in a new workspace):\n  "

@@ -1,0 +1,34 @@
+"""The command reader survives anything a client sends: a bad line is named in a `warning` event
+and the reader keeps reading, so a later stop still stops the run."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from modules.trainer.commands import TrainCommands
+from modules.trainer.event_protocol import JsonlEvents, read_commands
+
+BAD_LINES = ['{"command": ["stop"]}', '{"command": {"name": "stop"}}', '{"command": 5}', 'stop', '[1, 2]',
+             '"stop"', 'null', '{"command": "launch"}', '{"command": "stop"', '[' * 100_000, '1e999999']
+
+
+def test_every_malformed_line_is_a_warning_and_a_later_stop_still_stops():
+    events_out = io.StringIO()
+    commands = TrainCommands()
+    stream = io.StringIO("\n".join(BAD_LINES) + "\n")
+    read_commands(stream, commands, JsonlEvents(events_out)).join(timeout=10)
+    assert not commands.stop_requested
+    warnings = [json.loads(line)["message"] for line in events_out.getvalue().splitlines()]
+    assert len(warnings) == len(BAD_LINES)
+    assert all(w.startswith("ignored command line") for w in warnings)
+    assert '{"command": ["stop"]}' in warnings[0]
+
+    stream = io.StringIO("\n".join(BAD_LINES + ['{"command": "stop"}']) + "\n")
+    thread = read_commands(stream, commands, JsonlEvents(io.StringIO()))
+    thread.join(timeout=10)
+    assert commands.stop_requested and not thread.is_alive()
+
+
+# Through the CLI: tests/test_outputs_safety.py sends a list command and then a stop to a child run
+# (the stop must still stop it before its first step).

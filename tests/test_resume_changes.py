@@ -1,0 +1,94 @@
+"""Resuming into a changed config: every change is reported; a changed lr or LR schedule takes
+effect from the resumed step (the optimizer's moments are kept); a changed optimizer type is refused
+with the reason, through the CLI, and no backup changes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, train_config
+
+from modules.cli.train_command import run_training
+from modules.trainer.callbacks import TrainCallbacks
+
+# two steps (4 images, batch 4, two epochs), a backup after each epoch
+OVERLAY = {"schedule": {"epochs": 2, "batch_size": 4, "backup_every": "1 epochs"}, "optimizer": {"lr": 5e-3}}
+
+
+@pytest.fixture(scope="module")
+def backed_up(tmp_path_factory, tiny_model, shape_images) -> Path:
+    """The folder of a finished two-step run with its backups (tests only read it)."""
+    root = tmp_path_factory.mktemp("resume-changes")
+    run_training(train_config(tiny_model, shape_images, root, OVERLAY), TrainCallbacks())
+    return root
+
+
+class Warnings(TrainCallbacks):
+    def __init__(self):
+        self.warnings = []
+
+    def on_warning(self, message):
+        self.warnings.append(message)
+
+
+def _resumed_trainer(root: Path, tiny_model, shape_images, change: dict):
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_model, shape_images, root, OVERLAY, change, {"backup": {"resume": True}})
+    callbacks = Warnings()
+    trainer = GenericTrainer(config, callbacks)
+    try:
+        trainer.start()
+    finally:
+        trainer.release()
+    return trainer, callbacks.warnings
+
+
+def test_a_changed_lr_applies_from_the_resumed_step_and_every_change_is_reported(backed_up, tiny_model, shape_images):
+    trainer, warnings = _resumed_trainer(backed_up, tiny_model, shape_images,
+                                         {"optimizer": {"lr": 1e-3}, "loss": {"noise_offset": 0.05}})
+    assert trainer.step == 2
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == [1e-3]
+    assert trainer.scheduler.get_last_lr() == [1e-3]
+    # the optimizer's own state came from the backup
+    state = trainer.optimizer.state[trainer.optimizer.param_groups[0]["params"][0]]
+    assert int(state["step"]) == 2 and state["exp_avg"].abs().sum() > 0
+    (report,) = [w for w in warnings if w.startswith("resume: changed since the backup")]
+    assert "optimizer.lr: 0.005 -> 0.001" in report and "loss.noise_offset: 0.0 -> 0.05" in report
+    assert "backup.resume" not in report
+
+
+def test_a_changed_schedule_applies_at_the_resumed_step(backed_up, tiny_model, shape_images):
+    # linear decay over four steps: at step 2 the factor is 1 - 2/4
+    trainer, warnings = _resumed_trainer(backed_up, tiny_model, shape_images,
+                                         {"lr_scheduler": {"type": "linear"}, "schedule": {"epochs": 4}})
+    assert trainer.total_steps == 4
+    assert trainer.scheduler.get_last_lr() == pytest.approx([5e-3 * 0.5])
+    assert [g["lr"] for g in trainer.optimizer.param_groups] == pytest.approx([5e-3 * 0.5])
+    assert any("lr_scheduler.type: 'constant' -> 'linear'" in w for w in warnings)
+
+
+def _files(folder: Path) -> dict:
+    return {p: (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_changed_optimizer_type_is_refused_with_the_reason(backed_up, tiny_model, shape_images, tmp_path):
+    config = json.loads(train_config(tiny_model, shape_images, backed_up, OVERLAY).model_dump_json())
+    config["optimizer"] = {"type": "prodigy", "lr": 1.0}
+    config_file = tmp_path / "prodigy.json"
+    config_file.write_text(json.dumps(config))
+    backups, output = Path(config["workspace_dir"]) / "backup", Path(config["output"]["path"])
+    before = {**_files(backups), **_files(output.parent)}
+    result = subprocess.run([sys.executable, "launch.py", "train", "--config", str(config_file), "--resume"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert result.returncode == 1
+    assert "optimizer.type: 'adamw' in the backup, 'prodigy' now" in result.stderr
+    assert "belongs to adamw" in result.stderr and "adapter.init_from" in result.stderr
+    assert "KeyError" not in result.stderr and "Traceback" not in result.stderr
+    assert {**_files(backups), **_files(output.parent)} == before
