@@ -130,10 +130,8 @@ def _write_problem(field: str, folder: Path) -> str | None:
 
 
 def _output_problems(config: TrainConfig) -> list[str]:
-    raw = config.output.path
-    if not raw.strip():
-        return ["output.path: empty (name the adapter file to write, e.g. output/lora.safetensors)"]
-    path = Path(raw)
+    raw = config.output.path  # empty: the workspace's own default file (config.output_path)
+    path = config.output_path
     if path.is_dir() or raw.endswith(("/", os.sep)):
         return [f"output.path: {path} is a folder; name the file to write, e.g. {path / 'lora.safetensors'}"]
     problem = _write_problem("output.path", path.parent)
@@ -248,7 +246,7 @@ def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> 
     if planned.save_count:
         workspace_detail += f", {planned.save_count} save(s) of ~{describe(planned.saves / planned.save_count)}"
     needs = [("workspace_dir", Path(config.workspace_dir), workspace_need, workspace_detail),
-             ("output.path", Path(config.output.path).parent, planned.output, "the output file")]
+             ("output.path", config.output_path.parent, planned.output, "the output file")]
     by_disk: dict[int, list] = {}
     for field, folder, need, detail in needs:
         existing = nearest_existing(folder)
