@@ -47,8 +47,9 @@ def preflight_problems(config: TrainConfig) -> list[str]:
     problems = device_problems + place_problems + model_problems + caption_problems
     if device is not None:
         problems += _dtype_problems(config, device)
-    if not place_problems and family is not None:  # the estimate reads the model's headers
-        problems += _disk_space_problems(config, family, images_per_epoch)
+    if family is not None:  # the estimate reads the model's headers; places already refused are not sized
+        refused = {problem.split(":")[0] for problem in place_problems}
+        problems += _disk_space_problems(config, family, images_per_epoch, refused)
     return problems
 
 
@@ -236,7 +237,7 @@ def _ignore(_message: str) -> None:
 
 # --- disk space --------------------------------------------------------------------------------
 
-def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> list[str]:
+def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, refused: set[str]) -> list[str]:
     from modules.trainer.backup_size import adapter_size, describe, planned_bytes, planned_steps
 
     size = adapter_size(config, family)
@@ -251,6 +252,8 @@ def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> 
              ("output.path", Path(config.output.path).parent, planned.output, "the output file")]
     by_disk: dict[int, list] = {}
     for field, folder, need, detail in needs:
+        if field in refused:
+            continue
         existing = nearest_existing(folder)
         by_disk.setdefault(os.stat(existing).st_dev, []).append((field, existing, need, detail))
     problems = []
