@@ -33,13 +33,20 @@ class PreflightError(UserError, ValueError):
 
 
 def run_preflight(config: TrainConfig) -> None:
-    problems = preflight_problems(config)
+    problems = _collect(config)
+    if len(problems) == 1 and isinstance(problems[0], UserError):
+        raise problems[0]  # one problem keeps its own class (DataError, ModelLoadError, ...)
     if problems:
-        raise PreflightError(problems)
+        raise PreflightError([str(problem) for problem in problems])
 
 
 def preflight_problems(config: TrainConfig) -> list[str]:
     """One line per problem, each starting with the dotted field it is about."""
+    return [str(problem) for problem in _collect(config)]
+
+
+def _collect(config: TrainConfig) -> list[str | UserError]:
+    """Each problem as its line, or as the error a check raised (which names its field)."""
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
@@ -48,7 +55,7 @@ def preflight_problems(config: TrainConfig) -> list[str]:
     if device is not None:
         problems += _dtype_problems(config, device)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
-        refused = {problem.split(":")[0] for problem in place_problems}
+        refused = {str(problem).split(":")[0] for problem in place_problems}
         problems += _disk_space_problems(config, family, images_per_epoch, refused)
     return problems
 
@@ -184,13 +191,14 @@ def _model_problems(config: TrainConfig):
         try:
             _check_weight_files(family, spec.name)
         except UserError as error:
-            problems.append(str(error))
+            problems.append(error)
     return problems, (family if not problems else None)
 
 
 def _check_weight_files(family, part: str) -> None:
     """The part's folder and weight files are there and their safetensors headers are whole
     (a truncated download is named here, not halfway through the load)."""
+    from modules.loading.diffusers_folder import ModelLoadError
     from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
     from modules.loading.streamed_load import checkpoint_files
 
@@ -203,12 +211,12 @@ def _check_weight_files(family, part: str) -> None:
             try:
                 SafetensorsStream(path)
             except SafetensorsError as error:
-                raise UserError(f"{where}: {error}") from None
+                raise ModelLoadError(f"{where}: {error}") from None
 
 
 # --- the data ----------------------------------------------------------------------------------
 
-def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
+def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int]:
     """Each enabled concept scanned as training will scan it (captions read and decoded);
     also how many images an epoch trains, for the disk estimate."""
     from modules.data.concepts import DataError, check_concepts, scan_concept
@@ -216,7 +224,7 @@ def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
     try:
         check_concepts(config.concepts)
     except DataError as error:
-        return [str(error)], 0
+        return [error], 0
     problems, images = [], 0
     for index, concept in enumerate(config.concepts):
         if not concept.enabled:
@@ -224,7 +232,7 @@ def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
         try:
             items = scan_concept(index, concept, _ignore)
         except DataError as error:
-            problems.append(str(error))
+            problems.append(error)
             continue
         if not concept.validation:
             images += concept.samples_per_epoch or len(items) * concept.repeats
