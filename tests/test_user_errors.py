@@ -59,11 +59,16 @@ def config_file(tmp_path, tiny_model, shape_images) -> Path:
 
 # --- read-only places and full disks ------------------------------------------------------------
 
-def test_a_read_only_workspace_is_one_message(tmp_path):
+def test_a_read_only_workspace_is_one_message(tmp_path, config_file):
     with read_only_folder(tmp_path / "ro", {"keep.txt": b"an earlier file"}) as read_only:
         before = tree(read_only)
-        message = one_error(launch("demo", "--workspace", str(read_only / "demo")))
-        assert message.startswith(f"error: cannot write {read_only / 'demo'}")
+        # training: found by the preflight, before the model loads
+        message = one_error(launch("train", "--config", str(config_file), "--set", f"workspace_dir={read_only / 'ws'}"))
+        assert message in (f"error: workspace_dir: cannot write in {read_only} (Read-only file system)",
+                           f"error: workspace_dir: cannot write in {read_only} (Permission denied)")
+        # any other command that writes there: launch.py's last net names the path
+        message = one_error(launch("make-tiny-model", "--out", str(read_only / "tiny")))
+        assert message.startswith(f"error: cannot write {read_only / 'tiny'}")
         assert message.endswith(("read-only file system", "permission denied"))
         assert tree(read_only) == before
 
@@ -128,13 +133,14 @@ class _Runs:  # a pickle that would call print("unpickled!") if it were ever unp
 def test_a_pickle_refused_by_weights_only_is_one_message(tmp_path, tiny_model, config_file):
     model = tmp_path / "model"
     shutil.copytree(tiny_model, model)
-    for path in (model / "unet").glob("*.safetensors"):
+    for path in (model / "text_encoder").glob("*.safetensors"):  # the first part to load
         path.unlink()
-    pickled = model / "unet" / "diffusion_pytorch_model.bin"
-    torch.save({"conv_in.weight": _Runs()}, pickled)
+    pickled = model / "text_encoder" / "pytorch_model.bin"
+    torch.save({"text_model.final_layer_norm.weight": _Runs()}, pickled)
     result = launch("train", "--config", str(config_file), "--set", f"model.base={model}")
     message = one_error(result)
-    assert message.startswith(f"error: model.parts.unet: {pickled} holds Python objects beyond tensors (it names ")
+    assert message.startswith(f"error: model.parts.text_encoder: {pickled} holds Python objects beyond tensors "
+                              "(it names ")
     assert "print" in message and "unpickled!" not in result.stdout + result.stderr
 
 
