@@ -18,18 +18,20 @@ from pathlib import Path
 
 import torch
 
+from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.errors import UserError
 
 
-class PreflightError(UserError, ValueError):
-    """Problems that keep a run from starting; `problems` holds one line per problem."""
+class PreflightError(ConfigError):
+    """Problems that keep a run from starting; `problems` holds one line per problem. A ConfigError
+    (a config that cannot be used, here), with its own heading."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
+        self.problems, self.source = problems, None
         # one problem reads as itself ("output.path: ..."), as every other user error does
-        super().__init__(problems[0] if len(problems) == 1 else
-                         f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
+        UserError.__init__(self, problems[0] if len(problems) == 1 else
+                           f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def run_preflight(config: TrainConfig) -> None:
@@ -51,7 +53,7 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch = _concept_problems(config)
-    problems = device_problems + place_problems + model_problems + caption_problems
+    problems = device_problems + place_problems + model_problems + caption_problems + _loss_problems(config)
     if device is not None:
         problems += _dtype_problems(config, device)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
@@ -212,6 +214,17 @@ def _check_weight_files(family, part: str) -> None:
                 SafetensorsStream(path)
             except SafetensorsError as error:
                 raise ModelLoadError(f"{where}: {error}") from None
+
+
+def _loss_problems(config: TrainConfig) -> list[str]:
+    from modules.model.registry import get_family_class
+    from modules.trainer.loss import snr_weighting_requested
+
+    weighting = snr_weighting_requested(config.loss)
+    if weighting and get_family_class(config.model.family).flow_matching:
+        return [f"{weighting}: SNR weighting is for epsilon and v-prediction models; "
+                f"{config.model.family} trains with flow matching"]
+    return []
 
 
 # --- the data ----------------------------------------------------------------------------------
