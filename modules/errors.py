@@ -52,11 +52,14 @@ def environment_error(error: BaseException, path: str | os.PathLike | None = Non
         return error
     where = str(path) if path is not None else None
     if isinstance(error, OSError) and error.errno is not None:
-        where = where or error.filename
-        target = f"cannot write {where}" if where else "cannot write"
-        if error.errno in _DISK_FULL_ERRNOS:
+        if error.errno in _DISK_FULL_ERRNOS or error.errno == errno.EROFS:  # only writes meet these
+            target = f"cannot write {where or error.filename or ''}".rstrip()
+            if error.errno == errno.EROFS:
+                return NotWritableError(f"{target}: {_REFUSED[error.errno]}")
             return DiskFullError(f"disk full: {target} ({error.strerror}); free some space and run again")
         if error.errno in _REFUSED:
+            # `path` is given where a write failed; from launch.py's last net it may have been a read
+            target = f"cannot write {where}" if where else (error.filename or "a file")
             return NotWritableError(f"{target}: {_REFUSED[error.errno]}")
         return None
     text = str(error)

@@ -18,37 +18,47 @@ from pathlib import Path
 
 import torch
 
+from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.errors import UserError
 
 
-class PreflightError(UserError, ValueError):
-    """Problems that keep a run from starting; `problems` holds one line per problem."""
+class PreflightError(ConfigError):
+    """Problems that keep a run from starting; `problems` holds one line per problem. A ConfigError
+    (a config that cannot be used, here), with its own heading."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
+        self.problems, self.source = problems, None
         # one problem reads as itself ("output.path: ..."), as every other user error does
-        super().__init__(problems[0] if len(problems) == 1 else
-                         f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
+        UserError.__init__(self, problems[0] if len(problems) == 1 else
+                           f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
 def run_preflight(config: TrainConfig) -> None:
-    problems = preflight_problems(config)
+    problems = _collect(config)
+    if len(problems) == 1 and isinstance(problems[0], UserError):
+        raise problems[0]  # one problem keeps its own class (DataError, ModelLoadError, ...)
     if problems:
-        raise PreflightError(problems)
+        raise PreflightError([str(problem) for problem in problems])
 
 
 def preflight_problems(config: TrainConfig) -> list[str]:
     """One line per problem, each starting with the dotted field it is about."""
+    return [str(problem) for problem in _collect(config)]
+
+
+def _collect(config: TrainConfig) -> list[str | UserError]:
+    """Each problem as its line, or as the error a check raised (which names its field)."""
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch = _concept_problems(config)
-    problems = device_problems + place_problems + model_problems + caption_problems
+    problems = device_problems + place_problems + model_problems + caption_problems + _loss_problems(config)
     if device is not None:
         problems += _dtype_problems(config, device)
-    if not place_problems and family is not None:  # the estimate reads the model's headers
-        problems += _disk_space_problems(config, family, images_per_epoch)
+    if family is not None:  # the estimate reads the model's headers; places already refused are not sized
+        refused = {str(problem).split(":")[0] for problem in place_problems}
+        problems += _disk_space_problems(config, family, images_per_epoch, refused)
     return problems
 
 
@@ -181,13 +191,14 @@ def _model_problems(config: TrainConfig):
         try:
             _check_weight_files(family, spec.name)
         except UserError as error:
-            problems.append(str(error))
+            problems.append(error)
     return problems, (family if not problems else None)
 
 
 def _check_weight_files(family, part: str) -> None:
     """The part's folder and weight files are there and their safetensors headers are whole
     (a truncated download is named here, not halfway through the load)."""
+    from modules.loading.diffusers_folder import ModelLoadError
     from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
     from modules.loading.streamed_load import checkpoint_files
 
@@ -200,12 +211,23 @@ def _check_weight_files(family, part: str) -> None:
             try:
                 SafetensorsStream(path)
             except SafetensorsError as error:
-                raise UserError(f"{where}: {error}") from None
+                raise ModelLoadError(f"{where}: {error}") from None
+
+
+def _loss_problems(config: TrainConfig) -> list[str]:
+    from modules.model.registry import get_family_class
+    from modules.trainer.loss import snr_weighting_requested
+
+    weighting = snr_weighting_requested(config.loss)
+    if weighting and get_family_class(config.model.family).flow_matching:
+        return [f"{weighting}: SNR weighting is for epsilon and v-prediction models; "
+                f"{config.model.family} trains with flow matching"]
+    return []
 
 
 # --- the data ----------------------------------------------------------------------------------
 
-def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
+def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int]:
     """Each enabled concept scanned as training will scan it (captions read and decoded);
     also how many images an epoch trains, for the disk estimate."""
     from modules.data.concepts import DataError, check_concepts, scan_concept
@@ -213,7 +235,7 @@ def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
     try:
         check_concepts(config.concepts)
     except DataError as error:
-        return [str(error)], 0
+        return [error], 0
     problems, images = [], 0
     for index, concept in enumerate(config.concepts):
         if not concept.enabled:
@@ -221,7 +243,7 @@ def _concept_problems(config: TrainConfig) -> tuple[list[str], int]:
         try:
             items = scan_concept(index, concept, _ignore)
         except DataError as error:
-            problems.append(str(error))
+            problems.append(error)
             continue
         if not concept.validation:
             images += concept.samples_per_epoch or len(items) * concept.repeats
@@ -234,7 +256,7 @@ def _ignore(_message: str) -> None:
 
 # --- disk space --------------------------------------------------------------------------------
 
-def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> list[str]:
+def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, refused: set[str]) -> list[str]:
     from modules.trainer.backup_size import adapter_size, describe, planned_bytes, planned_steps
 
     size = adapter_size(config, family)
@@ -249,6 +271,8 @@ def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int) -> 
              ("output.path", config.output_path.parent, planned.output, "the output file")]
     by_disk: dict[int, list] = {}
     for field, folder, need, detail in needs:
+        if field in refused:
+            continue
         existing = nearest_existing(folder)
         by_disk.setdefault(os.stat(existing).st_dev, []).append((field, existing, need, detail))
     problems = []
