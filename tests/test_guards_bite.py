@@ -110,11 +110,11 @@ def test_adapters_are_built_after_the_parts_reach_the_train_device(fake_device, 
     seen: dict[str, str] = {}
     real_build = generic_trainer.build_adapter_set
 
-    def recording_build(family, adapter, trained_parts, device):
+    def recording_build(family, adapter, trained_parts, device, *args, **kwargs):
         for part in trained_parts:
             for name, module in family.adapter_targets(part, adapter.layer_filter, adapter.layer_preset):
                 seen[f"{part}.{name}"] = module.weight.device.type
-        return real_build(family, adapter, trained_parts, device)
+        return real_build(family, adapter, trained_parts, device, *args, **kwargs)
 
     monkeypatch.setattr(generic_trainer, "build_adapter_set", recording_build)
     config = train_config(tiny_model, one_image, tmp_path, {

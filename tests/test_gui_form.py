@@ -82,6 +82,7 @@ NEEDS = {
     "adapter.lokr_decompose_both": {"adapter.type": "lokr"},
     "adapter.lokr_full_matrix": {"adapter.type": "lokr"},
     "adapter.oft_block_size": {"adapter.type": "oft"},
+    "adapter.oft_constraint": {"adapter.type": "oft"},
     "concepts[0].caption_file": {"concepts[0].caption_source": "file"},
     "concepts[0].unmasked_weight": {"concepts[0].masked_loss": True},
     "loss.huber_delta": {"loss.type": "huber"},
