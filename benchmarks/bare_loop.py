@@ -61,6 +61,58 @@ def add_lora(unet: torch.nn.Module) -> torch.nn.ModuleList:
     return modules
 
 
+class BareLoop:
+    """The loop's state after set-up: the model with LoRA hooked, the encoded data set, the optimizer.
+    `step(index)` is one optimizer step on the images at `index`; `batches()` yields the indices of
+    each step, epoch after epoch (benchmarks/step_work.py drives the same steps to count their work)."""
+
+    def __init__(self, model: Path, images: Path, resolution: int, batch: int):
+        torch.manual_seed(0)
+        text_encoder = CLIPTextModel.from_pretrained(model / "text_encoder", dtype=torch.float32, local_files_only=True)
+        vae = AutoencoderKL.from_pretrained(model / "vae", torch_dtype=torch.float32, local_files_only=True)
+        self.unet = UNet2DConditionModel.from_pretrained(model / "unet", torch_dtype=torch.float32,
+                                                         local_files_only=True)
+        tokenizer = CLIPTokenizer.from_pretrained(model / "tokenizer", local_files_only=True)
+        self.scheduler = DDPMScheduler.from_pretrained(model / "scheduler", local_files_only=True)
+        for part in (text_encoder, vae, self.unet):
+            part.requires_grad_(False)
+
+        # Encode every image and caption once, up front: the trainer's latent/text cache, in memory.
+        paths = sorted(p for p in images.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
+        captions = [p.with_suffix(".txt").read_text(encoding="utf-8").strip() for p in paths]
+        with torch.no_grad():
+            pixels = torch.stack([load_image(p, resolution) for p in paths])
+            self.latents = vae.encode(pixels).latent_dist.mean * vae.config.scaling_factor
+            ids = tokenizer(captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
+            self.hidden = text_encoder(ids)[0]  # last hidden state
+
+        self.lora = add_lora(self.unet)
+        self.unet.train()  # no dropout in this UNet, but match a trainer's mode
+        self.params = list(self.lora.parameters())
+        self.optimizer = torch.optim.AdamW(self.params, lr=3e-4, weight_decay=0.01)
+        self.shuffle = torch.Generator().manual_seed(0)
+        self.count, self.batch = len(paths), batch
+
+    def batches(self):
+        while True:
+            order = torch.randperm(self.count, generator=self.shuffle)
+            for start in range(0, len(order) - self.batch + 1, self.batch):  # drop a ragged last batch
+                yield order[start:start + self.batch]
+
+    def step(self, index: torch.Tensor) -> torch.Tensor:
+        """One optimizer step; returns the (detached) loss without reading it back."""
+        x0, text = self.latents[index], self.hidden[index]
+        noise = torch.randn_like(x0)
+        timesteps = torch.randint(0, self.scheduler.config.num_train_timesteps, (x0.shape[0],))
+        noisy = self.scheduler.add_noise(x0, noise, timesteps)
+        loss = F.mse_loss(self.unet(noisy, timesteps, encoder_hidden_states=text).sample, noise)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path)
@@ -72,52 +124,18 @@ def main() -> None:
     args = parser.parse_args()
     t0 = args.t0 if args.t0 is not None else _T_MODULE
 
-    torch.manual_seed(0)
-    text_encoder = CLIPTextModel.from_pretrained(args.model / "text_encoder", dtype=torch.float32, local_files_only=True)
-    vae = AutoencoderKL.from_pretrained(args.model / "vae", torch_dtype=torch.float32, local_files_only=True)
-    unet = UNet2DConditionModel.from_pretrained(args.model / "unet", torch_dtype=torch.float32, local_files_only=True)
-    tokenizer = CLIPTokenizer.from_pretrained(args.model / "tokenizer", local_files_only=True)
-    scheduler = DDPMScheduler.from_pretrained(args.model / "scheduler", local_files_only=True)
-    for part in (text_encoder, vae, unet):
-        part.requires_grad_(False)
-
-    # Encode every image and caption once, up front: the trainer's latent/text cache, in memory.
-    paths = sorted(p for p in args.images.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
-    captions = [p.with_suffix(".txt").read_text(encoding="utf-8").strip() for p in paths]
-    with torch.no_grad():
-        pixels = torch.stack([load_image(p, args.resolution) for p in paths])
-        latents = vae.encode(pixels).latent_dist.mean * vae.config.scaling_factor
-        ids = tokenizer(captions, padding="max_length", max_length=77, truncation=True, return_tensors="pt").input_ids
-        hidden = text_encoder(ids)[0]  # last hidden state
-
-    lora = add_lora(unet)
-    unet.train()  # no dropout in this UNet, but match a trainer's mode
-    params = list(lora.parameters())
-    optimizer = torch.optim.AdamW(params, lr=3e-4, weight_decay=0.01)
-    shuffle = torch.Generator().manual_seed(0)
-
+    loop = BareLoop(args.model, args.images, args.resolution, args.batch)
     step_ends, losses = [], []
     setup_end_wall = time.time()
     previous = time.perf_counter()
-    while len(step_ends) < args.steps:
-        order = torch.randperm(len(paths), generator=shuffle)
-        for start in range(0, len(order) - args.batch + 1, args.batch):  # drop a ragged last batch
-            index = order[start:start + args.batch]
-            x0, text = latents[index], hidden[index]
-            noise = torch.randn_like(x0)
-            timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (x0.shape[0],))
-            noisy = scheduler.add_noise(x0, noise, timesteps)
-            loss = F.mse_loss(unet(noisy, timesteps, encoder_hidden_states=text).sample, noise)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step_ends.append(time.perf_counter())
-            losses.append(loss.item())
-            if len(step_ends) == 1:
-                first_step_end_wall = time.time()
-            if len(step_ends) == args.steps:
-                break
+    for index in loop.batches():
+        loss = loop.step(index)
+        step_ends.append(time.perf_counter())
+        losses.append(loss.item())
+        if len(step_ends) == 1:
+            first_step_end_wall = time.time()
+        if len(step_ends) == args.steps:
+            break
 
     durations = [b - a for a, b in zip([previous] + step_ends[:-1], step_ends)]
     later = durations[1:] or durations
@@ -130,8 +148,8 @@ def main() -> None:
         "min_step_s": round(min(later), 5),  # the least disturbed step, when the box is shared
         "loss_first": losses[0],
         "loss_last": losses[-1],
-        "lora_params": sum(p.numel() for p in params),
-        "lora_layers": len(lora),
+        "lora_params": sum(p.numel() for p in loop.params),
+        "lora_layers": len(loop.lora),
         "threads": torch.get_num_threads(),
     }))
 

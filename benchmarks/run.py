@@ -135,16 +135,15 @@ def run_bare(size: str, work: Path, steps: int) -> dict:
     return dict(stats, peak_rss_mb=run.peak_rss_mb, other_cpu_pct=run.other_cpu_pct)
 
 
-def trainer_config(size: str, model: Path, images: Path, workspace: Path, steps: int) -> dict:
+def trainer_config(model: Path, images: Path, workspace: Path, steps: int, resolution: int, batch: int) -> dict:
     """The bare loop's settings as a trainer config (see README for the list)."""
-    spec = SIZES[size]
     return {
         "model": {"base": str(model)},
         "concepts": [{"path": str(images)}],
-        "data": {"resolution": spec["resolution"]},
+        "data": {"resolution": resolution},
         "adapter": {"rank": 16, "alpha": 16, "layer_filter": [r"^unet\..*(to_q|to_k|to_v|to_out|ff\.net)"]},
         "optimizer": {"type": "adamw", "lr": 3e-4, "weight_decay": 0.01},
-        "schedule": {"epochs": 1000, "max_steps": steps, "batch_size": spec["batch"], "max_grad_norm": 1.0},
+        "schedule": {"epochs": 1000, "max_steps": steps, "batch_size": batch, "max_grad_norm": 1.0},
         "workspace_dir": str(workspace),
         "output": {"path": str(workspace / "lora.safetensors"), "dtype": "float32"},
         "train_device": "cpu",
@@ -160,7 +159,9 @@ def run_trainer(size: str, work: Path, steps: int = 40) -> dict:
     workspace = work / size / "trainer-workspace"
     shutil.rmtree(workspace, ignore_errors=True)
     config = work / size / "trainer.json"
-    config.write_text(json.dumps(trainer_config(size, model, images, workspace, steps), indent=1))
+    spec = SIZES[size]
+    config.write_text(json.dumps(trainer_config(model, images, workspace, steps, spec["resolution"], spec["batch"]),
+                                 indent=1))
     run = timed_run([sys.executable, "launch.py", "train", "--config", str(config), "--protocol", "jsonl"],
                     work / "logs" / f"{size}-trainer.log")
     arrivals, losses = [], []

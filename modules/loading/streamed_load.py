@@ -37,7 +37,7 @@ from modules.quantization.replace import (
     plan_layers,
 )
 from modules.quantization.skip_rules import keeps_float32
-from modules.util.memory import return_freed_memory_to_os
+from modules.util.memory import freed_memory_returned_to_os
 
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input")
 _MARKER = "scaled_fp8"
@@ -148,6 +148,7 @@ def _dequantize_scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return codes.to(torch.float32) * scale
 
 
+@freed_memory_returned_to_os()  # for the load only: see there (issue 19)
 def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode: str,
                   compute_dtype: torch.dtype, quantize_skip: list[str] | None = None,
                   nf4_double_quant: bool = True, rename: Callable[[str], str] | None = None,
@@ -161,7 +162,6 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     compute in `compute_dtype` while every other floating tensor is stored in `compute_dtype` too.
     `_keep_in_fp32_modules` of the model class stay float32 in every mode.
     """
-    return_freed_memory_to_os()
     dense = DENSE_MODES.get(mode, compute_dtype)
     expected = {key: tensor.shape for key, tensor in model.state_dict().items()}
     report = None
