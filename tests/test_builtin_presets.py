@@ -20,7 +20,8 @@ import pytest
 from PIL import Image
 
 from modules.config.loading import build_config
-from modules.config.presets import list_presets, load_preset_overlay
+from modules.config.presets import list_presets, load_preset_overlay, save_preset
+from modules.model.registry import family_names
 from modules.quantization.capabilities import detect_capabilities, working_modes
 
 BUILTIN = [preset for preset in list_presets() if preset.builtin]
@@ -41,8 +42,9 @@ def _isolated_user_dir(tmp_path, monkeypatch):
 
 
 def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
+    # a preset without prompts (the GUI's defaults have none) samples one, so sampling is tested too
     prompts = [{**prompt, "steps": 2, "width": 64, "height": 64}
-               for prompt in preset_overlay.get("sampling", {}).get("prompts", [])]
+               for prompt in preset_overlay.get("sampling", {}).get("prompts", [{"prompt": "a red square"}])]
     return {
         "model": {"base": str(model)},
         "concepts": [{"path": str(images)}],
@@ -67,11 +69,25 @@ def _lora_layers(pipe) -> int:
 
 @pytest.mark.parametrize("preset", _params())
 def test_builtin_preset_trains_samples_backs_up_and_saves(preset, tmp_path, tiny_family_model, shape_images):
+    overlay = load_preset_overlay(preset.name)
+    _trains_samples_backs_up_and_saves(overlay, preset.family, tmp_path, tiny_family_model, shape_images)
+
+
+@pytest.mark.parametrize("family", family_names())
+def test_a_preset_saved_from_the_gui_defaults_trains_samples_and_saves(family, tmp_path, tiny_family_model,
+                                                                       shape_images):
+    """What a user gets from the GUI by picking a family and pressing Save as: the family's defaults
+    (the window starts from `build_config` of the family, ui/state.py) saved as a user preset."""
+    save_preset(build_config([{"model": {"family": family}}]), f"my {family} defaults")
+    overlay = load_preset_overlay(f"my {family} defaults")
+    _trains_samples_backs_up_and_saves(overlay, family, tmp_path, tiny_family_model, shape_images)
+
+
+def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tiny_family_model, shape_images):
     from modules.trainer.generic_trainer import GenericTrainer
 
-    overlay = load_preset_overlay(preset.name)
-    config = build_config([overlay, _test_overrides(overlay, tiny_family_model(preset.family), shape_images, tmp_path)])
-    assert config.model.family == preset.family
+    config = build_config([overlay, _test_overrides(overlay, tiny_family_model(family), shape_images, tmp_path)])
+    assert config.model.family == family
     cpu_modes = working_modes(detect_capabilities("cpu"))
     for part, part_config in config.model.parts.items():
         if part_config.weight_dtype not in (*cpu_modes, "auto"):

@@ -92,3 +92,21 @@ def test_a_changed_optimizer_type_is_refused_with_the_reason(backed_up, tiny_mod
     assert "belongs to adamw" in result.stderr and "adapter.init_from" in result.stderr
     assert "KeyError" not in result.stderr and "Traceback" not in result.stderr
     assert {**_files(backups), **_files(output.parent)} == before
+
+
+def test_resume_compares_the_dora_axis_it_resolves_to_and_the_oft_constraint():
+    """A backup from before `dora_axis: auto` says "output"; resumed with auto into a kohya file
+    that is the input axis (a different adapter), into a diffusers file the same one."""
+    from modules.config.loading import build_config
+    from modules.trainer.resume import resume_changes
+
+    def config(format="kohya", **adapter):
+        return build_config([{"adapter": adapter, "output": {"format": format}}])
+
+    old = json.loads(config(dora=True, dora_axis="output").model_dump_json())
+    assert any(line.startswith("adapter.dora_axis: 'output' in the backup, 'input' now")
+               for line in resume_changes(old, config(dora=True)))
+    old_diffusers = json.loads(config(dora=True, dora_axis="output", format="diffusers").model_dump_json())
+    assert not resume_changes(old_diffusers, config(dora=True, format="diffusers"))
+    old_oft = json.loads(config(type="oft").model_dump_json())
+    assert any(line.startswith("adapter.oft_constraint") for line in resume_changes(old_oft, config(type="oft", oft_constraint=0.5)))

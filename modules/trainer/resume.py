@@ -14,14 +14,15 @@ from pathlib import Path
 
 import torch
 
-from modules.config.train_config import TrainConfig
+from modules.config.train_config import AdapterConfig, TrainConfig
 from modules.trainer.guards import TrainingError
 
 # What the adapter is attached to: the model (its family, weights and any part loaded from elsewhere).
 _MODEL_FIELDS = (("model", "family"), ("model", "base"))
 # What the adapter is: its algorithm, the shape of its tensors, the layers it sits on, its scale.
-_ADAPTER_FIELDS = ("type", "dora", "dora_axis", "lokr_factor", "lokr_decompose_both", "lokr_full_matrix",
-                   "oft_block_size", "layer_preset", "layer_filter")
+# (dora_axis is compared as the axis it resolves to: a backup from before `auto` says "output")
+_ADAPTER_FIELDS = ("type", "dora", "lokr_factor", "lokr_decompose_both", "lokr_full_matrix",
+                   "oft_block_size", "oft_constraint", "layer_preset", "layer_filter")
 
 
 def _get(tree: dict, path: tuple[str, ...], default=None):
@@ -65,6 +66,12 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
 
     for field in _ADAPTER_FIELDS:
         compare(("adapter", field))
+    if config.adapter.dora:
+        old_axis = _get(backup_config, ("adapter", "dora_axis"), "output")  # before `auto`, output was the default
+        old_axis = AdapterConfig(dora_axis=old_axis).resolved_dora_axis(_get(backup_config, ("output", "format"), "kohya"))
+        new_axis = config.adapter.resolved_dora_axis(config.output.format)
+        if old_axis != new_axis:
+            changes.append(f"adapter.dora_axis: {old_axis!r} in the backup, {new_axis!r} now")
     old_adapter, new_adapter = backup_config.get("adapter") or {}, current["adapter"]
     for part in sorted(set(old_trained) & set(new_trained)):  # the effective size of each trained part
         old_size = _size(old_adapter, part, defaults["adapter"])
