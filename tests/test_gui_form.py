@@ -428,3 +428,35 @@ def test_tensorboard_button_serves_the_workspace_logs(app, tmp_path, monkeypatch
         assert app.tensorboard.logdir == (tmp_path / "ws" / "tensorboard").resolve()
     finally:
         app.tensorboard.stop()
+
+
+ECHO_COMMAND = """
+import json, sys
+print(json.dumps({"event": "started", "total_steps": 1}), flush=True)
+line = sys.stdin.readline()
+open(sys.argv[1], "w").write(line)
+print(json.dumps({"event": "finished"}), flush=True)
+"""
+
+
+def test_sample_now_sends_the_prompt_as_edited_to_the_run(app, tmp_path, monkeypatch):
+    """The prompt editor's "Sample now" sends that prompt, with its edits, over the run protocol
+    (what the trainer does with it: tests/test_sample_now.py); without a run it says to start one."""
+    app.cfg.load(base_data())
+    for name in ("images", "model"):
+        (tmp_path / name).mkdir()
+    through_widget(app, "model.base", str(tmp_path / "model"))
+    through_widget(app, "concepts[0].path", str(tmp_path / "images"))
+    through_widget(app, "workspace_dir", str(tmp_path / "ws"))
+    through_widget(app, "sampling.prompts[0].prompt", "a red square")
+    through_widget(app, "sampling.prompts[0].seed", 7)
+    sampling = app.tabs["Sampling"]
+    assert not sampling.sample_now(0)  # no run yet
+    received = tmp_path / "received.json"
+    monkeypatch.setattr(app, "run_argv", lambda _config: [sys.executable, "-c", ECHO_COMMAND, str(received)])
+    assert app.start(), app.refused
+    assert sampling.sample_now(0)
+    run_to_end(app, timeout=30)
+    message = json.loads(received.read_text())
+    assert message["command"] == "sample"
+    assert message["prompt"]["prompt"] == "a red square" and message["prompt"]["seed"] == 7

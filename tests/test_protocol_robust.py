@@ -10,7 +10,9 @@ from modules.trainer.commands import TrainCommands
 from modules.trainer.event_protocol import JsonlEvents, read_commands
 
 BAD_LINES = ['{"command": ["stop"]}', '{"command": {"name": "stop"}}', '{"command": 5}', 'stop', '[1, 2]',
-             '"stop"', 'null', '{"command": "launch"}', '{"command": "stop"', '[' * 100_000, '1e999999']
+             '"stop"', 'null', '{"command": "launch"}', '{"command": "stop"', '[' * 100_000, '1e999999',
+             '{"command": "sample", "prompt": {"steps": 2}}', '{"command": "sample", "prompt": "a cat"}',
+             '{"command": "stop", "prompt": {"prompt": "a cat"}}']
 
 
 def test_every_malformed_line_is_a_warning_and_a_later_stop_still_stops():

@@ -389,9 +389,12 @@ class App(PresetBar, ctk.CTk):
         self.set_status(f"TensorBoard: {url} ({folder})")
         return url
 
-    def send_command(self, command: str) -> None:
-        if self.running and self.client.send(command):
-            self.tabs["Run"].append_log(f"[asked for: {command}]")
+    def send_command(self, command: str, prompt: dict | None = None) -> bool:
+        if self.running and self.client.send(command, prompt):
+            what = f"{command} {prompt['prompt']!r}" if prompt else command
+            self.tabs["Run"].append_log(f"[asked for: {what}]")
+            return True
+        return False
 
     def _poll(self) -> None:
         client = self.client

@@ -76,15 +76,17 @@ class RunClient:
     def running(self) -> bool:
         return self.process is not None and self.returncode is None
 
-    def send(self, command: str) -> bool:
-        """Send one command (stop, sample, backup, save); False if the run no longer listens."""
+    def send(self, command: str, prompt: dict | None = None) -> bool:
+        """Send one command (stop, sample, backup, save; sample with its own `prompt`); False if the
+        run no longer listens."""
         if command not in COMMANDS:
             raise ValueError(f"unknown command {command!r} (known: {', '.join(COMMANDS)})")
         if self.process is None or self.process.stdin is None:
             return False
         with self._stdin_lock:
             try:
-                self.process.stdin.write((json.dumps({"command": command}) + "\n").encode())
+                message = {"command": command, **({"prompt": prompt} if prompt is not None else {})}
+                self.process.stdin.write((json.dumps(message) + "\n").encode())
                 self.process.stdin.flush()
                 return True
             except (BrokenPipeError, ValueError, OSError):

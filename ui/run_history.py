@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SAMPLE_NAME = re.compile(r"step(\d+)-(\d+)\.png$")  # modules/sampling/sampler.py names samples so
+SAMPLE_NAME = re.compile(r"step(\d+)-(now)?(\d+)\.png$")  # modules/sampling/sampler.py names samples so
 MAX_CHAIN = 50
 
 
@@ -51,8 +51,10 @@ def sample_info(path: str, config: dict) -> dict:
     if match:
         step = int(match.group(1))
         prompts = (config.get("sampling") or {}).get("prompts") or []
-        index = int(match.group(2))
-        if index < len(prompts) and isinstance(prompts[index], dict):
+        index = int(match.group(3))
+        if match.group(2):  # "sample now" with a prompt from the editor: not one of the config's
+            prompt = "(sampled now)"
+        elif index < len(prompts) and isinstance(prompts[index], dict):
             prompt = prompts[index].get("prompt")
     return {"path": path, "step": step, "prompt": prompt}
 

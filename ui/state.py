@@ -18,6 +18,7 @@ pydantic's message names it: `adapter.rank: must be a whole number (got 'abc')`.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,6 +140,28 @@ def _inner_model(annotation: Any):
         if found is not None:
             return found
     return None
+
+
+def _family_mismatch(base: str, family: str) -> str | None:
+    """detect.family_mismatch, read again only when the model's folder or file changes (each edit
+    of any field validates the whole config)."""
+    from modules.model.registry import family_names
+
+    if family not in family_names():
+        return None  # the schema's own message names a bad family
+    path = Path(base)
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _cached_family_mismatch(str(path), family, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _cached_family_mismatch(base: str, family: str, _stamp: int) -> str | None:
+    from modules.model.detect import family_mismatch
+
+    return family_mismatch(base, family)
 
 
 def field_description(path: str) -> str | None:
@@ -308,6 +331,10 @@ class ConfigState:
             problems.append("model.base: choose a base model (a diffusers folder or a .safetensors file)")
         elif not Path(str(data["model"]["base"])).exists():
             problems.append(f"model.base: {data['model']['base']} does not exist")
+        else:  # the family, found as soon as a model is chosen rather than ~30 s into its load
+            mismatch = _family_mismatch(str(data["model"]["base"]), str(data.get("model", {}).get("family")))
+            if mismatch:
+                problems.append(mismatch)
         concepts = data.get("concepts") or []
         if not any(isinstance(c, dict) and c.get("enabled", True) for c in concepts):
             problems.append("concepts: add at least one enabled concept (a folder of images)")

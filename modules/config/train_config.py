@@ -312,6 +312,7 @@ class SamplePromptConfig(StrictModel):
                        "families use it as their guidance input).")
     width: int = Field(512, ge=8, multiple_of=8, description="Sample width in pixels (a multiple of 8).")
     height: int = Field(512, ge=8, multiple_of=8, description="Sample height in pixels (a multiple of 8).")
+    enabled: bool = Field(True, description="Sampled at each sampling point; off: kept in the list, skipped.")
 
 
 class SamplingConfig(StrictModel):

@@ -110,3 +110,20 @@ def _diffusers_model_type(stream) -> DetectedModel | None:
     if model_type == "v1" and not any(k.startswith("model.diffusion_model.input_blocks.") for k in checkpoint):
         return None
     return DetectedModel(None, f"{model_type!r} checkpoint (as diffusers names it)")
+
+
+def family_mismatch(path: str | Path, family: str) -> str | None:
+    """`model.base: ...` naming what the model at `path` is, when that is not `family`; None when it
+    is, or when its files say nothing (the loader then names the problem). The trainer's preflight
+    and the GUI (as soon as a model is chosen) show the same line."""
+    detected = detect_model(path)
+    if detected is None or detected.family == family:
+        return None
+    if detected.family is None:
+        what = (f"holds a {detected.kind}, which is not a model of a family this trainer trains "
+                f"({', '.join(family_names())})")
+    else:
+        what = f"is a {get_family_class(detected.family).label} model ({detected.kind})"
+    return (f"model.base: {path} {what}; the config says model.family {family!r} ({get_family_class(family).label})"
+            + (f": set model.family to {detected.family!r}" if detected.family else ""))
+

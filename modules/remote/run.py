@@ -68,7 +68,7 @@ class RemoteRun:
         self.returncode: int | None = None
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()
-        self._pending: list[str] = []
+        self._pending: list[dict] = []  # command messages not yet sent (between reconnects)
 
     # --- paths --------------------------------------------------------------------------------
 
@@ -272,8 +272,8 @@ class RemoteRun:
         with self._lock:
             self._process = process
             pending, self._pending = self._pending, []
-        for name in pending:
-            self.send_command(name)
+        for message in pending:
+            self.send_command(message["command"], message.get("prompt"))
         stderr_lines: list[bytes] = []
         threading.Thread(target=lambda: stderr_lines.extend(process.stderr), daemon=True).start()
         try:
@@ -320,20 +320,22 @@ class RemoteRun:
                 event = {**event, "path": str(local), "remote_path": event["path"]}
         return event
 
-    def send_command(self, name: str) -> bool:
-        """Send a protocol command (stop, sample, backup, save) to the run. Not connected (between
-        reconnects): it is kept and sent on the next connection, and this returns False."""
+    def send_command(self, name: str, prompt: dict | None = None) -> bool:
+        """Send a protocol command (stop, sample, backup, save; sample with its own `prompt`) to the
+        run. Not connected (between reconnects): it is kept and sent on the next connection, and this
+        returns False."""
+        message = {"command": name, **({"prompt": prompt} if prompt is not None else {})}
         with self._lock:
             process = self._process
             if process is None or process.stdin is None:
-                self._pending.append(name)
+                self._pending.append(message)
                 return False
             try:
-                process.stdin.write((json.dumps({"command": name}) + "\n").encode())
+                process.stdin.write((json.dumps(message) + "\n").encode())
                 process.stdin.flush()
                 return True
             except (BrokenPipeError, ValueError, OSError):  # the connection is going down: next time
-                self._pending.append(name)
+                self._pending.append(message)
                 return False
 
     def stop(self) -> bool:

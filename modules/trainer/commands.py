@@ -15,12 +15,18 @@ class TrainCommands:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pending: set[str] = set()
+        self._prompts: list[dict] = []  # "sample now with this prompt" requests, in order
 
     def stop(self) -> None:
         self._stop.set()
 
-    def sample_now(self) -> None:
-        self._request("sample")
+    def sample_now(self, prompt: dict | None = None) -> None:
+        """Sample the config's prompts, or only `prompt` (SamplePromptConfig fields) when given."""
+        if prompt is None:
+            self._request("sample")
+            return
+        with self._lock:
+            self._prompts.append(prompt)
 
     def backup_now(self) -> None:
         self._request("backup")
@@ -41,3 +47,9 @@ class TrainCommands:
         with self._lock:
             pending, self._pending = self._pending, set()
         return pending
+
+    def take_prompts(self) -> list[dict]:
+        """The prompts asked for with "sample now" since the last call, cleared."""
+        with self._lock:
+            prompts, self._prompts = self._prompts, []
+        return prompts

@@ -1,7 +1,8 @@
 """The run protocol (DESIGN.md): one JSON event per line out, one JSON command per line in.
 
 Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
-saved (path), warning (message), error (message), finished. Commands: stop, sample, backup, save.
+saved (path), warning (message), error (message), finished. Commands: stop, sample, backup, save;
+`{"command": "sample", "prompt": {...}}` samples that one prompt (SamplePromptConfig's fields) now.
 The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process.
 """
 
@@ -11,8 +12,12 @@ import json
 import math
 import sys
 import threading
+from dataclasses import dataclass
 from typing import IO
 
+from pydantic import ValidationError
+
+from modules.config.train_config import SamplePromptConfig
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 
@@ -62,16 +67,45 @@ COMMANDS = {"stop": TrainCommands.stop, "sample": TrainCommands.sample_now,
             "backup": TrainCommands.backup_now, "save": TrainCommands.save_now}
 
 
-def command_name(line: str) -> str | None:
+@dataclass(frozen=True)
+class Command:
+    name: str  # one of COMMANDS
+    prompt: dict | None = None  # sample: this prompt (SamplePromptConfig fields) instead of the config's
+
+
+def parse_command(line: str) -> Command | None:
     """The command a line asks for, or None for anything else: malformed JSON, a JSON value that is
-    not an object, a "command" that is not one of the names (a list, a number, an unknown string).
-    Nothing a client sends may end the reader: every later stop would be ignored."""
+    not an object, a "command" that is not one of the names (a list, a number, an unknown string),
+    a "prompt" that is not a valid sample prompt. Nothing a client sends may end the reader: every
+    later stop would be ignored."""
     try:
         message = json.loads(line)
     except (ValueError, RecursionError):  # malformed, a number too large to convert, nesting too deep
         return None
     name = message.get("command") if isinstance(message, dict) else None
-    return name if isinstance(name, str) and name in COMMANDS else None
+    if not (isinstance(name, str) and name in COMMANDS):
+        return None
+    prompt = message.get("prompt")
+    if prompt is None:
+        return Command(name)
+    if name != "sample":
+        return None
+    try:
+        return Command(name, SamplePromptConfig.model_validate(prompt).model_dump(mode="json"))
+    except ValidationError:
+        return None
+
+
+def command_name(line: str) -> str | None:
+    command = parse_command(line)
+    return command.name if command else None
+
+
+def apply_command(command: Command, commands: TrainCommands) -> None:
+    if command.prompt is not None:
+        commands.sample_now(command.prompt)
+    else:
+        COMMANDS[command.name](commands)
 
 
 def read_commands(stream: IO[str], commands: TrainCommands, events: JsonlEvents) -> threading.Thread:
@@ -83,12 +117,13 @@ def read_commands(stream: IO[str], commands: TrainCommands, events: JsonlEvents)
         for line in stream:
             if not line.strip():
                 continue
-            name = command_name(line)
-            if name is not None:
-                COMMANDS[name](commands)
+            command = parse_command(line)
+            if command is not None:
+                apply_command(command, commands)
             else:
                 events.on_warning(f"ignored command line {line.strip()[:200]!r} "
-                                  f"(expected {{\"command\": one of {', '.join(COMMANDS)}}})")
+                                  f"(expected {{\"command\": one of {', '.join(COMMANDS)}}}, and for sample "
+                                  f"optionally \"prompt\": {{\"prompt\": ..., \"seed\": ...}})")
 
     thread = threading.Thread(target=loop, name="command-reader", daemon=True)
     thread.start()

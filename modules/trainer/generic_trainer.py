@@ -25,7 +25,7 @@ from modules.adapters.formats.files import (
     save_adapter_file,
 )
 from modules.config.errors import ConfigError
-from modules.config.train_config import TrainConfig
+from modules.config.train_config import SamplePromptConfig, TrainConfig
 from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, prepare_dataset
 from modules.model.registry import get_family_class
@@ -467,17 +467,22 @@ class GenericTrainer:
             if name in requested or action.due(self.step, epoch_finished, self.epoch):
                 run()
                 action.done()
+        for number, prompt in enumerate(self.commands.take_prompts()):  # "sample now with this prompt"
+            self.sample([SamplePromptConfig.model_validate(prompt)], names=[f"now{number}"])
 
     # --- actions -----------------------------------------------------------------------------
 
-    def sample(self) -> list[Path]:
-        if not self.config.sampling.prompts:
-            self.callbacks.on_warning("sampling.prompts: no prompt to sample")
+    def sample(self, prompts: list[SamplePromptConfig] | None = None, names: list[str] | None = None) -> list[Path]:
+        """The config's enabled prompts (files named by their place in sampling.prompts), or `prompts`."""
+        if prompts is None:
+            chosen = [(str(i), p) for i, p in enumerate(self.config.sampling.prompts) if p.enabled]
+            names, prompts = [n for n, _ in chosen], [p for _, p in chosen]
+        if not prompts:
+            self.callbacks.on_warning("sampling.prompts: no enabled prompt to sample")
             return []
         self.callbacks.on_status("sampling")
         with self.offload_paused(), self.evaluation_weights():
-            paths = sample_prompts(self.family, self.config.sampling.prompts, self.workspace / "samples", self.step,
-                                   self.device)
+            paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names)
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths

@@ -167,8 +167,8 @@ def _folder_problems(config: TrainConfig) -> list[str]:
 
 def _model_problems(config: TrainConfig):
     """(problems, the family object when its files can be read further)."""
-    from modules.model.detect import detect_model
-    from modules.model.registry import family_names, get_family_class
+    from modules.model.detect import family_mismatch
+    from modules.model.registry import get_family_class
 
     family_class = get_family_class(config.model.family)
     base = config.model.base
@@ -176,15 +176,9 @@ def _model_problems(config: TrainConfig):
         path = Path(base)
         if not path.exists():
             return [f"model.base: {base} is not a folder (a diffusers model) or a .safetensors file: it does not exist"], None
-        detected = detect_model(path)
-        if detected is not None and detected.family != config.model.family:
-            if detected.family is None:
-                what = (f"holds a {detected.kind}, which is not a model of a family this trainer trains "
-                        f"({', '.join(family_names())})")
-            else:
-                what = f"is a {get_family_class(detected.family).label} model ({detected.kind})"
-            return [f"model.base: {path} {what}; the config says model.family {config.model.family!r} "
-                    f"({family_class.label})" + (f": set model.family to {detected.family!r}" if detected.family else "")], None
+        mismatch = family_mismatch(path, config.model.family)
+        if mismatch:
+            return [mismatch], None
     family = family_class(config)
     problems = []
     for spec in family.part_specs:

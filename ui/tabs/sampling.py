@@ -1,5 +1,6 @@
 """Sampling: cadence, sampler, and the prompt editor (each prompt with all its fields: negative
-prompt, seed, steps, cfg, size); add and remove prompts."""
+prompt, seed, steps, cfg, size, enabled); add and remove prompts; sample one now from the running
+model."""
 
 from __future__ import annotations
 
@@ -37,6 +38,20 @@ class SamplingTab(Tab):
         self.rebuild(force=True)
         self.cfg.validate()
 
+    def sample_now(self, index: int) -> bool:
+        """This prompt, as it is in the editor now, sampled from the running model at its next step."""
+        prompt = self.prompts()[index]
+        try:
+            prompt = SamplePromptConfig.model_validate(prompt).model_dump(mode="json")
+        except ValueError as error:
+            self.app.set_status(f"sampling.prompts[{index}]: fix the prompt first ({error.errors()[0]['msg']})")
+            return False
+        if not self.app.send_command("sample", prompt):
+            self.app.set_status("Sample now: start a run first (samples come from the model being trained).")
+            return False
+        self.app.set_status(f"Sampling prompt {index + 1} at the next step; it appears in the Run tab's gallery.")
+        return True
+
     def rebuild(self, force: bool = False) -> None:
         count = len(self.prompts())
         if count == self._count and not force:
@@ -55,4 +70,6 @@ class SamplingTab(Tab):
             ctk.CTkLabel(head, text=f"Prompt {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
             ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
                           command=lambda i=index: self.remove(i)).pack(side="right", padx=8, pady=4)
+            ctk.CTkButton(head, text="Sample now", width=100,
+                          command=lambda i=index: self.sample_now(i)).pack(side="right", padx=4, pady=4)
             self.form(box, SamplePromptConfig, at)

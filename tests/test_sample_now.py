@@ -1,0 +1,44 @@
+"""Sampling from outside the loop: `{"command": "sample", "prompt": {...}}` samples that prompt at
+the next step (the GUI prompt editor's "Sample now"), and a prompt with `enabled: false` stays in
+the config but is not sampled. Through the CLI, as the GUI and remote runs drive it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import ROOT, train_config
+
+from modules.trainer.commands import TrainCommands
+from modules.trainer.event_protocol import apply_command, parse_command
+
+
+def test_a_sample_command_may_carry_a_prompt_of_its_own():
+    command = parse_command('{"command": "sample", "prompt": {"prompt": "a cat", "steps": 2}}')
+    assert command.name == "sample" and command.prompt["prompt"] == "a cat" and command.prompt["steps"] == 2
+    assert command.prompt["seed"] == 42  # the prompt's defaults filled in: what the trainer samples
+    commands = TrainCommands()
+    apply_command(command, commands)
+    assert commands.take() == set() and commands.take_prompts() == [command.prompt]
+    apply_command(parse_command('{"command": "sample"}'), commands)
+    assert commands.take() == {"sample"} and commands.take_prompts() == []
+
+
+def test_a_run_samples_a_prompt_sent_on_stdin_and_skips_disabled_prompts(tiny_model, shape_images, tmp_path):
+    config = train_config(tiny_model, shape_images, tmp_path, {
+        "schedule": {"max_steps": 2, "sample_every": "1 steps"},
+        "sampling": {"prompts": [{"prompt": "off", "enabled": False, "steps": 2, "width": 64, "height": 64},
+                                 {"prompt": "on", "steps": 2, "width": 64, "height": 64}]}})
+    config_file = tmp_path / "config.json"
+    config_file.write_text(config.model_dump_json())
+    now = {"command": "sample", "prompt": {"prompt": "now", "steps": 2, "width": 64, "height": 64}}
+    run = subprocess.run([sys.executable, "launch.py", "train", "--protocol", "jsonl", "--config", str(config_file)],
+                         cwd=ROOT, input=json.dumps(now) + "\n", capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    samples = [event["path"] for event in events if event["event"] == "sample"]
+    names = sorted(path.rsplit("/", 1)[1] for path in samples)
+    # step 1: the enabled prompt (index 1 in the list) and the prompt sent; step 2: the enabled one
+    assert names == ["step0000001-1.png", "step0000001-now0.png", "step0000002-1.png"], names
+    assert all((tmp_path / "ws" / "samples" / name).is_file() for name in names)
