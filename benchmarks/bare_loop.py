@@ -76,6 +76,9 @@ class BareLoop:
         self.scheduler = DDPMScheduler.from_pretrained(model / "scheduler", local_files_only=True)
         for part in (text_encoder, vae, self.unet):
             part.requires_grad_(False)
+        # kept resident, as a trainer that samples keeps them (dropping them would make the bare
+        # loop's peak RSS the UNet's alone, and the RSS comparison unfair by their size)
+        self.text_encoder, self.vae = text_encoder, vae
 
         # Encode every image and caption once, up front: the trainer's latent/text cache, in memory.
         paths = sorted(p for p in images.iterdir() if p.suffix.lower() in (".png", ".jpg", ".jpeg", ".webp"))
