@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from modules.trainer.callbacks import TrainCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
+from modules.trainer.training_state import training_state
 from modules.trainer.guards import TrainingError
 
 
@@ -301,7 +302,7 @@ def test_float16_autocast_trains_with_loss_scaling_and_resumes_its_scaler(tmp_pa
     config = train_config(tiny_model, shape_images, tmp_path, {"train_dtype": "float16", "schedule": {"max_steps": 2}})
     trainer = run(config)
     assert trainer.step == 2 and trainer.scaler.is_enabled()
-    assert trainer._training_state()["scaler"]["scale"] > 0
+    assert training_state(trainer)["scaler"]["scale"] > 0
 
 
 def test_a_missing_concept_folder_fails_before_the_model_loads(tmp_path, tiny_model, shape_images):

@@ -42,7 +42,7 @@ from modules.quantization.policy import plan_base_precision
 from modules.quantization.replace import DENSE_MODES
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
-from modules.saving.backup import newest_backup, read_backup, remove_unfinished_backups, write_backup
+from modules.saving.backup import remove_unfinished_backups, write_backup
 from modules.saving.output_target import record_output, resolve_output
 from modules.saving.workspace_lock import WorkspaceLock
 from modules.trainer.callbacks import Progress, TrainCallbacks
@@ -57,15 +57,15 @@ from modules.trainer.guards import (
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.preflight import run_preflight
 from modules.trainer.regional_compile import compile_regions_
-from modules.trainer.resume import (
-    apply_current_hyperparameters,
-    check_resume_compatible,
-    describe_changes,
-    follow_current_schedule,
-)
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
+from modules.trainer.training_state import (
+    check_resume_early,
+    load_resume_state,
+    restore_training_state,
+    training_state,
+)
 from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
 
@@ -106,7 +106,7 @@ class GenericTrainer:
         self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
                                           config.backup.resume, self.callbacks.on_warning)
         if config.backup.resume:
-            self._check_resume_early()
+            check_resume_early(self)
         self.callbacks.on_status("loading model")
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
@@ -261,7 +261,7 @@ class GenericTrainer:
                     if config.ema.enabled else None)
         # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=config.train_dtype == "float16")
-        self.resume_state = self._load_resume_state() if config.backup.resume else None
+        self.resume_state = load_resume_state(self) if config.backup.resume else None
 
     def _param_groups(self, config: TrainConfig) -> list[dict]:
         groups = []
@@ -274,19 +274,6 @@ class GenericTrainer:
                 lr = (config.model.parts[part].learning_rate or config.optimizer.lr) * lr_scale
                 groups.append({"params": params, "lr": lr, "name": part})
         return groups
-
-    def _backup_groups(self) -> list[dict] | None:
-        """The parameter groups a fresh optimizer of the backup's config has: what differs from this
-        run's are the hyperparameters the user changed (the rest of a loaded group is the optimizer's
-        own state, e.g. Prodigy's d, and stays as loaded). None where the backup's config no longer loads."""
-        from modules.config.loading import build_config
-
-        try:
-            old = build_config([self.backup_config])
-        except ConfigError:  # a backup this trainer no longer reads: every hyperparameter of this run applies
-            return None
-        optimizer = build_optimizer(old.optimizer, self._param_groups(old))
-        return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
     def setup_data(self) -> None:
         # text conditioning can be cached only while no text encoder trains and every caption is
@@ -312,68 +299,8 @@ class GenericTrainer:
         self.scheduler = build_scheduler(self.config.lr_scheduler, self.optimizer, self.total_steps)
         self.generator = make_generator(self.device, self.config.seed)
         if self.resume_state is not None:
-            self._restore(self.resume_state)
+            restore_training_state(self, self.resume_state)
         self.steps_at_start = self.step
-
-    # --- resume ------------------------------------------------------------------------------
-
-    def _check_resume_early(self) -> None:
-        """A change the backup cannot follow is refused before the (slow) model load."""
-        folder = newest_backup(self.workspace)
-        if folder is not None:
-            check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
-                                    self.config, folder)
-
-    def _load_resume_state(self) -> dict | None:
-        folder = newest_backup(self.workspace)
-        if folder is None:
-            self.callbacks.on_warning(f"backup.resume: no backup in {self.workspace / 'backup'}; starting from step 0")
-            return None
-        adapter_state, state, config_json = read_backup(folder)
-        check_resume_compatible(config_json, self.config, folder)
-        self.adapters.load_state_dict(adapter_state, source=str(folder / "adapter.safetensors"))
-        self.callbacks.on_status(f"resuming from {folder}")
-        changes = describe_changes(config_json, self.config)
-        if changes:
-            self.callbacks.on_warning(f"resume: changed since the backup (this run's values apply from step "
-                                      f"{state['step'] + 1}): " + "; ".join(changes))
-        self.backup_config = config_json
-        return state
-
-    def _restore(self, state: dict) -> None:
-        # load_state_dict brings back the backup's hyperparameters (lr, betas, ...) with the state;
-        # the ones this run's config changed are put back, and the schedule follows this run's config
-        current_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(state["optimizer"])
-        apply_current_hyperparameters(self.optimizer, current_groups, self._backup_groups())
-        self.scheduler.load_state_dict(state["scheduler"])
-        follow_current_schedule(self.scheduler)
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.generator.set_state(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        if self.device.type == "cuda" and state.get("cuda_rng") is not None:
-            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
-        self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        if self.ema is not None:
-            if state.get("ema") is None:
-                self.callbacks.on_warning("ema.enabled: the backup has no EMA; the average starts from the resumed weights")
-            else:
-                self.ema.load_state_dict(state["ema"])
-
-    def _training_state(self) -> dict:
-        return {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "generator": self.generator.get_state(),
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-            "step": self.step,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "ema": self.ema.state_dict() if self.ema is not None else None,
-        }
 
     # --- train -------------------------------------------------------------------------------
 
@@ -518,7 +445,7 @@ class GenericTrainer:
         return loss
 
     def backup(self) -> Path:
-        folder = write_backup(self.workspace, self.step, self.adapters.state_dict(), self._training_state(),
+        folder = write_backup(self.workspace, self.step, self.adapters.state_dict(), training_state(self),
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
         return folder

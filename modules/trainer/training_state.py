@@ -1,0 +1,104 @@
+"""A run's state beyond the adapter weights: what a backup holds (optimizer, scheduler, loss
+scaler, random streams, position in the data, EMA) and putting it back on --resume, where this
+run's changed hyperparameters apply (modules/trainer/resume.py says which changes are allowed)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+import torch
+
+from modules.config.errors import ConfigError
+from modules.optim.optimizers import build_optimizer
+from modules.saving.backup import newest_backup, read_backup
+from modules.trainer.resume import (
+    apply_current_hyperparameters,
+    check_resume_compatible,
+    describe_changes,
+    follow_current_schedule,
+)
+
+if TYPE_CHECKING:
+    from modules.trainer.generic_trainer import GenericTrainer
+
+
+def training_state(trainer: GenericTrainer) -> dict:
+    return {
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "generator": trainer.generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None,
+        "step": trainer.step,
+        "epoch": trainer.epoch,
+        "batch_in_epoch": trainer.batch_in_epoch,
+        "ema": trainer.ema.state_dict() if trainer.ema is not None else None,
+    }
+
+
+def check_resume_early(trainer: GenericTrainer) -> None:
+    """A change the backup cannot follow is refused before the (slow) model load."""
+    folder = newest_backup(trainer.workspace)
+    if folder is not None:
+        check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
+                                trainer.config, folder)
+
+
+def load_resume_state(trainer: GenericTrainer) -> dict | None:
+    """The newest backup's adapter weights loaded into the trainer's adapters; its training state
+    returned for `restore_training_state` once the scheduler exists. (Compatibility was checked
+    before the model load, by check_resume_early.)"""
+    folder = newest_backup(trainer.workspace)
+    if folder is None:
+        trainer.callbacks.on_warning(f"backup.resume: no backup in {trainer.workspace / 'backup'}; "
+                                     "starting from step 0")
+        return None
+    adapter_state, state, config_json = read_backup(folder)
+    trainer.adapters.load_state_dict(adapter_state, source=str(folder / "adapter.safetensors"))
+    trainer.callbacks.on_status(f"resuming from {folder}")
+    changes = describe_changes(config_json, trainer.config)
+    if changes:
+        trainer.callbacks.on_warning(f"resume: changed since the backup (this run's values apply from step "
+                                     f"{state['step'] + 1}): " + "; ".join(changes))
+    trainer.backup_config = config_json
+    return state
+
+
+def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
+    # load_state_dict brings back the backup's hyperparameters (lr, betas, ...) with the state;
+    # the ones this run's config changed are put back, and the schedule follows this run's config
+    optimizer = trainer.optimizer
+    current_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state["optimizer"])
+    apply_current_hyperparameters(optimizer, current_groups, _backup_groups(trainer))
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    follow_current_schedule(trainer.scheduler)
+    if state.get("scaler"):
+        trainer.scaler.load_state_dict(state["scaler"])
+    trainer.generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    if trainer.device.type == "cuda" and state.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(state["cuda_rng"], trainer.device)
+    trainer.step, trainer.epoch, trainer.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
+    if trainer.ema is not None:
+        if state.get("ema") is None:
+            trainer.callbacks.on_warning("ema.enabled: the backup has no EMA; the average starts from the "
+                                         "resumed weights")
+        else:
+            trainer.ema.load_state_dict(state["ema"])
+
+
+def _backup_groups(trainer: GenericTrainer) -> list[dict] | None:
+    """The parameter groups a fresh optimizer of the backup's config has: what differs from this
+    run's are the hyperparameters the user changed (the rest of a loaded group is the optimizer's
+    own state, e.g. Prodigy's d, and stays as loaded). None where the backup's config no longer loads."""
+    from modules.config.loading import build_config
+
+    try:
+        old = build_config([trainer.backup_config])
+    except ConfigError:  # a backup this trainer no longer reads: every hyperparameter of this run applies
+        return None
+    optimizer = build_optimizer(old.optimizer, trainer._param_groups(old))
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
