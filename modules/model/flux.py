@@ -349,6 +349,24 @@ class FluxFamily(ModelFamily):
             ]
         return [x for x in layers if x is not None]
 
+    # diffusers' kohya-FLUX converter keys these layers' LoRAs without the `transformer.` prefix,
+    # so load_lora_weights drops them (diffusers 0.42)
+    _DIFFUSERS_DROPS = ("x_embedder", "context_embedder", "time_text_embed.", "proj_out", "norm_out.")
+
+    def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        if part == "text_encoder_2":
+            return "FluxPipeline.load_lora_weights loads no T5 adapters (model.parts.text_encoder_2.train)"
+        if stacked and module_name.startswith(self._DIFFUSERS_DROPS):
+            return ("its kohya-FLUX converter drops the embedders and the final layer (adapter.layer_preset 'attn' "
+                    "or 'attn-mlp' avoids them; output.format 'diffusers' keeps them)")
+        return None
+
+    def file_layout(self, fmt: str) -> str:
+        # ComfyUI's own FLUX layout fuses q/k/v like sd-scripts' names, and ComfyUI (comfy/lora.py
+        # model_lora_keys_unet) and Forge read those names and OneTrainer's for every layer: a
+        # `comfy` file is the kohya one
+        return "kohya" if fmt == "comfy" else fmt
+
     def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
         if part == "text_encoder_2":
             return "it reads T5 adapters only under kohya's lora_te2_/lora_te3_ names"

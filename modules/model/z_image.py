@@ -5,8 +5,14 @@ scale; rectified-flow training. The transformer's timestep is 1 - sigma and its 
 negative flow velocity (as ZImagePipeline reads it); predict() returns the velocity, so the
 target is noise - latents as for Flux.
 
-Adapter key names (kohya layout): `lora_unet_<diffusers module>` (what diffusers' Z-Image
-loader and musubi-style trainers use), `lora_te_<module>` for the Qwen3 encoder.
+Adapter key names follow ComfyUI's Z-Image (Lumina2 / NextDiT) model, whose attention is one fused
+`attention.qkv` and whose output projection is `attention.out` (original_layers). kohya files
+write LoRA on those original layers, `lora_unet_layers_0_attention_qkv` (q/k/v stacked
+block-diagonally, formats/fused.py), which ComfyUI maps from its own weights and diffusers'
+Z-Image converter splits back; other algorithms, which do not stack, and the `comfy` format use
+ComfyUI's diffusers-name keys `diffusion_model.layers.0.attention.to_q` (ComfyUI applies them to
+rows of the fused weight). The Qwen3 encoder keeps `lora_te_<module>` (ComfyUI maps it for a
+single llama-style encoder). musubi-style `lora_unet_<diffusers module>` files are still read.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.model.base import ModelFamily, OriginalLayer, PartSpec
 from modules.model.flux import flow_sigmas
 from modules.model.noise import Prediction
 from modules.model.sd15 import _vae_key
@@ -173,6 +179,63 @@ class ZImageFamily(ModelFamily):
             num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
             generator=generator, max_sequence_length=self.max_sequence_length,
         ).images[0]
+
+    # --- adapters ----------------------------------------------------------------------------
+
+    # ComfyUI's names for the transformer's layers: comfy/utils.py `z_image_to_diffusers` maps
+    # each diffusers weight onto them (q/k/v as row offsets 0, dim, 2*dim of `attention.qkv`), and
+    # comfy/lora.py `model_lora_keys_unet` keys LoRAs by `lora_unet_<its name with _>` and, for
+    # Lumina2 models, by `diffusion_model.<diffusers name>` (Comfy-Org/ComfyUI)
+    _BLOCK_LAYERS = (("attention.qkv", ("attention.to_q", "attention.to_k", "attention.to_v")),
+                     ("attention.out", ("attention.to_out.0",)), ("feed_forward.w1", ("feed_forward.w1",)),
+                     ("feed_forward.w2", ("feed_forward.w2",)), ("feed_forward.w3", ("feed_forward.w3",)),
+                     ("adaLN_modulation.0", ("adaLN_modulation.0",)))
+    _TOP_LAYERS = (("x_embedder", "all_x_embedder.2-1"), ("final_layer.linear", "all_final_layer.2-1.linear"),
+                   ("final_layer.adaLN_modulation.1", "all_final_layer.2-1.adaLN_modulation.1"),
+                   ("t_embedder.mlp.0", "t_embedder.mlp.0"), ("t_embedder.mlp.2", "t_embedder.mlp.2"),
+                   ("cap_embedder.1", "cap_embedder.1"))
+    # diffusers' Z-Image converter reads these original names as no module (it knows only
+    # `all_x_embedder`/`all_final_layer`): from a kohya file it loads the rest
+    _DIFFUSERS_DROPS = ("all_x_embedder.", "all_final_layer.")
+
+    def original_layers(self, part: str) -> list[OriginalLayer] | None:
+        if part != "transformer":
+            return None
+        modules = dict(self.transformer.named_modules())
+        pairs = list(self._TOP_LAYERS)
+        for stack in ("noise_refiner", "context_refiner", "layers"):
+            for i in range(len(getattr(self.transformer, stack))):
+                pairs += [(f"{stack}.{i}.{original}", tuple(f"{stack}.{i}.{m}" for m in members))
+                          for original, members in self._BLOCK_LAYERS]
+        layers = []
+        for original, members in pairs:
+            members = (members,) if isinstance(members, str) else members
+            if all(m in modules for m in members):
+                layers.append(OriginalLayer(f"lora_unet_{original.replace('.', '_')}", members,
+                                            tuple(modules[m].out_features for m in members)))
+        return layers
+
+    def comfy_module_name(self, part: str, module_name: str) -> str:
+        if part == "transformer":
+            return f"diffusion_model.{module_name}"
+        return self.adapter_name(part, module_name)  # lora_te_: ComfyUI's single-encoder map
+
+    def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
+        # ComfyUI has no `lora_unet_` name for one of q/k/v (they are one layer there)
+        return self.comfy_module_name(part, module_name) if part == "transformer" else None
+
+    def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        if part == "text_encoder":
+            return "ZImagePipeline.load_lora_weights loads the transformer's adapters only (model.parts.text_encoder.train)"
+        if stacked and module_name.startswith(self._DIFFUSERS_DROPS):
+            return ("its Z-Image converter has no module for the original names of the embedder and final layer "
+                    "(adapter.layer_preset 'attn' or 'attn-mlp' avoids them)")
+        return None
+
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        if part == "text_encoder":
+            return "it reads Qwen3 adapters only under lora_te_ or text_encoders. names"
+        return None
 
     # --- tiny model --------------------------------------------------------------------------
 

@@ -73,12 +73,14 @@ def _comfy_stem(family: ModelFamily, part: str, module_name: str) -> str | None:
 
 
 def stems(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, str]:
-    """adapter name -> its key stem in `fmt`."""
+    """adapter name -> its key stem in `fmt` (for the adapters a kohya file writes on original
+    layers, fused.py: the stem they would have on their own)."""
     out = {}
+    fmt = family.file_layout(fmt)
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
         if fmt == "kohya":
-            out[name] = name
+            out[name] = family.unstacked_kohya_stem(part, module_name) or name
         elif fmt == "comfy":
             stem = _comfy_stem(family, part, module_name)
             if stem is None:
@@ -118,7 +120,7 @@ def _stems_for_loading(adapters: AdapterSet, family: ModelFamily) -> dict[str, t
 def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> None:
     """Refuse, before training, an output format that cannot hold these adapters."""
     stems(adapters, family, fmt)
-    if fmt == "diffusers":
+    if family.file_layout(fmt) == "diffusers":
         for adapter in adapters:
             axis = getattr(adapter, "dora_axis", None)
             why = peft_keys.unsupported(adapter.algorithm, axis, axis is not None)
@@ -132,24 +134,32 @@ def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> 
 def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list[str]:
     """What a consumer will not load from a file of `fmt` (said before training; the file is
     still complete for the tools the format is made for)."""
-    if fmt != "diffusers":
-        return []
-    skipped: dict[str, list[str]] = {}
+    stacked = fused.fused_names(adapters, family) if family.file_layout(fmt) == "kohya" else set()
+    comfyui: dict[str, list[str]] = {}
+    diffusers: dict[str, list[str]] = {}
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
-        why = family.comfyui_skips_diffusers_key(part, module_name)
+        shown = f"{part}.{family.canonical_module_name(part, module_name)}"
+        why = family.comfyui_skips_diffusers_key(part, module_name) if fmt == "diffusers" else None
         if why:
-            skipped.setdefault(why, []).append(f"{part}.{family.canonical_module_name(part, module_name)}")
-    return [f"output.format: 'diffusers': ComfyUI will not load {len(names)} of these adapters (e.g. {names[0]}): "
-            f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in skipped.items()]
+            comfyui.setdefault(why, []).append(shown)
+        why = family.diffusers_skips_key(fmt, part, module_name, name in stacked)
+        if why:
+            diffusers.setdefault(why, []).append(shown)
+    warnings = [f"output.format: {fmt!r}: ComfyUI will not load {len(names)} of these adapters (e.g. {names[0]}): "
+                f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in comfyui.items()]
+    warnings += [f"output.format: {fmt!r}: diffusers' load_lora_weights will not load {len(names)} of these adapters "
+                 f"(e.g. {names[0]}): {why}" for why, names in diffusers.items()]
+    return warnings
 
 
 def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:
     check_output_format(fmt, adapters, family)
     named = stems(adapters, family, fmt)
+    layout = family.file_layout(fmt)
     out = {}
     on_original_layers = set()
-    if fmt == "kohya":  # families whose kohya files name their original layers (FLUX)
+    if layout == "kohya":  # families whose kohya files name their original layers (FLUX, Z-Image)
         out.update(fused.fused_state(adapters, family))
         on_original_layers = fused.fused_names(adapters, family)
     for name, adapter in adapters.modules.items():
@@ -158,7 +168,7 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
         local = {k: v.detach() for k, v in adapter.state_dict().items()}
         if adapter.algorithm == "oft":  # never 0: A1111 reads that as "no rotation" (oft.py)
             local["alpha"] = adapter.file_alpha()
-        if fmt == "diffusers":
+        if layout == "diffusers":
             local = peft_keys.to_peft(adapter, local)
         out.update({f"{named[name]}.{key}": tensor for key, tensor in local.items()})
     return out
