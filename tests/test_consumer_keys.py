@@ -201,3 +201,116 @@ def _unet_diffusers_stems(family) -> set[str]:
             key = name.replace(".to_", ".processor.to_")
             out.add(key[:-2] if key.endswith(".to_out.0") else key)
     return out
+
+
+# --- Z-Image -----------------------------------------------------------------------------------
+# ComfyUI's Z-Image model is Lumina2's NextDiT (comfy/ldm/lumina/model.py): per block one fused
+# `attention.qkv` and `attention.out`, `feed_forward.w1/w2/w3`, `adaLN_modulation.0`; then
+# `x_embedder`, `final_layer.linear`, `final_layer.adaLN_modulation.1`, `t_embedder.mlp.0/2`,
+# `cap_embedder.1`. comfy/utils.py `z_image_to_diffusers` maps each diffusers weight onto those,
+# q/k/v at row offsets 0, dim, 2*dim of qkv. comfy/lora.py `model_lora_keys_unet` keys LoRAs by
+# `lora_unet_<own name with _>` and `diffusion_model.<own name>` (any model) and, for Lumina2, by
+# `diffusion_model.<D>`, `transformer.<D>`, `lycoris_<D with _>` and `<D>` for each diffusers name
+# D. `model_lora_keys_clip`: the Qwen3 encoder's weights `qwen3_4b.transformer.model.<k>` as
+# `text_encoders.<weight>`, `text_encoders.transformer.model.<k>` and, for a model with one
+# encoder, `lora_te_<k with _>`. Forge (classic) has no Z-Image.
+
+
+def _z_image_to_diffusers(transformer) -> dict[str, tuple[str, int | None]]:
+    """diffusers module -> (ComfyUI module, row offset in it or None for the whole weight)."""
+    dim, out = transformer.config.dim, {}
+    for stack in ("noise_refiner", "context_refiner", "layers"):
+        for i, block in enumerate(getattr(transformer, stack)):
+            b = f"{stack}.{i}"
+            out |= {f"{b}.attention.to_{p}": (f"{b}.attention.qkv", j * dim) for j, p in enumerate("qkv")}
+            out[f"{b}.attention.to_out.0"] = (f"{b}.attention.out", None)
+            out |= {f"{b}.feed_forward.{w}": (f"{b}.feed_forward.{w}", None) for w in ("w1", "w2", "w3")}
+            if hasattr(block, "adaLN_modulation"):
+                out[f"{b}.adaLN_modulation.0"] = (f"{b}.adaLN_modulation.0", None)
+    out |= {"all_x_embedder.2-1": ("x_embedder", None), "all_final_layer.2-1.linear": ("final_layer.linear", None),
+            "all_final_layer.2-1.adaLN_modulation.1": ("final_layer.adaLN_modulation.1", None),
+            "t_embedder.mlp.0": ("t_embedder.mlp.0", None), "t_embedder.mlp.2": ("t_embedder.mlp.2", None),
+            "cap_embedder.1": ("cap_embedder.1", None)}
+    return out
+
+
+def z_image_comfyui_map(family) -> dict[str, tuple[str, int | None]]:
+    """LoRA key stem -> (the ComfyUI weight it patches, row offset); text encoder: -> (stem, None)."""
+    to_comfy = _z_image_to_diffusers(family.transformer)
+    stems = {}
+    for own, _ in set(to_comfy.values()):
+        stems[f"lora_unet_{own.replace('.', '_')}"] = stems[f"diffusion_model.{own}"] = (own, None)
+    for name, target in to_comfy.items():
+        for stem in (f"diffusion_model.{name}", f"transformer.{name}", f"lycoris_{name.replace('.', '_')}", name):
+            stems[stem] = target
+    for key in family.parts["text_encoder"].state_dict():
+        if key.endswith(".weight"):
+            k = key.removesuffix(".weight")
+            for stem in (f"text_encoders.qwen3_4b.transformer.model.{k}", f"text_encoders.transformer.model.{k}",
+                         f"lora_te_{k.replace('.', '_')}"):
+                stems[stem] = (stem, None)
+    return stems
+
+
+@pytest.fixture(scope="module")
+def z_image(tiny_family_model, tmp_path_factory, shape_images):
+    from modules.model.z_image import ZImageFamily
+
+    family = ZImageFamily(train_config(tiny_family_model("z_image"), shape_images, tmp_path_factory.mktemp("z"),
+                                       {"model": {"family": "z_image"}}))
+    family.load()
+    return family
+
+
+@pytest.mark.parametrize("adapter", [{"type": "lora"}, {"type": "lora", "dora": True}, {"type": "loha"},
+                                     {"type": "lokr"}], ids=["lora", "dora", "loha", "lokr"])
+def test_every_z_image_stem_is_one_comfyui_maps(z_image, adapter):
+    comfyui = z_image_comfyui_map(z_image)
+    adapters = _adapters(z_image, layer_preset="all-linear", **adapter)
+    try:
+        for fmt in ("kohya", "comfy"):
+            stems = _stems(file_state(adapters, z_image, fmt))
+            assert stems and not stems - comfyui.keys(), (fmt, sorted(stems - comfyui.keys())[:5])
+            assert any(s.startswith("lora_te_") for s in stems)
+        kohya = _stems(file_state(adapters, z_image, "kohya"))
+    finally:
+        adapters.unhook()
+    if adapter == {"type": "lora"}:  # stacked: ComfyUI's own names, which diffusers' converter also reads
+        assert "lora_unet_layers_0_attention_qkv" in kohya and "lora_unet_layers_0_attention_out" in kohya
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "comfy"])
+def test_comfyui_applies_z_image_files_as_the_trainer_does(z_image, fmt):
+    """Each LoRA patched onto ComfyUI's weight (rows at its offset) as comfy/lora.py does: the
+    deltas equal the trainer's adapters' per ComfyUI weight (q/k/v stacked in qkv's row order)."""
+    comfyui = z_image_comfyui_map(z_image)
+    to_comfy = _z_image_to_diffusers(z_image.transformer)
+    modules = dict(z_image.transformer.named_modules())
+    adapters = _adapters(z_image, layer_preset="all-linear", alpha=3)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for parameter in adapters.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        state = file_state(adapters, z_image, fmt)
+        expected: dict[str, list[torch.Tensor]] = {}
+        for name, target in to_comfy.items():
+            adapter = dict(adapters.modules).get(z_image.adapter_name("transformer", name))
+            delta = adapter.delta_weight() if adapter else torch.zeros_like(modules[name].weight)
+            expected.setdefault(target[0], []).append(delta.detach())
+    finally:
+        adapters.unhook()
+    patched: dict[str, torch.Tensor] = {}
+    for key in state:
+        if not key.endswith(".lora_up.weight") or key.startswith("lora_te_"):
+            continue
+        stem = key.removesuffix(".lora_up.weight")
+        up, down = state[key], state[f"{stem}.lora_down.weight"]
+        delta = up @ down * (float(state[f"{stem}.alpha"]) / down.shape[0])
+        own, offset = comfyui[stem]
+        rows = sum(d.shape[0] for d in expected[own])
+        weight = patched.setdefault(own, torch.zeros(rows, delta.shape[1]))
+        weight[offset or 0: (offset or 0) + delta.shape[0]] += delta
+    assert patched.keys() == expected.keys()
+    for own, deltas in expected.items():
+        assert torch.allclose(patched[own], torch.cat(deltas), atol=1e-6), own

@@ -120,15 +120,18 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_flux, tmp_path,
         adapters.unhook()
 
 
-def test_flux_has_no_comfy_layout_and_says_so(family):
-    from modules.adapters.formats.files import AdapterFileError, check_output_format
+def test_a_comfy_flux_file_is_the_kohya_file(family):
+    """ComfyUI reads sd-scripts' FLUX names for every layer (test_consumer_keys.py), so `comfy`
+    writes them rather than a second layout."""
+    from modules.adapters.formats.files import file_state
 
-    adapters = _perturbed(family, ["transformer"], layer_preset="attn")
+    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="attn")
     try:
-        with pytest.raises(AdapterFileError, match="use 'kohya'"):
-            check_output_format("comfy", adapters, family)
+        kohya, comfy = file_state(adapters, family, "kohya"), file_state(adapters, family, "comfy")
     finally:
         adapters.unhook()
+    assert any(k.startswith("lora_unet_double_blocks_0_img_attn_qkv.") for k in comfy)
+    assert comfy.keys() == kohya.keys() and all(torch.equal(comfy[k], kohya[k]) for k in kohya)
 
 
 def test_checkpoint_blocks_are_the_transformer_blocks_in_order(family):
@@ -275,3 +278,32 @@ def test_the_transformer_runs_its_blocks_in_the_listed_order(family):
     latents = torch.randn(1, 16, 8, 8)
     text = family.encode_text(family.tokenize(["a"]))
     blocks_run_in_listed_order(family, "transformer", lambda: family.denoise(latents, torch.tensor([0.5]), text))
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
+def test_the_run_says_diffusers_loads_no_t5_adapters(family, tmp_path, fmt):
+    from diffusers import FluxPipeline
+
+    from modules.adapters.formats.files import format_warnings
+
+    # with CLIP's adapters: a file of T5 adapters alone diffusers refuses outright ("Invalid LoRA checkpoint")
+    adapters = _perturbed(family, ["text_encoder", "text_encoder_2"], layer_preset="attn")
+    try:
+        path = tmp_path / f"t5-{fmt}.safetensors"
+        save_adapter_file(path, adapters, family, fmt, torch.float32, {})
+        warnings = format_warnings(fmt, adapters, family)
+        count = sum(part == "text_encoder_2" for part in adapters.part_of.values())
+    finally:
+        adapters.unhook()
+    pipe = FluxPipeline(scheduler=None, vae=None, text_encoder=family.parts["text_encoder"], tokenizer=None,
+                        text_encoder_2=family.parts["text_encoder_2"], tokenizer_2=None, transformer=family.transformer)
+    pipe.load_lora_weights(str(path))
+    try:
+        loaded = {part: [n for n, m in family.parts[part].named_modules() if hasattr(m, "lora_A")]
+                  for part in ("text_encoder", "text_encoder_2")}
+    finally:
+        pipe.unload_lora_weights()
+    assert loaded["text_encoder"] and loaded["text_encoder_2"] == []
+    said = [w for w in warnings if "diffusers' load_lora_weights" in w]
+    assert len(said) == 1 and f"will not load {count} of these adapters" in said[0]
+    assert "model.parts.text_encoder_2.train" in said[0] and "FluxPipeline.load_lora_weights" in said[0]

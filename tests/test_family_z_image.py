@@ -16,7 +16,7 @@ from family_cross import (
 from safetensors.torch import load_file, save_file
 
 from modules.adapters.adapter_set import build_adapter_set
-from modules.adapters.formats.files import save_adapter_file
+from modules.adapters.formats.files import format_warnings, save_adapter_file
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay
 from modules.config.train_config import AdapterConfig
@@ -56,7 +56,8 @@ def test_z_image_trains_a_lora_and_the_loss_falls(tmp_path, tiny_z_image, one_im
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as file:
-        assert any(k.startswith("lora_unet_layers_0_attention_to_q.") for k in file.keys())  # noqa: SIM118 (safe_open is no dict)
+        # LoRA on ComfyUI's fused attention layer (test_consumer_keys.py has ComfyUI's names)
+        assert any(k.startswith("lora_unet_layers_0_attention_qkv.") for k in file.keys())  # noqa: SIM118 (safe_open is no dict)
 
 
 def test_captions_of_different_lengths_batch_through_the_mask(family):
@@ -97,8 +98,10 @@ def _output(family, transformer):
         family.parts["transformer"] = original
 
 
-@pytest.mark.parametrize("fmt, preset", [("kohya", "attn-mlp"), ("diffusers", "all-linear")])
+@pytest.mark.parametrize("fmt, preset", [("kohya", "attn-mlp"), ("comfy", "all-linear"), ("diffusers", "all-linear")])
 def test_load_lora_weights_matches_the_hooked_model(family, tiny_z_image, tmp_path, fmt, preset):
+    """kohya: q/k/v stacked on ComfyUI's `attention.qkv`, which diffusers' converter splits back;
+    comfy: ComfyUI's `diffusion_model.<diffusers module>` keys, which it reads for every layer."""
     from diffusers import ZImagePipeline
 
     adapters = _perturbed(family, ["transformer"], layer_preset=preset)
@@ -109,12 +112,46 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_z_image, tmp_pa
         pipe = ZImagePipeline.from_pretrained(str(tiny_z_image), local_files_only=True)
         pipe.load_lora_weights(str(path))
         theirs = _output(family, pipe.transformer)
+        with_lora = {n for n, m in pipe.transformer.named_modules() if hasattr(m, "lora_A")}
+        assert {adapters.module_name_of[n] for n in adapters.modules} <= with_lora  # no key ignored
+        assert format_warnings(fmt, adapters, family) == []
         adapters.unhook()
         plain = _output(family, family.transformer)
         assert (ours - plain).abs().max() > 1e-3
         assert (ours - theirs).abs().max() < 1e-5
     finally:
         adapters.unhook()
+
+
+def test_the_run_names_what_load_lora_weights_drops(family, tiny_z_image, tmp_path):
+    """An all-linear kohya file: diffusers has no module for the original names of the embedder
+    and final layer, and ZImagePipeline loads no text-encoder adapters; the warnings say which."""
+    import re
+
+    from diffusers import ZImagePipeline
+
+    adapters = _perturbed(family, ["transformer", "text_encoder"], layer_preset="all-linear")
+    try:
+        path = tmp_path / "z-kohya.safetensors"
+        save_adapter_file(path, adapters, family, "kohya", torch.float32, {})
+        warnings = format_warnings("kohya", adapters, family)
+        wanted = {f"{adapters.part_of[n]}.{adapters.module_name_of[n]}" for n in adapters.modules}
+    finally:
+        adapters.unhook()
+    pipe = ZImagePipeline.from_pretrained(str(tiny_z_image), local_files_only=True)
+    pipe.load_lora_weights(str(path))
+    loaded = {f"{part}.{n}" for part in ("transformer", "text_encoder")
+              for n, m in getattr(pipe, part).named_modules() if hasattr(m, "lora_A")}
+    dropped = wanted - loaded
+    assert {d.split(".")[0] for d in dropped} == {"transformer", "text_encoder"}
+    said = {}
+    for warning in warnings:
+        match = re.search(r"will not load (\d+) of these adapters \(e\.g\. ([^)]*)\)", warning)
+        said[match.group(2)] = int(match.group(1))
+        assert warning.startswith("output.format: 'kohya': diffusers' load_lora_weights")
+    assert sum(said.values()) == len(dropped) and set(said) <= dropped
+    assert any("model.parts.text_encoder.train" in w for w in warnings)
+    assert any("adapter.layer_preset" in w for w in warnings)
 
 
 def _original_transformer_file(folder, path):

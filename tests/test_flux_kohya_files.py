@@ -143,3 +143,29 @@ def test_a_dense_fused_lora_from_sd_scripts_loads_exactly(family, tmp_path):
     finally:
         adapters.unhook()
     assert torch.allclose(delta, up @ down * 0.5, atol=1e-7)
+
+
+def test_the_run_names_the_layers_diffusers_drops_from_an_all_linear_file(family, tmp_path):
+    """What format_warnings says diffusers will not load is what its converter leaves without
+    the `transformer.` prefix (README's table: all-linear's embedders and final layer)."""
+    import re
+
+    from diffusers import FluxPipeline
+
+    from modules.adapters.formats.files import format_warnings
+
+    adapters = _perturbed(family, "all-linear")
+    try:
+        path = tmp_path / "flux.safetensors"
+        save_adapter_file(path, adapters, family, "kohya", torch.float32, {})
+        warnings = format_warnings("kohya", adapters, family)
+        assert format_warnings("diffusers", adapters, family) == []  # peft keys name every layer
+    finally:
+        adapters.unhook()
+    converted = FluxPipeline.lora_state_dict(str(path))
+    dropped = sorted({k.split(".lora_")[0] for k in converted if not k.startswith("transformer.")})
+    assert dropped
+    assert len(warnings) == 1 and "diffusers' load_lora_weights will not load" in warnings[0]
+    assert "adapter.layer_preset" in warnings[0] and "output.format: 'kohya'" in warnings[0]
+    assert f"{len(dropped)} of these adapters" in warnings[0]
+    assert re.search(r"\(e\.g\. transformer\.([^)]*)\)", warnings[0]).group(1) in dropped

@@ -59,6 +59,9 @@ class OneLayerFamily:
     comfy_module_name = ModelFamily.comfy_module_name
     canonical_module_name = ModelFamily.canonical_module_name
     comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
+    diffusers_skips_key = ModelFamily.diffusers_skips_key
+    unstacked_kohya_stem = ModelFamily.unstacked_kohya_stem
+    file_layout = ModelFamily.file_layout
 
     def spec(self, part):
         return SimpleNamespace(adapter_prefix="lora_unet")
