@@ -11,7 +11,7 @@ layer (its converter for OneTrainer's `lora_transformer_<diffusers module>` name
 layers only), and ComfyUI and Forge read it too. Other algorithms keep the per-module
 `lora_transformer_...` names (ComfyUI, Forge). Text encoders: `lora_te1_...` (CLIP-L),
 `lora_te2_...` (T5, OneTrainer's name, which ComfyUI maps for FLUX). ComfyUI's own layout fuses
-q/k/v, so per-projection adapters have no name there: use the kohya or diffusers format.
+q/k/v as these names do, so output.format `comfy` writes this kohya layout (file_layout).
 """
 
 from __future__ import annotations

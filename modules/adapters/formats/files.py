@@ -6,8 +6,10 @@ kohya      `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`,
            `.dora_scale`. A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
 comfy      ComfyUI's own layout: the same tensor names on the model's own module paths,
            `diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_up.weight`,
-           `text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha`.
+           `text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha`
+           (each family's comfy_module_name; FLUX writes its kohya layout, file_layout).
 diffusers  peft keys under the pipeline component: `unet.<module>.lora_A.weight` (formats/diffusers.py).
+FLUX and Z-Image kohya files write LoRA on their original layers (fused.py).
 
 The AdapterSet's state dict is the kohya layout, so kohya is the identity here. Loading takes
 any of the three (also mixed, and kohya stems spelled with ldm block names or SimpleTuner's
