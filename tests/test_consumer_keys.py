@@ -313,3 +313,27 @@ def test_comfyui_applies_z_image_files_as_the_trainer_does(z_image, fmt):
     assert patched.keys() == expected.keys()
     for own, deltas in expected.items():
         assert torch.allclose(patched[own], torch.cat(deltas), atol=1e-6), own
+
+
+@pytest.mark.parametrize("adapter", [{"type": "lora"}, {"type": "loha"}], ids=["lora", "loha"])
+@pytest.mark.parametrize("fmt", ["kohya", "comfy"])
+def test_z_image_files_load_back_into_the_same_adapters(z_image, tmp_path, fmt, adapter):
+    from modules.adapters.formats.files import save_adapter_file
+
+    adapters = _adapters(z_image, layer_preset="all-linear", **adapter)
+    try:
+        with torch.no_grad():
+            for parameter in adapters.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(4)) * 0.1)
+        state = {k: v.clone() for k, v in adapters.state_dict().items()}
+        save_adapter_file(tmp_path / "z.safetensors", adapters, z_image, fmt, torch.float32, {})
+    finally:
+        adapters.unhook()
+    again = _adapters(z_image, layer_preset="all-linear", **adapter)
+    try:
+        load_adapter_file(tmp_path / "z.safetensors", again, z_image)
+        loaded = again.state_dict()
+    finally:
+        again.unhook()
+    assert loaded.keys() == state.keys()
+    assert all(torch.allclose(loaded[k], state[k], atol=1e-6) for k in state)
