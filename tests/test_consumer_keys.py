@@ -25,7 +25,7 @@ import torch
 from conftest import train_config
 
 from modules.adapters.adapter_set import build_adapter_set
-from modules.adapters.formats.files import file_state, load_adapter_file
+from modules.adapters.formats.files import file_state, format_warnings, load_adapter_file
 from modules.config.train_config import AdapterConfig
 
 CLIP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -174,7 +174,6 @@ def test_a_comfyui_layout_file_with_text_encoder_paths_still_loads(family, tmp_p
 def test_diffusers_format_says_which_adapters_comfyui_will_not_load(family):
     """ComfyUI maps diffusers UNet attention projections only as `.processor.to_q` and FLUX's T5
     only under lora_te2_/lora_te3_; the reproduced map agrees with what the warning names."""
-    from modules.adapters.formats.files import format_warnings
 
     adapters = _adapters(family, layer_preset="attn-mlp")
     try:
@@ -272,6 +271,11 @@ def test_every_z_image_stem_is_one_comfyui_maps(z_image, adapter):
             assert stems and not stems - comfyui.keys(), (fmt, sorted(stems - comfyui.keys())[:5])
             assert any(s.startswith("lora_te_") for s in stems)
         kohya = _stems(file_state(adapters, z_image, "kohya"))
+        if adapter == {"type": "lora"}:  # ComfyUI reads `transformer.<D>` peft keys, not the Qwen3 ones
+            unread = _stems(file_state(adapters, z_image, "diffusers")) - comfyui.keys()
+            warned = [w for w in format_warnings("diffusers", adapters, z_image) if "ComfyUI" in w]
+            assert unread and all(s.startswith("text_encoder.") for s in unread)
+            assert len(warned) == 1 and f"{len(unread)} of these adapters" in warned[0]
     finally:
         adapters.unhook()
     if adapter == {"type": "lora"}:  # stacked: ComfyUI's own names, which diffusers' converter also reads

@@ -410,7 +410,8 @@ class OutputConfig(StrictModel):
     format: Literal["kohya", "comfy", "diffusers"] = Field(
         "kohya", description="Key layout of the saved adapter: kohya (lora_unet_..., LyCORIS names for "
         "loha/lokr/oft; A1111, Forge, ComfyUI, diffusers for LoRA), comfy (ComfyUI's own "
-        "diffusion_model./text_encoders. keys), diffusers (peft lora_A/lora_B keys, scale folded in; "
+        "diffusion_model. keys; FLUX: the kohya layout, which ComfyUI reads completely), "
+        "diffusers (peft lora_A/lora_B keys, scale folded in; "
         "lora, DoRA on the output axis, loha, lokr).")
     dtype: DType = Field("float16", description="Dtype of the saved adapter's tensors.")
 

@@ -226,7 +226,8 @@ class ZImageFamily(ModelFamily):
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
         if part == "text_encoder":
-            return "ZImagePipeline.load_lora_weights loads the transformer's adapters only (model.parts.text_encoder.train)"
+            return ("ZImagePipeline.load_lora_weights loads the transformer's adapters only "
+                    "(model.parts.text_encoder.train)")
         if stacked and module_name.startswith(self._DIFFUSERS_DROPS):
             return ("its Z-Image converter has no module for the original names of the embedder and final layer "
                     "(adapter.layer_preset 'attn' or 'attn-mlp' avoids them)")
