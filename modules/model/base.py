@@ -366,18 +366,16 @@ class ModelFamily(ABC):
         return None
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
-        """Why diffusers' `load_lora_weights` would not load this module's adapter from a file of
-        `fmt` (stacked: written on an original layer, fused.py), or None."""
+        """Why diffusers' `load_lora_weights` drops this module's adapter from a `fmt` file
+        (stacked: written on an original layer, fused.py), or None."""
         return None
 
     def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
-        """The kohya-file stem of an adapter that is not written on an original layer, where the
-        tools that read the family's kohya files need another than its adapter name; None: that."""
+        """A kohya file's stem for an adapter not on an original layer; None: its adapter name."""
         return None
 
     def file_layout(self, fmt: str) -> str:
-        """The key layout a file of output.format `fmt` is written in (a family may write one
-        format in another's layout where its consumers read that one completely)."""
+        """The key layout a file of output.format `fmt` is written in."""
         return fmt
 
     def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
