@@ -29,9 +29,9 @@ def _resolve(node: dict, defs: dict) -> dict:
 
 
 def schema_leaves() -> list[tuple[str, str | None, dict]]:
-    """(dotted path, optimizer type it needs or None, schema node) for every leaf of the schema:
-    list items at [0], dict entries at the family's parts, tuples by index, each optimizer's own
-    fields under the union."""
+    """(dotted path, the union member it needs ("optimizer.type=lion") or None, schema node) for every
+    leaf of the schema: list items at [0], dict entries at the family's parts, tuples by index, each
+    member's own fields under a discriminated union (the optimizer, the method)."""
     from modules.config.train_config import TrainConfig
     from modules.model.registry import get_family_class
 
@@ -45,10 +45,10 @@ def schema_leaves() -> list[tuple[str, str | None, dict]]:
         members = node.get("oneOf") or node.get("anyOf") or []
         models = [_resolve(m, defs) for m in members]
         if members and all(m.get("type") == "object" and "properties" in m for m in models):
-            for member in models:  # a discriminated union (the optimizer): each member's fields
+            for member in models:  # a discriminated union (optimizer, method): each member's fields
                 kind = member["properties"]["type"]["const"]
                 for name, sub in member["properties"].items():
-                    walk(sub, f"{path}.{name}", tag if name == "type" else kind)
+                    walk(sub, f"{path}.{name}", tag if name == "type" else f"{path}.type={kind}")
             return
         if node.get("type") == "object" and "properties" in node:
             for name, sub in node["properties"].items():
@@ -188,14 +188,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("path,optimizer,node", LEAVES, ids=[f"{p}<{t}>" if t else p for p, t, _ in LEAVES])
-def test_every_schema_leaf_is_set_through_its_widget(app, tmp_path, path, optimizer, node):
+@pytest.mark.parametrize("path,member,node", LEAVES, ids=[f"{p}<{t}>" if t else p for p, t, _ in LEAVES])
+def test_every_schema_leaf_is_set_through_its_widget(app, tmp_path, path, member, node):
     from ui.state import get_path
 
     app.cfg.load(base_data())
     pump(app, timeout=0.02)
-    if optimizer:
-        through_widget(app, "optimizer.type", optimizer)
+    if member:
+        type_path, kind = member.split("=")
+        through_widget(app, type_path, kind)
     for needed, value in NEEDS.get(path, {}).items():
         through_widget(app, needed, value)
     _tab, widget = app.field_for(path)

@@ -96,13 +96,13 @@ OptimizerConfig = Annotated[
 ]
 
 
-def _union_tags(union: Any) -> frozenset[str]:
+def union_tags(union: Any) -> frozenset[str]:
     members = get_args(union)[0]  # Annotated[Union[...], Field] -> Union[...] (or the one member)
     return frozenset(m.model_fields["type"].default for m in (get_args(members) or (members,)))
 
 
 # The `type` tags of the discriminated unions, so error paths can leave them out (errors.py).
-UNION_TAGS = _union_tags(OptimizerConfig)
+UNION_TAGS = union_tags(OptimizerConfig)
 
 
 def default_optimizer_type(data: Any) -> Any:

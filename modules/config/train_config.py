@@ -14,8 +14,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from modules.config.errors import located_error
+from modules.config.method_configs import (  # noqa: F401  (re-exported: the config's names live here)
+    AdapterMethodConfig,
+    FineTuneMethodConfig,
+    MethodConfig,
+    default_method_type,
+)
 from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
-    UNION_TAGS,
     AdafactorConfig,
     AdamW8bitConfig,
     AdamWConfig,
@@ -25,10 +30,15 @@ from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the 
     ProdigyConfig,
     ScheduleFreeAdamWConfig,
     default_optimizer_type,
+    union_tags,
 )
+from modules.config.optimizer_configs import UNION_TAGS as _OPTIMIZER_TAGS
 from modules.config.strict import StrictModel
 
 CURRENT_VERSION = 1
+
+# The `type` tags of the config's discriminated unions, so error paths can leave them out (errors.py).
+UNION_TAGS = _OPTIMIZER_TAGS | union_tags(MethodConfig)
 
 DType = Literal["float32", "bfloat16", "float16"]
 # How a part's base weights are stored. The dense ones are also the compute dtype; the quantized
@@ -425,6 +435,8 @@ class BackupConfig(StrictModel):
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
+    method: MethodConfig = Field(default_factory=AdapterMethodConfig, description="What the run trains: an "
+                                 "adapter (adapter), or the parts' own weights (fine_tune).")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
     optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
     lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
@@ -473,6 +485,11 @@ class TrainConfig(StrictModel):
     @classmethod
     def _optimizer_type_default(cls, data: Any) -> Any:
         return default_optimizer_type(data)
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method_type_default(cls, data: Any) -> Any:
+        return default_method_type(data)
 
     @field_validator("version")
     @classmethod

@@ -1,7 +1,8 @@
 """GenericTrainer: one training run, in the order DESIGN.md gives.
 
 start():  validate paths, snapshot the config, load the model through its family, set up each
-          part, move parts to the train device, build adapters + optimizer (+ resume), data.
+          part, move parts to the train device, set up the training methods (modules/methods/:
+          what is trained) + optimizer (+ resume), data.
 train():  epochs of batches; optimizer steps on accumulation boundaries, where timed actions
           (sample, backup, save) and commands (stop, sample now, ...) also run.
 end():    final save.
@@ -16,18 +17,11 @@ from pathlib import Path
 
 import torch
 
-from modules.adapters.adapter_set import AdapterSet, build_adapter_set
-from modules.adapters.formats.files import (
-    check_output_format,
-    format_warnings,
-    load_adapter_file,
-    network_metadata,
-    save_adapter_file,
-)
 from modules.config.errors import ConfigError
 from modules.config.train_config import SamplePromptConfig, TrainConfig
 from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, prepare_dataset
+from modules.methods.base import TrainingMethod, build_methods, joined_state
 from modules.model.registry import get_family_class
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
@@ -88,7 +82,7 @@ class GenericTrainer:
         self.batch_in_epoch = 0  # batches of `epoch` already trained
         self.last_loss = float("nan")
         self.family = None
-        self.adapters: AdapterSet | None = None
+        self.methods: list[TrainingMethod] = []  # config.method first, then its companions
         self.ema: EMA | None = None
         self.conductors: dict[str, LayerOffloadConductor] = {}
         self.dataset: TrainDataset | None = None
@@ -111,10 +105,14 @@ class GenericTrainer:
         write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
         self.family = get_family_class(config.model.family)(config)
-        self.trained_parts = [name for name, part in config.model.parts.items()
-                              if part.train and self.family.spec(name).adapter_prefix]
+        try:
+            self.methods = build_methods(self)
+        except ValueError as error:
+            raise ConfigError([str(error)]) from None
+        self.trained_parts = list(dict.fromkeys(p for m in self.methods for p in m.trained_parts()))
         if not self.trained_parts:
-            raise TrainingError("model.parts: no part that carries adapters has train: true (nothing to train)")
+            raise TrainingError(f"model.parts: no part that the {config.method.type} method can train has "
+                                f"train: true (nothing to train)")
         weighting = snr_weighting_requested(config.loss)
         if weighting and self.family.flow_matching:
             raise ConfigError([f"{weighting}: SNR weighting is for epsilon and v-prediction models; "
@@ -242,21 +240,25 @@ class GenericTrainer:
             for conductor in self.conductors.values():
                 conductor.materialize()
 
+    @property
+    def adapters(self):
+        """The adapter method's AdapterSet (None in a run that trains no adapter)."""
+        return next((m.adapters for m in self.methods if m.name == "adapter"), None)
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for method in self.methods for p in method.parameters()]
+
+    def named_trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(method.state_prefix + n, p) for method in self.methods for n, p in method.named_parameters()]
+
     def setup_model(self) -> None:
         config = self.config
-        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts, self.device,
-                                          config.output.format)
-        if self.adapters.left_out:
-            self.callbacks.on_warning(self.adapters.left_out_message())
-        check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
-        for warning in format_warnings(config.output.format, self.adapters, self.family):
-            self.callbacks.on_warning(warning)
-        if config.adapter.init_from:
-            load_adapter_file(config.adapter.init_from, self.adapters, self.family)
+        for method in self.methods:
+            method.setup()
         for part in self.trained_parts:
             self.family.parts[part].train()
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
-        self.ema = (EMA(self.adapters.parameters(), config.ema.decay,
+        self.ema = (EMA(self.trained_parameters(), config.ema.decay,
                         self.device if config.ema.device == "train" else torch.device("cpu"))
                     if config.ema.enabled else None)
         # float16 gradients underflow without loss scaling; for other dtypes the scaler is a no-op
@@ -264,21 +266,18 @@ class GenericTrainer:
         self.resume_state = load_resume_state(self) if config.backup.resume else None
 
     def _param_groups(self, config: TrainConfig) -> list[dict]:
-        groups = []
         # kohya's scale_lr: the same per-sample step size whatever the effective batch
         lr_scale = (config.schedule.batch_size * config.schedule.gradient_accumulation
                     if config.lr_scheduler.scale_by_batch_size else 1)
-        for part in self.trained_parts:
-            params = self.adapters.parameters(part)
-            if params:
-                lr = (config.model.parts[part].learning_rate or config.optimizer.lr) * lr_scale
-                groups.append({"params": params, "lr": lr, "name": part})
+        groups = [group for method in self.methods for group in method.parameter_groups(config)]
+        for group in groups:
+            group["lr"] *= lr_scale
         return groups
 
     def setup_data(self) -> None:
         # text conditioning can be cached only while no text encoder trains and every caption is
         # fixed (varying caption options encode each drawn caption as it is trained)
-        cache_text = (not any(self.config.model.parts[p].train for p in self.family.text_parts)
+        cache_text = (all(method.text_cache_allowed() for method in self.methods)
                       and not any(c.captions.varies for c in self.config.concepts if c.enabled))
         self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                        self.callbacks.on_warning, cache_text)
@@ -310,10 +309,11 @@ class GenericTrainer:
             return
         config, schedule = self.config, self.config.schedule
         accumulation = schedule.gradient_accumulation
-        params = self.adapters.parameters()
+        params = self.trained_parameters()
+        steps_in_backward = any(method.steps_in_backward() for method in self.methods)
         compute_dtype = dtype_of(config.train_dtype)
         scaler = self.scaler
-        first_step_snapshot = snapshot(self.adapters.named_parameters())
+        first_step_snapshot = snapshot(self.named_trained_parameters())
         notice = cpu_notice(self)  # before a first step that can take many minutes there
         if notice:
             self.callbacks.on_warning(notice)
@@ -335,16 +335,17 @@ class GenericTrainer:
                     self.batch_in_epoch += 1
                 self.last_loss = float(loss_sum) / group
                 check_finite(self.last_loss, self.step + 1)
-                scaler.unscale_(self.optimizer)
-                if schedule.max_grad_norm:
-                    torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
                 scale = scaler.get_scale()
-                scaler.step(self.optimizer)
-                scaler.update()
+                if not steps_in_backward:  # else each parameter was stepped in its gradient hook
+                    scaler.unscale_(self.optimizer)
+                    if schedule.max_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
+                    scaler.step(self.optimizer)
+                    scaler.update()
                 self.scheduler.step()
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
                 if first_step_snapshot is not None and not skipped:
-                    check_first_step(self.adapters.named_parameters(), first_step_snapshot)
+                    check_first_step(self.named_trained_parameters(), first_step_snapshot)
                     first_step_snapshot = None
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()
@@ -445,7 +446,7 @@ class GenericTrainer:
         return loss
 
     def backup(self) -> Path:
-        folder = write_backup(self.workspace, self.step, self.adapters.state_dict(), training_state(self),
+        folder = write_backup(self.workspace, self.step, joined_state(self.methods), training_state(self),
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
         return folder
@@ -455,20 +456,13 @@ class GenericTrainer:
         if path is None:
             target = self.output_path
             path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
-        family = self.family
-        metadata = {
-            **network_metadata(self.config.adapter),
-            "ss_base_model_version": family.kohya_base_version,
-            "ss_sd_model_name": Path(self.config.model.base).name,
-            "ss_steps": str(self.step),
-            "ss_epoch": str(self.epoch),
-            "modelspec.architecture": family.modelspec_architecture,
-            "difftrainer.family": family.name,
-        }
+        metadata = {"difftrainer.family": self.family.name, "difftrainer.method": self.config.method.type}
         with self.evaluation_weights():
-            saved = save_adapter_file(path, self.adapters, family, output.format, dtype_of(output.dtype), metadata)
-        self.callbacks.on_save(str(saved))
-        return saved
+            saved = [file for method in self.methods
+                     for file in method.save(path, dtype_of(output.dtype), metadata)]
+        for file in saved:
+            self.callbacks.on_save(str(file))
+        return saved[0]
 
     # --- end ---------------------------------------------------------------------------------
 

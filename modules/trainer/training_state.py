@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.config.errors import ConfigError
+from modules.methods.base import split_state
 from modules.optim.optimizers import build_optimizer
 from modules.saving.backup import newest_backup, read_backup
 from modules.trainer.resume import (
@@ -47,7 +48,7 @@ def check_resume_early(trainer: GenericTrainer) -> None:
 
 
 def load_resume_state(trainer: GenericTrainer) -> dict | None:
-    """The newest backup's adapter weights loaded into the trainer's adapters; its training state
+    """The newest backup's trained weights loaded into the trainer's methods; its training state
     returned for `restore_training_state` once the scheduler exists. (Compatibility was checked
     before the model load, by check_resume_early.)"""
     folder = newest_backup(trainer.workspace)
@@ -55,8 +56,9 @@ def load_resume_state(trainer: GenericTrainer) -> dict | None:
         trainer.callbacks.on_warning(f"backup.resume: no backup in {trainer.workspace / 'backup'}; "
                                      "starting from step 0")
         return None
-    adapter_state, state, config_json = read_backup(folder)
-    trainer.adapters.load_state_dict(adapter_state, source=str(folder / "adapter.safetensors"))
+    weights, state, config_json = read_backup(folder)
+    for method, own in zip(trainer.methods, split_state(trainer.methods, weights)):
+        method.load_state_dict(own, source=str(folder / "adapter.safetensors"))
     trainer.callbacks.on_status(f"resuming from {folder}")
     changes = describe_changes(config_json, trainer.config)
     if changes:

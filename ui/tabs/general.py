@@ -12,7 +12,7 @@ from ui.tabs import Tab
 UI_SCALES = ["80%", "90%", "100%", "110%", "125%", "150%"]
 
 # top-level fields other tabs place (or that are not user settings: version)
-PLACED_ELSEWHERE = {"version", "model", "adapter", "optimizer", "lr_scheduler", "ema", "loss", "concepts",
+PLACED_ELSEWHERE = {"version", "model", "method", "adapter", "optimizer", "lr_scheduler", "ema", "loss", "concepts",
                     "sampling", "schedule", "data", "output", "backup"}
 WORKSPACE = ["workspace_dir", "cache_dir"]
 DEVICES = ["train_device", "temp_device", "train_dtype", "compile"]

@@ -1,0 +1,38 @@
+"""What a run trains, `config.method`: one pydantic model per training method, told apart by `type`
+in a discriminated union like the optimizers (the methods themselves are in modules/methods/)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field
+
+from modules.config.strict import StrictModel
+
+
+class AdapterMethodConfig(StrictModel):
+    """Train an adapter (LoRA, LoHa, LoKr, OFT, DoRA: `adapter`) on the trained parts; the base
+    weights stay frozen."""
+
+    type: Literal["adapter"] = "adapter"
+
+
+class FineTuneMethodConfig(StrictModel):
+    """Train the trained parts' own weights (a full fine-tune); the run saves the whole model."""
+
+    type: Literal["fine_tune"] = "fine_tune"
+    fused_backward: bool = Field(True, description="Step each weight in the backward pass as soon as its "
+                                 "gradient is complete and free that gradient: gradient memory is one layer, "
+                                 "not the model (needs schedule.gradient_accumulation 1).")
+    stochastic_rounding: bool = Field(True, description="bfloat16 weights: round each update stochastically, "
+                                      "so updates smaller than bfloat16's spacing are not lost on average.")
+
+
+# Each method is its own model with its own options, told apart by `type`; more slot in here.
+MethodConfig = Annotated[Union[AdapterMethodConfig, FineTuneMethodConfig], Field(discriminator="type")]
+
+
+def default_method_type(data: Any) -> Any:
+    if isinstance(data, dict) and "type" not in data:
+        return {"type": "adapter", **data}
+    return data

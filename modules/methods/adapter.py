@@ -1,0 +1,76 @@
+"""The adapter method: LoRA, LoHa, LoKr, OFT (with DoRA) hooked onto the trained parts' layers; the
+base weights stay frozen, and the saved file is the adapter alone, in `output.format`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.adapters.adapter_set import AdapterSet, build_adapter_set
+from modules.adapters.formats.files import (
+    check_output_format,
+    format_warnings,
+    load_adapter_file,
+    network_metadata,
+    save_adapter_file,
+)
+from modules.config.train_config import TrainConfig
+from modules.methods.base import TrainingMethod, register_method
+
+
+@register_method
+class AdapterMethod(TrainingMethod):
+    name = "adapter"
+    state_prefix = ""  # canonical kohya keys, as backups had them before methods existed
+
+    adapters: AdapterSet | None = None
+
+    def trained_parts(self) -> list[str]:
+        # a part without an adapter prefix (e.g. the VAE) carries no adapters
+        return [name for name, part in self.config.model.parts.items()
+                if part.train and self.family.spec(name).adapter_prefix]
+
+    def setup(self) -> None:
+        config, callbacks = self.config, self.trainer.callbacks
+        self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts(), self.device,
+                                          config.output.format)
+        if self.adapters.left_out:
+            callbacks.on_warning(self.adapters.left_out_message())
+        check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
+        for warning in format_warnings(config.output.format, self.adapters, self.family):
+            callbacks.on_warning(warning)
+        if config.adapter.init_from:
+            load_adapter_file(config.adapter.init_from, self.adapters, self.family)
+
+    def parameter_groups(self, config: TrainConfig) -> list[dict]:
+        groups = []
+        for part in self.trained_parts():
+            params = self.adapters.parameters(part)
+            if params:
+                groups.append({"params": params, "lr": config.model.parts[part].learning_rate or config.optimizer.lr,
+                               "name": part})
+        return groups
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.adapters.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.adapters.state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
+        self.adapters.load_state_dict(state, source=source)
+
+    def save(self, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> list[Path]:
+        family = self.family
+        metadata = {
+            **network_metadata(self.config.adapter),
+            "ss_base_model_version": family.kohya_base_version,
+            "ss_sd_model_name": Path(self.config.model.base).name,
+            "ss_steps": str(self.trainer.step),
+            "ss_epoch": str(self.trainer.epoch),
+            "modelspec.architecture": family.modelspec_architecture,
+            **metadata,
+        }
+        return [save_adapter_file(path, self.adapters, family, self.config.output.format, dtype, metadata)]

@@ -1,0 +1,125 @@
+"""TrainingMethod: what a run trains (an adapter, the weights themselves, embeddings), behind one
+small interface, so the trainer's loop names no method.
+
+A method gives the trainer its parameter groups, the weights a backup holds, and its saved files;
+the trainer owns everything else (the model, the data, the optimizer, EMA, the step). A run has one
+main method (`config.method`) and may add companions (e.g. embeddings trained alongside a LoRA);
+`build_methods` makes them all. A new method is one file that subclasses TrainingMethod and calls
+`register_method`, plus its config in modules/config/method_configs.py.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from modules.config.train_config import TrainConfig
+    from modules.trainer.generic_trainer import GenericTrainer
+
+
+class TrainingMethod(ABC):
+    # the `type` of its config in config.method ("" for companions that are not a main method)
+    name: ClassVar[str]
+    # its keys in a backup's weights file start with this; "" for the adapter, whose keys were
+    # unprefixed before methods existed (backups of those runs still resume)
+    state_prefix: ClassVar[str] = ""
+
+    def __init__(self, trainer: GenericTrainer):
+        self.trainer = trainer
+        self.config = trainer.config
+        self.family = trainer.family
+        self.device = trainer.device
+
+    @abstractmethod
+    def trained_parts(self) -> list[str]:
+        """The model parts whose modules this method changes (put in train mode, given their own lr).
+        Called right after the family is made, before the model loads."""
+
+    @abstractmethod
+    def setup(self) -> None:
+        """Make the trained weights trainable (after the model is on the train device)."""
+
+    @abstractmethod
+    def parameter_groups(self, config: TrainConfig) -> list[dict]:
+        """Optimizer groups {"params", "lr", "name"} at `config`'s learning rates (the trainer may scale
+        lr; `config` can be an older run's, to rebuild its groups on resume)."""
+
+    @abstractmethod
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Every trained parameter, named (the first-step guard, clipping and EMA use them)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained weights a backup holds (keys without state_prefix)."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
+        """Put a backup's weights back; `source` names the file in errors."""
+
+    @abstractmethod
+    def save(self, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> list[Path]:
+        """Write the trained result for people to use at `path` (the output path, or a periodic save's);
+        the files written, the main one first. Called with the evaluation weights (EMA) swapped in."""
+
+    def text_cache_allowed(self) -> bool:
+        """Whether cached text conditioning stays valid while this method trains."""
+        return not any(part in self.family.text_parts for part in self.trained_parts())
+
+    def steps_in_backward(self) -> bool:
+        """True where the optimizer steps each parameter inside the backward pass (a fused backward):
+        the trainer then neither clips nor steps after it."""
+        return False
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+
+METHODS: dict[str, type[TrainingMethod]] = {}
+
+
+def register_method(cls: type[TrainingMethod]) -> type[TrainingMethod]:
+    """Class decorator: `config.method.type == cls.name` trains with `cls`."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+def method_class(name: str) -> type[TrainingMethod]:
+    import modules.methods.builtin  # noqa: F401  (registers the built-in methods)
+
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise ValueError(f"method.type: no training method {name!r} (known: {', '.join(sorted(METHODS))})") from None
+
+
+def build_methods(trainer: GenericTrainer) -> list[TrainingMethod]:
+    """The run's main method (config.method); companions are added here as they come."""
+    return [method_class(trainer.config.method.type)(trainer)]
+
+
+def split_state(methods: list[TrainingMethod], state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """A backup's weights, one dict per method: each prefixed method takes its keys (prefix removed),
+    the unprefixed method the rest."""
+    taken: set[str] = set()
+    parts: list[dict[str, torch.Tensor] | None] = []
+    for method in methods:
+        if method.state_prefix:
+            own = {k[len(method.state_prefix):]: v for k, v in state.items() if k.startswith(method.state_prefix)}
+            taken.update(method.state_prefix + k for k in own)
+            parts.append(own)
+        else:
+            parts.append(None)
+    rest = {k: v for k, v in state.items() if k not in taken}
+    return [rest if part is None else part for part in parts]
+
+
+def joined_state(methods: list[TrainingMethod]) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for method in methods:
+        state.update({method.state_prefix + k: v for k, v in method.state_dict().items()})
+    return state

@@ -1,0 +1,3 @@
+"""Imports the built-in training methods so each registers itself (one line per method file)."""
+
+import modules.methods.adapter  # noqa: F401
