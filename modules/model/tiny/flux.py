@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from modules.model.tiny.other_tokenizers import write_char_sentencepiece_tokenizer
+from modules.model.tiny.char_tokenizers import write_char_sentencepiece_tokenizer
 from modules.model.tiny.parts import tiny_clip, tiny_flux_vae
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from modules.model.tiny.other_tokenizers import write_char_bpe_tokenizer
+from modules.model.tiny.char_tokenizers import write_char_bpe_tokenizer
 from modules.model.tiny.parts import tiny_flux_vae
 
 # Qwen3's chat template reduced to what Z-Image's prompt uses, for tiny tokenizers only
