@@ -19,7 +19,7 @@ from modules.adapters.formats.files import (
     load_adapter_file,
     save_adapter_file,
 )
-from modules.adapters.formats.ldm_unet import ldm_unet_module_name
+from modules.model.components.ldm_unet_keys import ldm_unet_module_name
 from modules.config.train_config import AdapterConfig
 
 TYPES = {

@@ -63,7 +63,7 @@ def comfyui_map(family) -> set[str]:
                 stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
                           f"lora_transformer_{name.replace('.', '_')}"}
     else:
-        from modules.adapters.formats.ldm_unet import ldm_unet_module_name  # checked against diffusers elsewhere
+        from modules.model.components.ldm_unet_keys import ldm_unet_module_name  # checked against diffusers elsewhere
 
         to_ldm = family.comfy_module_name if family.name == "sdxl" else (
             lambda part, name: "diffusion_model." + ldm_unet_module_name(family.unet, name))

@@ -54,6 +54,7 @@ class OneLayerFamily:
     """The naming side of a ModelFamily (its defaults) for one layer "layer" in a part "unet"."""
 
     label = "one layer"
+    key_layout = ModelFamily.key_layout  # the default: no layout beyond the diffusers names
     original_layers = ModelFamily.original_layers
     other_stems = ModelFamily.other_stems
     comfy_module_name = ModelFamily.comfy_module_name

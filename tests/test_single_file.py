@@ -12,7 +12,7 @@ from conftest import train_config
 from safetensors.torch import load_file, save_file
 
 from modules.loading.diffusers_folder import ModelLoadError
-from modules.model.sdxl import sdxl_ldm_unet_module_name
+from modules.model.keys.sdxl import sdxl_ldm_unet_module_name
 
 # --- writing the original layout (the reverse of diffusers' converters) -----------------------
 

@@ -11,21 +11,24 @@ layer (its converter for OneTrainer's `lora_transformer_<diffusers module>` name
 layers only), and ComfyUI and Forge read it too. Other algorithms keep the per-module
 `lora_transformer_...` names (ComfyUI, Forge). Text encoders: `lora_te1_...` (CLIP-L),
 `lora_te2_...` (T5, OneTrainer's name, which ComfyUI maps for FLUX). ComfyUI's own layout fuses
-q/k/v as these names do, so output.format `comfy` writes this kohya layout (file_layout).
+q/k/v as these names do, so output.format `comfy` writes this kohya layout (file_layout). The
+layout is declared in modules/model/keys/flux.py.
 """
 
 from __future__ import annotations
 
-import math
-from pathlib import Path
-
 import torch
 
-from modules.model.base import ModelFamily, OriginalLayer, PartSpec
-from modules.model.noise import Prediction
-from modules.model.sd15 import _text_encoder_key, _vae_key
-from modules.model.tiny_tokenizer import write_char_clip_tokenizer
-from modules.model.tiny_tokenizers import write_char_sentencepiece_tokenizer
+from modules.model.base import ModelFamily, PartSpec
+from modules.model.components.clip import (
+    clip_encoder_layers,
+    ldm_clip_single_file,
+    load_clip_text_encoder,
+    load_clip_tokenizer,
+)
+from modules.model.components.flow_matching import FlowMatchingTraining
+from modules.model.components.vae import encode_latents, ldm_vae_single_file, load_vae
+from modules.model.keys.flux import FLUX_KEYS
 from modules.util.torch_utils import make_generator
 
 _DIT_ATTN = r"^transformer\..*\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
@@ -57,19 +60,6 @@ def image_ids(height: int, width: int, device, dtype) -> torch.Tensor:
     ids[..., 1] = torch.arange(height // 2)[:, None]
     ids[..., 2] = torch.arange(width // 2)[None, :]
     return ids.reshape(-1, 3).to(device, dtype)
-
-
-def flow_sigmas(config, unit: torch.Tensor, sequence_length: int, shift: float | None = None) -> torch.Tensor:
-    """Training noise levels for rectified flow from `unit` draws in (0, 1) (logit-normal by
-    default, see ModelFamily.training_times), shifted as the model's FlowMatchEulerDiscreteScheduler
-    config shifts its sampling schedule (by the image's sequence length where it shifts dynamically,
-    else by its fixed `shift`), or by `shift` when the config's loss.flow_shift sets one."""
-    if shift is None and config.get("use_dynamic_shifting"):
-        slope = (config["max_shift"] - config["base_shift"]) / (config["max_image_seq_len"] - config["base_image_seq_len"])
-        mu = config["base_shift"] + slope * (sequence_length - config["base_image_seq_len"])
-        return math.exp(mu) / (math.exp(mu) + (1 / unit - 1))
-    shift = shift if shift is not None else config.get("shift", 1.0)
-    return shift * unit / (1 + (shift - 1) * unit)
 
 
 def flux_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -139,8 +129,7 @@ def flux_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[s
     return out
 
 
-class FluxFamily(ModelFamily):
-    flow_matching = True
+class FluxFamily(FlowMatchingTraining, ModelFamily):
     name = "flux"
     label = "FLUX.1"
     pipeline_classes = ("FluxPipeline",)
@@ -155,6 +144,7 @@ class FluxFamily(ModelFamily):
     bucket_quantum = 64
     kohya_base_version = "flux1"
     modelspec_architecture = "flux-1-dev/lora"
+    key_layout = FLUX_KEYS
     layer_presets = {
         "attn": ([_DIT_ATTN, _CLIP_ATTN, _T5_ATTN], False),
         "attn-mlp": ([_DIT_ATTN, *_DIT_MLP, _CLIP_ATTN, _CLIP_MLP, _T5_ATTN, _T5_MLP], False),
@@ -168,29 +158,18 @@ class FluxFamily(ModelFamily):
     image_parts = ("vae",)
 
     def load(self) -> None:
-        from diffusers import (
-            AutoencoderKL,
-            FlowMatchEulerDiscreteScheduler,
-            FluxTransformer2DModel,
-        )
-        from transformers import (
-            AutoTokenizer,
-            CLIPTextModel,
-            CLIPTokenizer,
-            T5EncoderModel,
-        )
+        from diffusers import FluxTransformer2DModel
+        from transformers import AutoTokenizer, T5EncoderModel
 
-        self.parts["text_encoder"] = self.load_part("text_encoder", CLIPTextModel, rename=_text_encoder_key,
-                                                    ignore_unexpected=[r"^embeddings\.position_ids$"])
+        self.parts["text_encoder"] = load_clip_text_encoder(self, "text_encoder")
         self.parts["text_encoder_2"] = self.load_part("text_encoder_2", T5EncoderModel,
                                                       ignore_unexpected=[r"^decoder\.", r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", FluxTransformer2DModel)
-        self.parts["vae"] = self.load_part("vae", AutoencoderKL, rename=_vae_key)
-        self.tokenizer = CLIPTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
+        self.parts["vae"] = load_vae(self)
+        self.tokenizer = load_clip_tokenizer(self)
         self.tokenizer_2 = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer_2")),
                                                          local_files_only=True)
-        self.noise_scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(
-            str(self.support_folder("scheduler")), local_files_only=True)
+        self.load_flow_scheduler()
 
     def single_file_part(self, part: str):
         # BFL / ComfyUI files: the transformer (bare or under model.diffusion_model.); ComfyUI's
@@ -204,10 +183,9 @@ class FluxFamily(ModelFamily):
                 ("model.diffusion_model.", "double_blocks.", "single_blocks.", "img_in.", "txt_in.", "time_in.",
                  "vector_in.", "guidance_in.", "final_layer."),
                 lambda sd, model: flux_transformer_to_diffusers(sd)),
-            "vae": SingleFilePart(("vae.",), lambda sd, model: convert.convert_ldm_vae_checkpoint(sd, dict(model.config))),
-            "text_encoder": SingleFilePart(
-                ("text_encoders.clip_l.transformer.",),
-                lambda sd, model: convert.convert_ldm_clip_checkpoint(sd, remove_prefix="text_encoders.clip_l.transformer.")),
+            "vae": ldm_vae_single_file("vae."),
+            "text_encoder": ldm_clip_single_file("text_encoders.clip_l.transformer.",
+                                                 remove_prefix="text_encoders.clip_l.transformer."),
             "text_encoder_2": SingleFilePart(("text_encoders.t5xxl.transformer.",),
                                              lambda sd, model: convert.convert_sd3_t5_checkpoint_to_diffusers(sd)),
         }.get(part)
@@ -224,7 +202,7 @@ class FluxFamily(ModelFamily):
         if part == "transformer":
             return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
         if part == "text_encoder":
-            return list(self.parts[part].encoder.layers)
+            return clip_encoder_layers(self.parts[part])
         if part == "text_encoder_2":
             return list(self.parts[part].encoder.block)
         return []
@@ -232,9 +210,7 @@ class FluxFamily(ModelFamily):
     # --- data --------------------------------------------------------------------------------
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
-        vae = self.parts["vae"]
-        latents = vae.encode(pixels.to(self.compute_dtype("vae"))).latent_dist.mean
-        return (latents - vae.config.shift_factor) * vae.config.scaling_factor
+        return encode_latents(self.parts["vae"], pixels, self.compute_dtype("vae"), shifted=True)
 
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         clip = self.tokenizer(captions, padding="max_length", max_length=self.tokenizer.model_max_length,
@@ -252,10 +228,6 @@ class FluxFamily(ModelFamily):
 
     # --- training ----------------------------------------------------------------------------
 
-    def sample_sigmas(self, batch: int, sequence_length: int, generator: torch.Generator) -> torch.Tensor:
-        return flow_sigmas(self.noise_scheduler.config, self.training_times(batch, generator), sequence_length,
-                           self.config.loss.flow_shift)
-
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's velocity prediction for (B, C, H, W) latents at `sigmas`."""
         dtype = self.compute_dtype("transformer")
@@ -271,14 +243,6 @@ class FluxFamily(ModelFamily):
             img_ids=image_ids(height, width, noisy.device, dtype), return_dict=False,
         )[0]
         return unpack_latents(packed, height, width)
-
-    def predict(self, latents, text, generator):
-        noise = self.training_noise(latents, generator)
-        sequence_length = (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
-        sigmas = self.sample_sigmas(latents.shape[0], sequence_length, generator).to(latents.device)
-        expanded = sigmas.view(-1, 1, 1, 1).to(latents.dtype)
-        noisy = (1 - expanded) * latents + expanded * noise
-        return Prediction(self.denoise(noisy, sigmas, text), noise - latents)
 
     # --- sampling ----------------------------------------------------------------------------
 
@@ -301,53 +265,7 @@ class FluxFamily(ModelFamily):
             max_sequence_length=self.max_sequence_length,
         ).images[0]
 
-    # --- adapters ----------------------------------------------------------------------------
-
-    def original_layers(self, part: str) -> list[OriginalLayer] | None:
-        """The transformer's layers under BFL's names, as sd-scripts and diffusers' kohya-FLUX
-        converter spell them (`_convert_kohya_flux_lora_to_diffusers`)."""
-        if part != "transformer":
-            return None
-        modules = dict(self.transformer.named_modules())
-
-        def layer(stem: str, *members: str, swap: bool = False) -> OriginalLayer | None:
-            if not all(m in modules for m in members):
-                return None
-            return OriginalLayer(f"lora_unet_{stem}", members, tuple(modules[m].out_features for m in members), swap)
-
-        layers = [
-            layer("img_in", "x_embedder"), layer("txt_in", "context_embedder"),
-            layer("final_layer_linear", "proj_out"),
-            layer("final_layer_adaLN_modulation_1", "norm_out.linear", swap=True),
-        ]
-        for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
-                               ("guidance_in", "guidance_embedder")):
-            layers += [layer(f"{source}_in_layer", f"time_text_embed.{target}.linear_1"),
-                       layer(f"{source}_out_layer", f"time_text_embed.{target}.linear_2")]
-        for i in range(len(self.transformer.transformer_blocks)):
-            d = f"transformer_blocks.{i}"
-            layers += [
-                layer(f"double_blocks_{i}_img_attn_qkv", f"{d}.attn.to_q", f"{d}.attn.to_k", f"{d}.attn.to_v"),
-                layer(f"double_blocks_{i}_txt_attn_qkv", f"{d}.attn.add_q_proj", f"{d}.attn.add_k_proj",
-                      f"{d}.attn.add_v_proj"),
-                layer(f"double_blocks_{i}_img_attn_proj", f"{d}.attn.to_out.0"),
-                layer(f"double_blocks_{i}_txt_attn_proj", f"{d}.attn.to_add_out"),
-                layer(f"double_blocks_{i}_img_mlp_0", f"{d}.ff.net.0.proj"),
-                layer(f"double_blocks_{i}_img_mlp_2", f"{d}.ff.net.2"),
-                layer(f"double_blocks_{i}_txt_mlp_0", f"{d}.ff_context.net.0.proj"),
-                layer(f"double_blocks_{i}_txt_mlp_2", f"{d}.ff_context.net.2"),
-                layer(f"double_blocks_{i}_img_mod_lin", f"{d}.norm1.linear"),
-                layer(f"double_blocks_{i}_txt_mod_lin", f"{d}.norm1_context.linear"),
-            ]
-        for i in range(len(self.transformer.single_transformer_blocks)):
-            s = f"single_transformer_blocks.{i}"
-            layers += [
-                layer(f"single_blocks_{i}_linear1", f"{s}.attn.to_q", f"{s}.attn.to_k", f"{s}.attn.to_v",
-                      f"{s}.proj_mlp"),
-                layer(f"single_blocks_{i}_linear2", f"{s}.proj_out"),
-                layer(f"single_blocks_{i}_modulation_lin", f"{s}.norm.linear"),
-            ]
-        return [x for x in layers if x is not None]
+    # --- adapters: what other tools do with the files (the key layout itself: keys/flux.py) ------
 
     # diffusers' kohya-FLUX converter keys these layers' LoRAs without the `transformer.` prefix,
     # so load_lora_weights drops them (diffusers 0.42)
@@ -366,68 +284,3 @@ class FluxFamily(ModelFamily):
         # model_lora_keys_unet) and Forge read those names and OneTrainer's for every layer: a
         # `comfy` file is the kohya one
         return "kohya" if fmt == "comfy" else fmt
-
-    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
-        if part == "text_encoder_2":
-            return "it reads T5 adapters only under kohya's lora_te2_/lora_te3_ names"
-        return None
-
-    def canonical_module_name(self, part: str, module_name: str) -> str:
-        if part == "text_encoder" and not module_name.startswith("text_model."):
-            return "text_model." + module_name
-        return module_name
-
-    # --- tiny model --------------------------------------------------------------------------
-
-    @classmethod
-    def make_tiny_model(cls, out: str | Path, transformer: dict | None = None, seed: int = 0) -> Path:
-        """A random FLUX.1-dev-architecture pipeline in diffusers layout, built offline."""
-        from diffusers import (
-            AutoencoderKL,
-            FlowMatchEulerDiscreteScheduler,
-            FluxPipeline,
-            FluxTransformer2DModel,
-        )
-        from transformers import (
-            AutoTokenizer,
-            CLIPTextConfig,
-            CLIPTextModel,
-            CLIPTokenizer,
-            T5Config,
-            T5EncoderModel,
-        )
-
-        out = Path(out)
-        torch.manual_seed(seed)
-        vocab_size = write_char_clip_tokenizer(out / "tokenizer")
-        tokenizer = CLIPTokenizer.from_pretrained(str(out / "tokenizer"))
-        clip = CLIPTextModel(CLIPTextConfig(
-            vocab_size=vocab_size, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, max_position_embeddings=77, projection_dim=32,
-        ))
-        t5_vocab = write_char_sentencepiece_tokenizer(out / "tokenizer_2", max_length=32)
-        tokenizer_2 = AutoTokenizer.from_pretrained(str(out / "tokenizer_2"))
-        t5 = T5EncoderModel(T5Config(
-            vocab_size=t5_vocab, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1,
-            decoder_start_token_id=0,
-        ))
-        transformer_config = dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
-                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
-        transformer_config.update(transformer or {})
-        vae = AutoencoderKL(
-            block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2, latent_channels=16, norm_num_groups=32, sample_size=64,
-            scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
-        pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer,
-                            text_encoder_2=t5, tokenizer_2=tokenizer_2,
-                            transformer=FluxTransformer2DModel(**transformer_config))
-        pipe.save_pretrained(str(out))
-        return out

@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import re
 
+# ComfyUI maps diffusers UNet attention projections only as `.processor.to_q` (old diffusers), so
+# it skips these modules' adapters in a diffusers-format file: (regex on the module name, why)
+COMFYUI_UNET_ATTENTION_SKIP = (r"\.to_(q|k|v|out\.0)$", "it reads UNet attention projections only as `...processor.to_q`")
+
 _RESNET = {
     "norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
     "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection",

@@ -1,0 +1,77 @@
+"""How a family's adapters are named in files other tools read, computed from the family's
+declared `key_layout` (modules/model/keys/<family>.py). ModelFamily mixes this in; the adapter
+formats (modules/adapters/formats) call these methods and know no family by name."""
+
+from __future__ import annotations
+
+import re
+from typing import ClassVar
+
+from modules.model.keys.layout import KeyLayout, OriginalLayer
+
+
+class AdapterKeyNames:
+    """The key-naming part of ModelFamily (it reads `spec`, `parts` and `label` from the family)."""
+
+    key_layout: ClassVar[KeyLayout] = KeyLayout()
+
+    def adapter_name(self, part: str, module_name: str) -> str:
+        """The kohya/LyCORIS key stem for a module: lora_unet_down_blocks_0_..."""
+        prefix = self.spec(part).adapter_prefix
+        name = self.canonical_module_name(part, module_name)
+        namer = self.key_layout.kohya_names.get(part)
+        if namer is not None:
+            name = namer(self.parts[part], name)
+        return f"{prefix}_{name.replace('.', '_')}"
+
+    def canonical_module_name(self, part: str, module_name: str) -> str:
+        """The module's name as other tools spell it (library versions may rename modules)."""
+        if part in self.key_layout.text_model_parts and not module_name.startswith("text_model."):
+            return "text_model." + module_name
+        return module_name
+
+    def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
+        """Why ComfyUI's loader would not load this module's adapter from a diffusers-format file
+        (its key map has no such name: "lora key not loaded"), or None."""
+        skip = self.key_layout.comfyui_skips.get(part)
+        if skip is None:
+            return None
+        pattern, why = skip
+        return why if pattern is None or re.search(pattern, module_name) else None
+
+    def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        """Why diffusers' `load_lora_weights` drops this module's adapter from a `fmt` file
+        (stacked: written on an original layer, fused.py), or None."""
+        return None
+
+    def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
+        """A kohya file's stem for an adapter not on an original layer; None: its adapter name."""
+        return None
+
+    def file_layout(self, fmt: str) -> str:
+        """The key layout a file of output.format `fmt` is written in."""
+        return fmt
+
+    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
+        """More key stems other tools write for the module (read when loading, never written),
+        e.g. ComfyUI's own `text_encoders.clip_l.transformer...` paths."""
+        prefix = self.key_layout.other_stem_prefixes.get(part)
+        return () if prefix is None else (prefix + self.canonical_module_name(part, module_name),)
+
+    def original_layers(self, part: str) -> list[OriginalLayer] | None:
+        """The part's layers in the original checkpoint layout, where kohya LoRA files for this
+        family use those names (sd-scripts' FLUX files): None where kohya names are the diffusers
+        module names (`adapter_name`)."""
+        layout = self.key_layout.original_layers.get(part)
+        return None if layout is None else layout.layers(self.parts[part])
+
+    def comfy_module_name(self, part: str, module_name: str) -> str:
+        """The module's key stem in ComfyUI's own adapter layout (`diffusion_model.<its module
+        path>`, `text_encoders.<its text encoder path>`), where the family declares one."""
+        stems = self.key_layout.comfy.get(part)
+        if stems is None:
+            raise NotImplementedError(f"{self.label} has no ComfyUI key layout")
+        if stems.kohya:
+            return self.adapter_name(part, module_name)
+        name = stems.namer(self.parts[part], module_name) if stems.namer else module_name
+        return stems.prefix + name

@@ -1,0 +1,96 @@
+"""The shape of a family's adapter key layout: a table per part that adapter_keys.py turns into
+the key stems kohya/LyCORIS, ComfyUI and diffusers files use. A family file declares one
+`KeyLayout` (modules/model/keys/<family>.py) and writes no naming code of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+# (the part's module, a diffusers module name inside it) -> that module's name in another layout
+ModuleNamer = Callable[[nn.Module, str], str]
+
+
+@dataclass(frozen=True)
+class OriginalLayer:
+    """One layer of a family's original (non-diffusers) checkpoint layout that holds several
+    diffusers modules stacked along its output rows, e.g. FLUX's `single_blocks.0.linear1` =
+    to_q, to_k, to_v, proj_mlp. kohya files name adapters by such layers (`stem`)."""
+
+    stem: str  # the kohya key stem: lora_unet_single_blocks_0_linear1
+    members: tuple[str, ...]  # diffusers module names inside the part, in row order
+    rows: tuple[int, ...]  # output rows of each member
+    swap_halves: bool = False  # the original stores the two halves of the rows swapped (FLUX's final adaLN)
+
+
+@dataclass(frozen=True)
+class FusedLayer:
+    """An original layer as a template: in a block, `{i}` is the block's index and `{block}` its
+    diffusers path (`transformer_blocks.3`)."""
+
+    stem: str  # without the kohya prefix: "double_blocks_{i}_img_attn_qkv"
+    members: tuple[str, ...]  # "{block}.attn.to_q", ...
+    swap_halves: bool = False
+
+
+@dataclass(frozen=True)
+class OriginalLayout:
+    """A part's original layers: the ones outside repeated blocks, then per block list (the
+    part's ModuleList attribute) the layers of each block. A layer whose members the model lacks
+    (no guidance embedder in schnell) is left out."""
+
+    prefix: str  # kohya's prefix: "lora_unet"
+    top: tuple[FusedLayer, ...] = ()
+    blocks: Mapping[str, tuple[FusedLayer, ...]] = field(default_factory=dict)
+
+    def layers(self, part_module: nn.Module) -> list[OriginalLayer]:
+        modules = dict(part_module.named_modules())
+
+        def layer(template: FusedLayer, **names) -> OriginalLayer | None:
+            members = tuple(m.format(**names) for m in template.members)
+            if not all(m in modules for m in members):
+                return None
+            return OriginalLayer(f"{self.prefix}_{template.stem.format(**names)}", members,
+                                 tuple(modules[m].out_features for m in members), template.swap_halves)
+
+        layers = [layer(template) for template in self.top]
+        for attribute, templates in self.blocks.items():
+            for i in range(len(getattr(part_module, attribute))):
+                layers += [layer(template, i=i, block=f"{attribute}.{i}") for template in templates]
+        return [x for x in layers if x is not None]
+
+
+@dataclass(frozen=True)
+class ComfyStems:
+    """How ComfyUI's own adapter layout names a part's modules: `prefix` + the module's name
+    (through `namer` where ComfyUI keeps the original checkpoint's names). `kohya=True`: the
+    kohya stem (lora_te_...), which ComfyUI maps and Forge requires."""
+
+    prefix: str = ""
+    namer: ModuleNamer | None = None
+    kohya: bool = False
+
+
+KOHYA_STEMS = ComfyStems(kohya=True)
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """Per part (the config's part names), how other tools spell a module's adapter key."""
+
+    # parts whose model dropped the `text_model.` level other tools keep (transformers 5 CLIPTextModel)
+    text_model_parts: tuple[str, ...] = ()
+    # the module name inside kohya's `<prefix>_<name>` stem, where it is not the diffusers name
+    # (SDXL's UNet: sd-scripts uses the original sgm names)
+    kohya_names: Mapping[str, ModuleNamer] = field(default_factory=dict)
+    # ComfyUI's own layout; a part not listed has none (its adapters save as kohya or diffusers)
+    comfy: Mapping[str, ComfyStems] = field(default_factory=dict)
+    # modules ComfyUI would not load from a diffusers-format file: (regex searched in the module
+    # name, None for every module of the part, why)
+    comfyui_skips: Mapping[str, tuple[str | None, str]] = field(default_factory=dict)
+    # more stems read when loading (never written): prefix + the canonical module name
+    other_stem_prefixes: Mapping[str, str] = field(default_factory=dict)
+    # original-layout layers kohya files name fused adapters by (sd-scripts' FLUX files)
+    original_layers: Mapping[str, OriginalLayout] = field(default_factory=dict)
