@@ -16,8 +16,16 @@ import torch
 from conftest import fixed_loss, train_config
 from torch import nn
 
+# imported before the toy mode is registered, as in a real run: a table copied from the registry at
+# import would miss the mode, and these tests would fail
 from modules.config.errors import ConfigError
+from modules.config.loading import build_config
+from modules.config.train_config import TrainConfig
 from modules.quantization.base import QuantizedLinear, is_linear, unquantized_weight
+from modules.quantization.capabilities import Capabilities, ModeSupport, mode_support, working_modes
+from modules.quantization.policy import plan_base_precision
+from modules.trainer.callbacks import TrainCallbacks
+from modules.trainer.generic_trainer import GenericTrainer
 from modules.quantization.weight_modes import LayerOptions, WeightMode, register_weight_mode, unregister_weight_mode
 
 MODE = "toy_int4"
@@ -62,9 +70,6 @@ def toy_mode():
 
 
 def test_the_config_and_its_schema_take_the_mode_only_while_registered(toy_mode):
-    from modules.config.loading import build_config
-    from modules.config.train_config import TrainConfig
-
     overlay = {"model": {"parts": {"unet": {"weight_dtype": MODE}}}}
     assert build_config([overlay]).model.parts["unet"].weight_dtype == MODE
     schema = TrainConfig.model_json_schema()["$defs"]["ModelPartConfig"]["properties"]["weight_dtype"]
@@ -81,9 +86,6 @@ def test_the_config_and_its_schema_take_the_mode_only_while_registered(toy_mode)
 
 
 def test_the_policy_budgets_the_mode_at_its_bytes_per_parameter(toy_mode):
-    from modules.quantization.capabilities import Capabilities, ModeSupport, mode_support, working_modes
-    from modules.quantization.policy import plan_base_precision
-
     # a bare CPU box, described by hand (the policy is a pure function of it)
     caps = Capabilities(device="cpu", device_name="test CPU", cuda=False, compute_capability=None,
                         total_memory=2**34, free_memory=2**34, dense_dtypes=("float32", "bfloat16"),
@@ -120,9 +122,6 @@ def _base_weights(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def test_a_lora_trains_on_the_mode_through_the_real_trainer(toy_mode, tmp_path, tiny_model, one_image):
-    from modules.trainer.callbacks import TrainCallbacks
-    from modules.trainer.generic_trainer import GenericTrainer
-
     class Status(TrainCallbacks):
         def __init__(self):
             self.lines: list[str] = []
