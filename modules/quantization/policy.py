@@ -19,8 +19,10 @@ parts in `requested`; other keys of `part_sizes` are ignored.
 
 auto: the decision table
 ------------------------
-Sizes are bytes of base weights: parameter count x bytes per parameter (BYTES_PER_PARAMETER:
-float32 4, bfloat16/float16 2, 8-bit modes ~1.01 with their scales, nf4 0.53 with double quant).
+Sizes are bytes of base weights: parameter count x the mode's bytes per parameter (its entry in
+weight_modes.py: float32 4, bfloat16/float16 2, 8-bit modes ~1.01 with their scales, nf4 0.53 with
+double quant). The ladder below is the entries' `auto_tier` / `auto_preference`; a mode without a
+tier (float16, w8a8_fp8, modes registered without one) is never picked by auto.
 The budget is HEADROOM (0.8) x free memory of the train device; the other 20% is left for
 activations, the adapter, optimizer state and the allocator's slack. Parts with an explicit
 mode count at that mode.
