@@ -111,10 +111,6 @@ def dense_modes() -> list[WeightMode]:
     return [mode for mode in _REGISTRY.values() if mode.dense]
 
 
-def quantized_modes() -> list[WeightMode]:
-    return [mode for mode in _REGISTRY.values() if not mode.dense]
-
-
 # --- live views under the names callers used before the registry (read it on every access) ------
 
 class DenseDtypes(Mapping):
