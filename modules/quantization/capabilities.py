@@ -261,7 +261,8 @@ def _detect(device: torch.device) -> Capabilities:
         total_memory=total,
         free_memory=free,
         dense_dtypes=tuple(
-            mode for mode in DENSE_MODES if mode == "float32" or _dense_dtype_works(get_weight_mode(mode).torch_dtype(), device)
+            mode for mode in DENSE_MODES
+            if mode == "float32" or _dense_dtype_works(get_weight_mode(mode).torch_dtype(), device)
         ),
         float8_dtypes=_float8_works(device),
         torchao_int8=has_functional_torchao(),
