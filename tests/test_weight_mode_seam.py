@@ -80,7 +80,8 @@ def test_the_config_and_its_schema_take_the_mode_only_while_registered(toy_mode)
         with pytest.raises(ConfigError, match=rf"model\.parts\.unet\.weight_dtype: unknown weight mode '{MODE}' "
                                               r"\(known: float32, .*nf4, auto\)"):
             build_config([overlay])
-        assert MODE not in TrainConfig.model_json_schema()["$defs"]["ModelPartConfig"]["properties"]["weight_dtype"]["enum"]
+        schema = TrainConfig.model_json_schema()["$defs"]["ModelPartConfig"]["properties"]["weight_dtype"]
+        assert MODE not in schema["enum"]
     finally:
         register_weight_mode(TOY)
 

@@ -60,7 +60,8 @@ class ModelPartConfig(StrictModel):
     train: bool = Field(False, description="Train this part (its adapter, or its weights in a fine-tune).")
     learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
     weight_dtype: str = Field(
-        "float32", json_schema_extra=_weight_dtype_schema, description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
+        "float32", json_schema_extra=_weight_dtype_schema,
+        description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
         "float8 (e4m3 + scale), int8 (torchao weight-only), w8a8_int8/w8a8_fp8 (8-bit weights and "
         "activations), nf4 (bitsandbytes 4-bit), or auto (what fits this machine).")
     nf4_double_quant: bool = Field(True, description="nf4: quantize the block scales too (saves ~0.4 bit/weight).")

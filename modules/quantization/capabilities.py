@@ -297,7 +297,8 @@ def mode_support(capabilities: Capabilities) -> dict[str, ModeSupport]:
             support[name] = ModeSupport(True, None, mode.how)
         else:
             slow = mode.fast_kernel(capabilities)
-            support[name] = ModeSupport(True, slow is None, mode.how if slow is None else f"dequantize fallback ({slow})")
+            how = mode.how if slow is None else f"dequantize fallback ({slow})"
+            support[name] = ModeSupport(True, slow is None, how)
     return support
 
 

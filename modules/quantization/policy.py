@@ -113,7 +113,8 @@ def plan_base_precision(requested: str | Mapping[str, str], family: str, part_si
         if mode == "auto":
             continue
         if mode not in support:
-            errors.append(f"{_config_path(part)}: unknown mode {mode!r} (known: {', '.join(weight_mode_names())}, auto)")
+            known = ", ".join(weight_mode_names())
+            errors.append(f"{_config_path(part)}: unknown mode {mode!r} (known: {known}, auto)")
         elif not support[mode].works:
             errors.append(f"{_config_path(part)}: {mode} does not work on this machine: {support[mode].why}")
     auto_parts = [part for part, mode in parts.items() if mode == "auto"]
