@@ -30,7 +30,6 @@ def stored_bytes(module) -> tuple[int, int, int, int]:
     from torch import nn
 
     from modules.quantization.base import QuantizedLinear
-    from modules.quantization.torchao_int8 import is_torchao_int8
 
     def tensor_bytes(tensor) -> int:
         parts = [getattr(tensor, name) for name in getattr(tensor, "tensor_data_names", [])]  # torchao int8
@@ -44,7 +43,7 @@ def stored_bytes(module) -> tuple[int, int, int, int]:
         total += size
         if isinstance(child, (nn.Linear, QuantizedLinear)):
             linear += size
-            if isinstance(child, QuantizedLinear) or is_torchao_int8(child):
+            if isinstance(child, QuantizedLinear):
                 quantized += size
                 as_bf16 += 2 * (child.in_features * child.out_features + (child.out_features if child.bias is not None else 0))
     return total, linear, quantized, as_bf16
@@ -70,11 +69,13 @@ def main() -> None:
     from modules.util.memory import process_memory
 
     if is_quantized_mode(args.mode):
-        from modules.quantization.replace import quantize_model_, quantized_layer_class  # noqa: F401
+        import torch
+        from torch import nn
+
+        from modules.quantization.replace import new_quantized_layer, quantize_model_  # noqa: F401
+        new_quantized_layer(args.mode, nn.Linear(64, 64), torch.float32)  # imports the mode's layer class
         if args.mode == "int8":
             import torchao.quantization  # noqa: F401
-        else:
-            quantized_layer_class(args.mode)
         if args.mode == "nf4":
             import bitsandbytes.functional  # noqa: F401
     config = build_config([{"model": {"base": args.model, "parts": {part: {"weight_dtype": args.mode}

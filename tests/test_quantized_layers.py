@@ -1,7 +1,7 @@
 """The quantized linear layers keep the QuantizedLinear contract (DESIGN.md, "Contracts that tests pin").
 
-Every contract test runs for every class and mode: LinearFp8, LinearW8A8 (int8 and fp8 weights) and
-LinearNf4 (with and without double quantization).
+Every contract test runs for every class and mode: LinearFp8, LinearInt8 (torchao), LinearW8A8 (int8
+and fp8 weights) and LinearNf4 (with and without double quantization).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from modules.quantization.base import QuantizedLinear
 from modules.quantization.linear_fp8 import LinearFp8
 from modules.quantization.linear_nf4 import LinearNf4
 from modules.quantization.linear_w8a8 import LinearW8A8, LinearW8A8Fp8, LinearW8A8Int8
+from modules.quantization.torchao_int8 import LinearInt8
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE_DEVICE_FILE = Path(__file__).with_name("fake_device.py")
@@ -63,6 +64,7 @@ class Case:
 
 CASES = [
     Case("fp8", LinearFp8, {}, ("scale",), ("scale",), 0.05),
+    Case("int8", LinearInt8, {}, ("scale",), ("scale",), 0.02),
     Case("w8a8_int8", LinearW8A8Int8, {}, ("scale",), ("scale",), 0.02),
     Case("w8a8_fp8", LinearW8A8Fp8, {}, ("scale",), ("scale",), 0.07),
     Case("nf4", LinearNf4, {"double_quant": True},
@@ -156,7 +158,7 @@ def weight_tolerance(case: Case, dense: torch.Tensor) -> torch.Tensor:
     if case.id == "w8a8_fp8":
         scale = dense.abs().amax(dim=1, keepdim=True) / 448
         return dense.abs() / 16 + scale * 2 ** -9 + 1e-7
-    if case.id == "w8a8_int8":
+    if case.id in ("w8a8_int8", "int8"):
         # round to nearest of 255 levels per row: half a step of amax/127
         return (dense.abs().amax(dim=1, keepdim=True) / 127 / 2 * 1.001 + 1e-7).expand_as(dense)
     # nf4: the widest gap between NF4 levels is 0.277 of the block absmax (0.723 .. 1.0), so
@@ -195,7 +197,7 @@ def test_unquantized_weight_is_close_in_the_asked_dtype_and_changes_nothing(case
 
 def test_nf4_tolerance_is_not_vacuous():
     # the nf4 bound is loose; a dequantization with a wrong absmax (every block scaled by 1.3) breaks it
-    case = CASES[3]
+    case = next(c for c in CASES if c.id == "nf4")
     linear = dense_linear()
     layer = case.cls.from_linear(linear, torch.float32, **case.options)
     dense = linear.weight.detach()
@@ -312,7 +314,7 @@ def test_state_dict_round_trip_gives_identical_outputs(case):
 
 
 def test_state_dict_with_other_options_is_refused():
-    double = make_layer(CASES[3])
+    double = make_layer(next(c for c in CASES if c.id == "nf4"))
     single = LinearNf4(IN, OUT, True, torch.float32, double_quant=False)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         single.load_state_dict(double.state_dict())

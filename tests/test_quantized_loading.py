@@ -2,7 +2,7 @@
 
 The layer classes themselves are pinned in test_quantized_layers.py; here: the skip-list union,
 the compute dtype, the streamed load against diffusers' own loader, ComfyUI scaled-fp8 files,
-and torchao's int8 keeping the module (so adapter hooks survive).
+and torchao's int8 as a QuantizedLinear like the others.
 """
 
 from __future__ import annotations
@@ -22,11 +22,7 @@ from modules.model.sd15 import SD15Family
 from modules.quantization.base import QuantizedLinear, unquantized_weight
 from modules.quantization.linear_fp8 import LinearFp8
 from modules.quantization.replace import QUANTIZED_MODES, quantize_model_
-from modules.quantization.torchao_int8 import (
-    QuantizationError,
-    is_torchao_int8,
-    quantize_int8_,
-)
+from modules.quantization.torchao_int8 import LinearInt8, QuantizationError
 
 
 class Toy(nn.Module):
@@ -140,7 +136,7 @@ def test_each_mode_loads_the_unet_quantized_and_close_to_dense(mode, tiny_model,
     family.load()
     unet = family.parts["unet"]
     report = family.quantization_reports["unet"]
-    quantized = [m for m in unet.modules() if isinstance(m, QuantizedLinear) or is_torchao_int8(m)]
+    quantized = [m for m in unet.modules() if isinstance(m, QuantizedLinear)]
     assert len(quantized) == len(report.quantized) > 10
     assert all(type(unet.get_submodule(n)) is nn.Linear for n in report.skipped)
     out = _unet_out(family, _unet_inputs(family))
@@ -222,19 +218,21 @@ def test_a_scale_without_its_weight_is_refused_by_name(tiny_model, tmp_path, sha
 
 # --- torchao int8 ------------------------------------------------------------------------------------
 
-def test_torchao_int8_keeps_the_module_so_hooks_on_either_side_survive():
+def test_torchao_int8_is_a_quantized_linear_whose_matmul_is_torchaos():
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64))
-    linear = model[0]
-    calls = []
-    linear.register_forward_hook(lambda module, args, out: calls.append("before"))
+    reference = nn.Linear(64, 64)
+    reference.load_state_dict(model[0].state_dict())
     quantize_model_(model, "toy", "int8", torch.float32)
-    assert model[0] is not linear  # quantize_model_ builds a fresh layer at load...
-    fresh = nn.Linear(64, 64)
-    fresh.register_forward_hook(lambda module, args, out: calls.append("hooked first"))
-    assert quantize_int8_(fresh) is fresh and is_torchao_int8(fresh)  # ...but torchao itself keeps the module
-    fresh(torch.randn(2, 64))
-    assert calls == ["hooked first"]
+    layer = model[0]
+    assert isinstance(layer, LinearInt8) and layer.weight.dtype == torch.int8 and layer.scale.dtype == torch.float32
+    # the same codes and scale as torchao's own int8 Linear, and the same output from its kernel
+    quantize_(reference, Int8WeightOnlyConfig())
+    assert torch.equal(layer.weight, reference.weight.qdata) and torch.equal(layer.scale, reference.weight.scale)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), reference(x), rtol=1e-6, atol=1e-6)
 
 
 def test_a_torchao_whose_quantize_does_nothing_is_refused(monkeypatch):
@@ -242,7 +240,7 @@ def test_a_torchao_whose_quantize_does_nothing_is_refused(monkeypatch):
 
     monkeypatch.setattr(torchao.quantization, "quantize_", lambda model, config: None)
     with pytest.raises(QuantizationError, match="left the layer dense"):
-        quantize_int8_(nn.Linear(64, 64))
+        LinearInt8.from_linear(nn.Linear(64, 64), torch.float32)
 
 
 def test_adapter_on_a_torchao_int8_layer_gets_gradients():

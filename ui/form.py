@@ -121,8 +121,11 @@ def _layer_presets(cfg) -> list[str]:
     return list(get_family_class(family).layer_presets)
 
 
-def _weight_dtypes(cfg) -> list[str] | None:
-    return cfg.weight_dtypes()  # None until `launch.py info` is in: then the schema's list
+def _weight_dtypes(cfg) -> list[str]:
+    from modules.config.train_config import weight_dtype_choices
+
+    # until `launch.py info` is in: every registered mode (the schema's list)
+    return cfg.weight_dtypes() or weight_dtype_choices()
 
 
 def _devices(cfg, with_auto: bool) -> list[str]:

@@ -34,6 +34,7 @@ from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the 
 )
 from modules.config.optimizer_configs import UNION_TAGS as _OPTIMIZER_TAGS
 from modules.config.strict import StrictModel
+from modules.quantization.weight_modes import is_weight_mode, weight_mode_names
 
 CURRENT_VERSION = 1
 
@@ -41,9 +42,18 @@ CURRENT_VERSION = 1
 UNION_TAGS = _OPTIMIZER_TAGS | union_tags(MethodConfig)
 
 DType = Literal["float32", "bfloat16", "float16"]
-# How a part's base weights are stored. The dense ones are also the compute dtype; the quantized
-# ones (modules/quantization/) compute in `train_dtype`; auto picks by free memory (policy.py).
-WeightDType = Literal["float32", "bfloat16", "float16", "float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4", "auto"]
+
+
+def weight_dtype_choices() -> list[str]:
+    """How a part's base weights can be stored: the registered weight modes (the dense ones are
+    also the compute dtype; the quantized ones compute in `train_dtype`), and auto, which picks by
+    free memory (modules/quantization/policy.py). Read at validation and schema time, so a mode
+    registered at runtime (modules/quantization/weight_modes.py) is offered and accepted."""
+    return [*weight_mode_names(), "auto"]
+
+
+def _weight_dtype_schema(schema: dict) -> None:
+    schema["enum"] = weight_dtype_choices()  # the JSON schema and the GUI list the registry's modes
 
 
 def valid_regexes(patterns: list[str]) -> list[str]:
@@ -59,8 +69,9 @@ class ModelPartConfig(StrictModel):
     path: str | None = Field(None, description="Load this part from here instead of the base model.")
     train: bool = Field(False, description="Train this part (its adapter, or its weights in a fine-tune).")
     learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
-    weight_dtype: WeightDType = Field(
-        "float32", description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
+    weight_dtype: str = Field(
+        "float32", json_schema_extra=_weight_dtype_schema,
+        description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
         "float8 (e4m3 + scale), int8 (torchao weight-only), w8a8_int8/w8a8_fp8 (8-bit weights and "
         "activations), nf4 (bitsandbytes 4-bit), or auto (what fits this machine).")
     nf4_double_quant: bool = Field(True, description="nf4: quantize the block scales too (saves ~0.4 bit/weight).")
@@ -78,6 +89,13 @@ class ModelPartConfig(StrictModel):
     activation_offloading: bool = Field(
         False, description="With gradient_checkpointing: keep each block's saved input on temp_device "
         "until the backward pass needs it.")
+
+    @field_validator("weight_dtype")
+    @classmethod
+    def _registered_weight_mode(cls, value: str) -> str:
+        if value != "auto" and not is_weight_mode(value):
+            raise ValueError(f"unknown weight mode {value!r} (known: {', '.join(weight_dtype_choices())})")
+        return value
 
     @field_validator("offload_fraction")
     @classmethod

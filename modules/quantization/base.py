@@ -24,7 +24,8 @@ from torch import nn
 
 
 class QuantizedLinear(nn.Module, ABC):
-    # the config's weight_dtype name this class implements ("float8", "nf4", ...)
+    # the config's weight_dtype name this class implements ("float8", "nf4", ...); the mode's entry
+    # in weight_modes.py says how a Linear becomes this class (its layer factory)
     mode: ClassVar[str]
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
@@ -135,13 +136,7 @@ def is_linear(module: nn.Module) -> bool:
 
 
 def unquantized_weight(module: nn.Module, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """The dense weight of any Linear or Conv2d, quantized or not, on `device` in `dtype`.
-
-    torchao's int8 weight is a tensor subclass on a plain nn.Linear; `dequantize()` undoes it.
-    """
+    """The dense weight of any Linear or Conv2d, quantized or not, on `device` in `dtype`."""
     if isinstance(module, QuantizedLinear):
         return module.unquantized_weight(dtype, device)
-    weight = module.weight
-    if hasattr(weight, "dequantize") and type(weight) not in (torch.Tensor, nn.Parameter):
-        weight = weight.dequantize()
-    return weight.detach().to(device=device, dtype=dtype)
+    return module.weight.detach().to(device=device, dtype=dtype)

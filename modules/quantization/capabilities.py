@@ -23,14 +23,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-DENSE_MODES = ("float32", "bfloat16", "float16")
-# the order `info` and the GUI list them in: dense first, then by bytes per parameter
-QUANTIZED_MODES = ("float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4")
-ALL_MODES = DENSE_MODES + QUANTIZED_MODES
+from modules.quantization.weight_modes import (  # noqa: F401  (SCALED_MM_MIN_CAPABILITY: re-exported)
+    SCALED_MM_MIN_CAPABILITY,
+    ModeNames,
+    get_weight_mode,
+    weight_mode_names,
+)
 
-# torch._scaled_mm's fp8 kernel needs Ada/Hopper (sm_89+) tensor cores; on older GPUs and other
-# devices LinearW8A8 falls back to dequantizing, which works but saves no time.
-SCALED_MM_MIN_CAPABILITY = (8, 9)
+# live views of the registry (weight_modes.py), in its order: dense first, then by bytes per parameter
+DENSE_MODES = ModeNames(lambda mode: mode.dense)
+QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
+ALL_MODES = ModeNames(lambda mode: True)
 
 
 # --- device-independent probes (cached: the answer cannot change within a process) ------------
@@ -258,7 +261,8 @@ def _detect(device: torch.device) -> Capabilities:
         total_memory=total,
         free_memory=free,
         dense_dtypes=tuple(
-            mode for mode in DENSE_MODES if mode == "float32" or _dense_dtype_works(getattr(torch, mode), device)
+            mode for mode in DENSE_MODES
+            if mode == "float32" or _dense_dtype_works(get_weight_mode(mode).torch_dtype(), device)
         ),
         float8_dtypes=_float8_works(device),
         torchao_int8=has_functional_torchao(),
@@ -281,35 +285,20 @@ class ModeSupport:
 
 
 def mode_support(capabilities: Capabilities) -> dict[str, ModeSupport]:
-    """Every weight_dtype mode (except auto) with whether it works here and how it runs."""
-    caps = capabilities
-    fp8_fast = caps.scaled_mm and caps.cuda and (caps.compute_capability or (0, 0)) >= SCALED_MM_MIN_CAPABILITY
+    """Every registered weight mode (auto excluded) with whether it works here and how it runs,
+    as its entry's probes say (weight_modes.py)."""
     support = {}
-    for mode in DENSE_MODES:
-        works = mode in caps.dense_dtypes
-        support[mode] = ModeSupport(works, None, "dense" if works else f"a {mode} Linear does not run on {caps.device}")
-    support["float8"] = ModeSupport(
-        caps.float8_dtypes, None,
-        "e4m3 storage, dequantized in forward" if caps.float8_dtypes
-        else f"float8 needs torch.float8_e4m3fn casts on {caps.device}")
-    support["int8"] = ModeSupport(
-        caps.torchao_int8, None,
-        "torchao int8 weight-only" if caps.torchao_int8
-        else "int8 needs a working torchao (from torchao.quantization import quantize_, Int8WeightOnlyConfig "
-             "must import and really quantize a Linear)")
-    # W8A8 works everywhere thanks to its dequantize fallback; only the speed depends on the kernel
-    support["w8a8_int8"] = ModeSupport(
-        True, caps.int_mm,
-        "torch._int_mm" if caps.int_mm else f"dequantize fallback (torch._int_mm does not run on {caps.device})")
-    support["w8a8_fp8"] = ModeSupport(
-        caps.float8_dtypes, fp8_fast if caps.float8_dtypes else False,
-        ("torch._scaled_mm" if fp8_fast else "dequantize fallback (torch._scaled_mm's fast path needs CUDA "
-         f"with compute capability >= {SCALED_MM_MIN_CAPABILITY[0]}.{SCALED_MM_MIN_CAPABILITY[1]})")
-        if caps.float8_dtypes else f"w8a8_fp8 needs torch.float8_e4m3fn casts on {caps.device}")
-    support["nf4"] = ModeSupport(
-        caps.bitsandbytes, None,
-        "bitsandbytes nf4, dequantized in forward" if caps.bitsandbytes
-        else "nf4 needs bitsandbytes (import and a quantize_4bit/dequantize_4bit round trip failed)")
+    for name in weight_mode_names():
+        mode = get_weight_mode(name)
+        why_not = mode.capability(capabilities)
+        if why_not is not None:
+            support[name] = ModeSupport(False, None if mode.fast_kernel is None else False, why_not)
+        elif mode.fast_kernel is None:
+            support[name] = ModeSupport(True, None, mode.how)
+        else:
+            slow = mode.fast_kernel(capabilities)
+            how = mode.how if slow is None else f"dequantize fallback ({slow})"
+            support[name] = ModeSupport(True, slow is None, how)
     return support
 
 

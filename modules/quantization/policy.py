@@ -19,8 +19,10 @@ parts in `requested`; other keys of `part_sizes` are ignored.
 
 auto: the decision table
 ------------------------
-Sizes are bytes of base weights: parameter count x bytes per parameter (BYTES_PER_PARAMETER:
-float32 4, bfloat16/float16 2, 8-bit modes ~1.01 with their scales, nf4 0.53 with double quant).
+Sizes are bytes of base weights: parameter count x the mode's bytes per parameter (its entry in
+weight_modes.py: float32 4, bfloat16/float16 2, 8-bit modes ~1.01 with their scales, nf4 0.53 with
+double quant). The ladder below is the entries' `auto_tier` / `auto_preference`; a mode without a
+tier (float16, w8a8_fp8, modes registered without one) is never picked by auto.
 The budget is HEADROOM (0.8) x free memory of the train device; the other 20% is left for
 activations, the adapter, optimizer state and the allocator's slack. Parts with an explicit
 mode count at that mode.
@@ -60,23 +62,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from modules.quantization.capabilities import ALL_MODES, Capabilities, mode_support
+from modules.quantization.capabilities import Capabilities, mode_support
+from modules.quantization.weight_modes import BytesPerParameter, get_weight_mode, weight_mode_names
 
 HEADROOM = 0.8
 SMALL_PART_SHARE = 0.15
-EIGHT_BIT_PREFERENCE = ("int8", "float8", "w8a8_int8")
-BYTES_PER_PARAMETER = {
-    "float32": 4.0,
-    "bfloat16": 2.0,
-    "float16": 2.0,
-    # one byte per weight, plus scales: per tensor (float8) or per output channel (~1% on small layers)
-    "float8": 1.01,
-    "int8": 1.01,
-    "w8a8_int8": 1.01,
-    "w8a8_fp8": 1.01,
-    # 4 bits, plus an 8-bit absmax per 64-block and a float32 per 256 of those (double quant)
-    "nf4": 0.53,
-}
+# a live view of the registry: each mode's WeightMode.bytes_per_parameter
+BYTES_PER_PARAMETER = BytesPerParameter()
+
+
+def auto_ladder(support: Mapping) -> list[str]:
+    """auto's choices, cheapest in quality first: per tier of the registry (0 dense, 1 8-bit, 2
+    4-bit) the preferred mode that works here; a tier with no working mode is left out."""
+    ladder = {}
+    for name in weight_mode_names():
+        mode = get_weight_mode(name)
+        if mode.auto_tier is None or not support[name].works:
+            continue
+        best = ladder.get(mode.auto_tier)
+        if best is None or mode.auto_preference < get_weight_mode(best).auto_preference:
+            ladder[mode.auto_tier] = name
+    return [ladder[tier] for tier in sorted(ladder)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +113,8 @@ def plan_base_precision(requested: str | Mapping[str, str], family: str, part_si
         if mode == "auto":
             continue
         if mode not in support:
-            errors.append(f"{_config_path(part)}: unknown mode {mode!r} (known: {', '.join(ALL_MODES)}, auto)")
+            known = ", ".join(weight_mode_names())
+            errors.append(f"{_config_path(part)}: unknown mode {mode!r} (known: {known}, auto)")
         elif not support[mode].works:
             errors.append(f"{_config_path(part)}: {mode} does not work on this machine: {support[mode].why}")
     auto_parts = [part for part, mode in parts.items() if mode == "auto"]
@@ -124,9 +131,7 @@ def plan_base_precision(requested: str | Mapping[str, str], family: str, part_si
             warnings.append(f"{_config_path(part)}: {mode} runs here through its {support[mode].why}; "
                             "it saves memory but not time")
 
-    dense = "bfloat16" if support["bfloat16"].works else "float32"
-    eight_bit = next(mode for mode in EIGHT_BIT_PREFERENCE if support[mode].works)  # w8a8_int8 always works
-    lower_tiers = [eight_bit] + (["nf4"] if support["nf4"].works else [])
+    dense, *lower_tiers = auto_ladder(support)  # float32 always works: the dense tier is never empty
 
     modes = {part: (dense if mode == "auto" else mode) for part, mode in parts.items()}
 

@@ -15,14 +15,15 @@ from torch import nn
 
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.skip_rules import skip_reason
-from modules.quantization.torchao_int8 import quantize_int8_
+from modules.quantization.weight_modes import DenseDtypes, LayerOptions, ModeNames, get_weight_mode, is_weight_mode
 
-DENSE_MODES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-QUANTIZED_MODES = ("float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4")
+# live views of the registry (weight_modes.py): dense name -> dtype, and the quantized names
+DENSE_MODES = DenseDtypes()
+QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
 
 
 def is_quantized_mode(mode: str) -> bool:
-    return mode in QUANTIZED_MODES
+    return is_weight_mode(mode) and not get_weight_mode(mode).dense
 
 
 @dataclass
@@ -34,23 +35,6 @@ class QuantizationReport:
     def summary(self, part: str) -> str:
         return (f"model.parts.{part}: {len(self.quantized)} Linear layers stored as {self.mode}, "
                 f"{len(self.skipped)} kept dense")
-
-
-def quantized_layer_class(mode: str) -> type[QuantizedLinear]:
-    # imported here: each class pulls its own kernels (bitsandbytes for nf4) only when used
-    if mode == "float8":
-        from modules.quantization.linear_fp8 import LinearFp8
-        return LinearFp8
-    if mode == "w8a8_int8":
-        from modules.quantization.linear_w8a8 import LinearW8A8Int8
-        return LinearW8A8Int8
-    if mode == "w8a8_fp8":
-        from modules.quantization.linear_w8a8 import LinearW8A8Fp8
-        return LinearW8A8Fp8
-    if mode == "nf4":
-        from modules.quantization.linear_nf4 import LinearNf4
-        return LinearNf4
-    raise ValueError(f"{mode!r} is not a QuantizedLinear mode")
 
 
 def plan_layers(model: nn.Module, part: str, user_skip: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -68,36 +52,23 @@ def plan_layers(model: nn.Module, part: str, user_skip: list[str]) -> tuple[list
 
 
 def new_quantized_layer(mode: str, linear: nn.Linear, compute_dtype: torch.dtype,
-                        nf4_double_quant: bool = True) -> nn.Module:
-    """An empty layer of `mode` shaped like `linear`, with its (small) storage on the CPU.
-
-    int8 goes through torchao, which quantizes a real dense Linear: that Linear stays on the meta
-    device (no memory) until its weight arrives.
-    """
-    if mode == "int8":
-        layer = nn.Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                          device="meta", dtype=compute_dtype)
-        return layer.requires_grad_(False)
-    cls = quantized_layer_class(mode)
-    options = {"double_quant": nf4_double_quant} if mode == "nf4" else {}
-    return cls(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-               device="cpu", **options)
+                        nf4_double_quant: bool = True) -> QuantizedLinear:
+    """An empty layer of `mode` shaped like `linear`, with its (small) storage on the CPU: the
+    mode's layer factory (weight_modes.py)."""
+    factory = get_weight_mode(mode).layer_factory
+    if factory is None:
+        raise ValueError(f"{mode!r} is a dense dtype, not a quantized weight mode")
+    return factory(linear, compute_dtype, LayerOptions(nf4_double_quant=nf4_double_quant))
 
 
 @torch.no_grad()
-def load_dense_weight(layer: nn.Module, name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> None:
-    """Give a layer made by new_quantized_layer its `weight` or `bias` from a dense tensor."""
-    if isinstance(layer, QuantizedLinear):
-        if name == "weight":
-            layer.quantize_weight(tensor)
-        else:
-            layer.set_bias(tensor)
-        return
-    # torchao int8: materialise the dense weight, quantize it at once, let the dense copy go
-    value = nn.Parameter(tensor.to(device="cpu", dtype=compute_dtype), requires_grad=False)
-    setattr(layer, name, value)
+def load_dense_weight(layer: QuantizedLinear, name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> None:
+    """Give a layer made by new_quantized_layer its `weight` (quantized at once, so the dense copy
+    can go) or `bias` from a dense tensor."""
     if name == "weight":
-        quantize_int8_(layer)
+        layer.quantize_weight(tensor)
+    else:
+        layer.set_bias(tensor)
 
 
 @torch.no_grad()
@@ -112,6 +83,6 @@ def quantize_model_(model: nn.Module, part: str, mode: str, compute_dtype: torch
         load_dense_weight(layer, "weight", linear.weight, compute_dtype)
         if linear.bias is not None:
             load_dense_weight(layer, "bias", linear.bias, compute_dtype)
-        model.set_submodule(name, layer.to(linear.weight.device) if isinstance(layer, QuantizedLinear) else layer)
+        model.set_submodule(name, layer.to(linear.weight.device))
         report.quantized.append(name)
     return report

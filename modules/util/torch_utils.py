@@ -6,11 +6,16 @@ import contextlib
 
 import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from modules.quantization.weight_modes import DenseDtypes
 
 
 def dtype_of(name: str) -> torch.dtype:
-    return _DTYPES[name]
+    """The torch dtype of a dense dtype name ("float32", "bfloat16", ...): the dense weight
+    modes' dtypes (modules/quantization/weight_modes.py) are the one table of them."""
+    try:
+        return DenseDtypes()[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a dense dtype (known: {', '.join(DenseDtypes())})") from None
 
 
 def resolve_device(name: str) -> torch.device:
