@@ -176,3 +176,17 @@ def test_a_placeholder_the_tokenizer_knows_or_a_long_init_text_is_refused(tmp_pa
         init_vectors(tokenizer, table, "abc", 2, "embeddings[0].init_text")
     ids = tokenizer("ab", add_special_tokens=False).input_ids
     assert torch.equal(init_vectors(tokenizer, table, "ab", 3, "x"), table[[ids[0], ids[1], ids[0]]])
+
+
+def test_a_placeholder_in_no_caption_or_a_missing_file_is_refused_before_the_model_loads(
+        tmp_path, tiny_model, shape_images):
+    from modules.errors import UserError
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"embeddings": [
+        {"placeholder": PLACEHOLDER}, {"placeholder": "<gone>", "path": str(tmp_path / "gone.safetensors")}]})
+    trainer = GenericTrainer(config)
+    with pytest.raises(UserError) as error:
+        trainer.start()
+    assert f"embeddings[0].placeholder: '{PLACEHOLDER}' is in no caption" in str(error.value)
+    assert "embeddings[1].path: " in str(error.value) and "gone.safetensors is not a file" in str(error.value)
+    assert trainer.family is None  # nothing was loaded

@@ -13,6 +13,20 @@ import torch
 from modules.saving.atomic import write_with
 
 
+def embedding_problems(embeddings, captions: list[str]) -> list[str]:
+    """Before the model loads: each embedding's file exists, and each trained placeholder is in some
+    training caption (an embedding no caption uses never gets a gradient)."""
+    problems = []
+    for index, embedding in enumerate(embeddings):
+        if embedding.path and not Path(embedding.path).expanduser().is_file():
+            problems.append(f"embeddings[{index}].path: {embedding.path} is not a file")
+        if embedding.train and captions and not any(embedding.placeholder in c for c in captions):
+            problems.append(f"embeddings[{index}].placeholder: {embedding.placeholder!r} is in no caption of the "
+                            f"training concepts, so it would never learn: write it into the captions (or into "
+                            f"concepts[].captions.prefix)")
+    return problems
+
+
 def read_embedding_file(path: str | Path, keys: dict[str, str], dims: dict[str, int], where: str
                         ) -> dict[str, torch.Tensor]:
     """part -> [vectors, dim] float32 tensor, from `path`; `keys` maps each text part to its file key.
