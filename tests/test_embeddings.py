@@ -190,3 +190,48 @@ def test_a_placeholder_in_no_caption_or_a_missing_file_is_refused_before_the_mod
     assert f"embeddings[0].placeholder: '{PLACEHOLDER}' is in no caption" in str(error.value)
     assert "embeddings[1].path: " in str(error.value) and "gone.safetensors is not a file" in str(error.value)
     assert trainer.family is None  # nothing was loaded
+
+
+def test_a_remote_run_sends_the_embedding_files(tmp_path, tiny_model, shape_images):
+    from safetensors.torch import save_file
+
+    from modules.remote.run import RemoteRun
+
+    start = tmp_path / "style.safetensors"
+    save_file({"emb_params": torch.zeros(1, 32)}, str(start))
+    config = train_config(tiny_model, shape_images, tmp_path, embedding_overlay(shape_images, path=str(start)))
+    pairs, data = RemoteRun(None, tmp_path / "ws", tmp_path / "out.safetensors", "/box")._plan(config, False)
+    assert data["embeddings"][0]["path"] == "/box/data/embeddings/0-style.safetensors"
+    assert (str(start), "data/embeddings/0-style.safetensors") in [(p, rel) for p, rel, _, _ in pairs]
+
+
+def test_a_frozen_embedding_from_a_file_stands_for_its_vectors(tmp_path, tiny_model, shape_images):
+    from safetensors.torch import save_file
+
+    from modules.methods.embedding import EmbeddingMethod
+    from modules.model.sd15 import SD15Family
+
+    config = train_config(tiny_model, shape_images, tmp_path)
+    family = SD15Family(config)
+    family.load()
+    table = family.parts["text_encoder"].get_input_embeddings().weight
+    row = table[family.tokenizer("a", add_special_tokens=False).input_ids].detach()  # the word "a"
+    save_file({"emb_params": torch.cat([row, row])}, str(tmp_path / "aa.safetensors"))
+    config = train_config(tiny_model, shape_images, tmp_path, {"embeddings": [
+        {"placeholder": PLACEHOLDER, "train": False, "path": str(tmp_path / "aa.safetensors")}]})
+    trainer = SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0)
+    method = EmbeddingMethod(trainer)
+    method.setup()
+    assert method.trained_parts() == [] and method.named_parameters() == [] and not method.text_cache_allowed()
+    trainer.captions = lambda batch: method.expand_captions(batch.captions)
+    torch.testing.assert_close(encoded(trainer, f"x {PLACEHOLDER} y")["hidden_states"],
+                               encoded(trainer, "x a a y")["hidden_states"], atol=1e-6, rtol=0)
+    from modules.methods.embedding_files import read_embedding_file
+
+    keys, dims = {"text_encoder": "emb_params"}, {"text_encoder": 16}
+    with pytest.raises(ValueError, match=r"^embeddings\[0\]\.path: aa\.safetensors's emb_params is \[2, 32\], "
+                                         r"the text_encoder takes \[vectors, 16\]"):
+        read_embedding_file(tmp_path / "aa.safetensors", keys, dims, "embeddings[0].path")
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=r"^embeddings\[0\]\.path: bad\.safetensors is not a readable"):
+        read_embedding_file(tmp_path / "bad.safetensors", keys, dims, "embeddings[0].path")

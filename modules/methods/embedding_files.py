@@ -31,7 +31,7 @@ def read_embedding_file(path: str | Path, keys: dict[str, str], dims: dict[str, 
                         ) -> dict[str, torch.Tensor]:
     """part -> [vectors, dim] float32 tensor, from `path`; `keys` maps each text part to its file key.
     A single-text-encoder family also takes diffusers' own layout (one tensor under any name)."""
-    from safetensors import SafetensorsError
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     path = Path(path).expanduser()
@@ -42,7 +42,7 @@ def read_embedding_file(path: str | Path, keys: dict[str, str], dims: dict[str, 
         raise ValueError(f"{where}: {path} is not a file")
     try:
         tensors = load_file(str(path))
-    except (SafetensorsError, OSError) as error:
+    except (SafetensorError, OSError) as error:
         raise ValueError(f"{where}: {path.name} is not a readable safetensors file ({error})") from None
     if len(keys) == 1 and len(tensors) == 1:
         tensors = {next(iter(keys.values())): next(iter(tensors.values()))}
