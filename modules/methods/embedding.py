@@ -38,9 +38,11 @@ class EmbeddingMethod(TrainingMethod):
         self.embeddings = list(self.config.embeddings)
         self.slots = dict(self.family.embedding_slots)  # text part -> (tokenizer attribute, file key)
         if not self.slots:
+            from modules.model.registry import family_names, get_family_class
+
+            able = [get_family_class(n).label for n in family_names() if get_family_class(n).embedding_slots]
             raise ConfigError([f"embeddings: the {self.family.label} family takes no textual-inversion embeddings "
-                               f"here (only the CLIP text encoders of SD1.5 and SDXL do); remove the embeddings "
-                               f"or train a LoRA"])
+                               f"here (families that do: {', '.join(able)}); remove the embeddings"])
         self.vectors: list[dict[str, nn.Parameter]] = []  # per embedding: text part -> [vectors, dim]
         self.hooks: list[AddedTokenRows] = []
 
