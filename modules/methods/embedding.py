@@ -114,7 +114,8 @@ class EmbeddingMethod(TrainingMethod):
         return groups
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(f"{placeholder}.{part}", p) for _, placeholder, vectors in self._trained() for part, p in vectors.items()]
+        return [(f"{placeholder}.{part}", p)
+                for _, placeholder, vectors in self._trained() for part, p in vectors.items()]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.named_parameters()}
