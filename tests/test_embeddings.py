@@ -14,6 +14,8 @@ from conftest import train_config
 from safetensors.torch import load_file
 
 from modules.config.errors import ConfigError
+from modules.methods.base import split_state
+from modules.saving.backup import read_backup
 from modules.trainer.commands import TrainCommands
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.trainer.callbacks import TrainCallbacks
@@ -81,6 +83,12 @@ def test_lora_and_sdxl_embedding_train_together_and_save_both(tmp_path, tiny_fam
     assert [m.name for m in trainer.methods] == ["adapter", "embedding"]
     assert {g["name"] for g in trainer.optimizer.param_groups} == {"unet", f"embedding {PLACEHOLDER}"}
     trainer.train()
+    # a backup holds both (the embedding under its prefix) and gives each method its own back
+    weights = read_backup(trainer.backup())[0]
+    assert {f"embedding.{PLACEHOLDER}.text_encoder", f"embedding.{PLACEHOLDER}.text_encoder_2"} < set(weights)
+    adapter_state, embedding_state = split_state(trainer.methods, weights)
+    assert adapter_state.keys() == trainer.adapters.state_dict().keys()
+    trainer.methods[1].load_state_dict(embedding_state, "backup")
     path = trainer.end()
 
     lora = load_file(str(path))
