@@ -19,7 +19,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-TABS = ["General", "Model", "Concepts", "Training", "Adapter", "Offload", "Sampling", "Backup", "Run"]
+TABS = ["General", "Model", "Concepts", "Training", "Adapter", "Embeddings", "Offload", "Sampling", "Backup", "Run"]
 
 
 # --- the display and the app -----------------------------------------------------------------------

@@ -93,6 +93,7 @@ NEEDS = {
     "ema.decay": {"ema.enabled": True},
     "ema.update_every": {"ema.enabled": True},
     "ema.device": {"ema.enabled": True},
+    "embeddings[0].train": {"embeddings[0].path": "/embeddings/my-style.safetensors"},  # frozen: from a file
     "data.crop_jitter": {"data.cache_latents": False},
     "data.color_jitter": {"data.cache_latents": False},
 }
@@ -156,11 +157,11 @@ def app(display, home):  # noqa: F811
 
 
 def base_data() -> dict:
-    """Defaults with one concept and one prompt, so their fields exist."""
+    """Defaults with one concept, one prompt and one embedding, so their fields exist."""
     from modules.config.loading import build_config
 
-    return build_config([{"concepts": [{"path": "/images"}], "sampling": {"prompts": [{"prompt": "a cat"}]}}]
-                        ).model_dump(mode="json")
+    return build_config([{"concepts": [{"path": "/images"}], "sampling": {"prompts": [{"prompt": "a cat"}]},
+                          "embeddings": [{"placeholder": "<my-style>"}]}]).model_dump(mode="json")
 
 
 def through_widget(app, path: str, value) -> None:
@@ -461,3 +462,22 @@ def test_sample_now_sends_the_prompt_as_edited_to_the_run(app, tmp_path, monkeyp
     message = json.loads(received.read_text())
     assert message["command"] == "sample"
     assert message["prompt"]["prompt"] == "a red square" and message["prompt"]["seed"] == 7
+
+
+def test_embeddings_are_added_and_removed_on_their_tab(app):
+    data = base_data()
+    data["embeddings"] = []
+    app.cfg.load(data)
+    pump(app, timeout=0.02)
+    tab = app.tabs["Embeddings"]
+    tab.add()  # the "Add embedding" button
+    tab.add()
+    pump(app, timeout=0.05)
+    assert [e["placeholder"] for e in app.cfg.get("embeddings")] == ["<embedding-1>", "<embedding-2>"]
+    assert not any(p.startswith("embeddings") for p in app.cfg.problems), app.cfg.problems
+    assert app.field_for("embeddings[1].init_text")[0] == "Embeddings"
+    tab.remove(0)
+    pump(app, timeout=0.05)
+    assert [e["placeholder"] for e in app.cfg.get("embeddings")] == ["<embedding-2>"]
+    assert app.field_for("embeddings[1].init_text")[1] is None  # its fields went with it
+    assert app.callback_errors == []

@@ -37,6 +37,7 @@ from ui.state import ConfigState, default_data
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
 from ui.tabs.concepts import ConceptsTab
+from ui.tabs.embeddings import EmbeddingsTab
 from ui.tabs.general import GeneralTab
 from ui.tabs.model import ModelTab
 from ui.tabs.offload import OffloadTab
@@ -45,8 +46,8 @@ from ui.tabs.sampling import SamplingTab
 from ui.tabs.training import TrainingTab
 
 TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab), ("Training", TrainingTab),
-        ("Adapter", AdapterTab), ("Offload", OffloadTab), ("Sampling", SamplingTab), ("Backup", BackupTab),
-        ("Run", RunTab)]
+        ("Adapter", AdapterTab), ("Embeddings", EmbeddingsTab), ("Offload", OffloadTab), ("Sampling", SamplingTab),
+        ("Backup", BackupTab), ("Run", RunTab)]
 
 # training method -> (adapter.type, adapter.dora)
 METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  # display names only

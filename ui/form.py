@@ -103,6 +103,7 @@ def generic(path: str) -> str:
 PATHS = {  # str fields that name files or folders: the picker's mode
     "model.base": "file_or_dir", "model.parts.*.path": "file_or_dir", "concepts[].path": "dir",
     "output.path": "save", "workspace_dir": "dir", "cache_dir": "dir", "adapter.init_from": "file",
+    "embeddings[].path": "file",
 }
 
 
@@ -164,6 +165,7 @@ VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
     "loss.logit_std": lambda s, v: s("timesteps") == "logit_normal",
     "lr_scheduler.cycles": lambda s, v: s("type") == "cosine_with_restarts",
     "lr_scheduler.power": lambda s, v: s("type") == "polynomial",
+    "embeddings[].learning_rate": lambda s, v: bool(s("train")),
     "ema.decay": lambda s, v: bool(s("enabled")),
     "ema.update_every": lambda s, v: bool(s("enabled")),
     "ema.device": lambda s, v: bool(s("enabled")),
@@ -214,7 +216,7 @@ def build_field(tab, parent, path: str, name: str, annotation: Any, description:
     elif key in PATHS:
         widget = "path"
         options["path_mode"] = PATHS[key]
-        if key in ("output.path", "adapter.init_from"):
+        if key in ("output.path", "adapter.init_from", "embeddings[].path"):
             options["filetypes"] = [("safetensors", "*.safetensors"), ("all files", "*")]
     tab.field(parent, path, words(name), spec.kind, widget=widget, values=values, **options)
     return [path]

@@ -28,8 +28,15 @@ class FineTuneMethodConfig(StrictModel):
                                       "so updates smaller than bfloat16's spacing are not lost on average.")
 
 
+class EmbeddingMethodConfig(StrictModel):
+    """Train only the textual-inversion embeddings (`embeddings` with train on); the model's weights
+    stay frozen, model.parts.*.train is not read, and the run saves the embedding file(s)."""
+
+    type: Literal["embedding"] = "embedding"
+
+
 # Each method is its own model with its own options, told apart by `type`; more slot in here.
-MethodConfig = Annotated[Union[AdapterMethodConfig, FineTuneMethodConfig], Field(discriminator="type")]
+MethodConfig = Annotated[Union[AdapterMethodConfig, FineTuneMethodConfig, EmbeddingMethodConfig], Field(discriminator="type")]
 
 
 def default_method_type(data: Any) -> Any:

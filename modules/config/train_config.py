@@ -13,9 +13,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from modules.config.embedding_config import EmbeddingConfig, check_embeddings
 from modules.config.errors import located_error
 from modules.config.method_configs import (  # noqa: F401  (re-exported: the config's names live here)
     AdapterMethodConfig,
+    EmbeddingMethodConfig,
     FineTuneMethodConfig,
     MethodConfig,
     default_method_type,
@@ -454,8 +456,12 @@ class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
     method: MethodConfig = Field(default_factory=AdapterMethodConfig, description="What the run trains: an "
-                                 "adapter (adapter), or the parts' own weights (fine_tune).")
+                                 "adapter (adapter), the parts' own weights (fine_tune), or only the embeddings "
+                                 "(embedding).")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    embeddings: list[EmbeddingConfig] = Field(default_factory=list, description="Textual-inversion embeddings: "
+                                              "new tokens for the text encoders, trained alone (method.type "
+                                              "embedding) or alongside the adapter or fine-tune, or used frozen.")
     optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
     lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
@@ -497,6 +503,14 @@ class TrainConfig(StrictModel):
                 raise located_error("layer offloading of a trained part needs gradient_checkpointing: true "
                                     "(the backward pass recomputes each block while its layers are on the "
                                     "train device)", "model", "parts", name, "offload_fraction")
+        return self
+
+    @model_validator(mode="after")
+    def _embeddings_fit(self) -> "TrainConfig":
+        problems = check_embeddings(self.embeddings, self.method.type)
+        if problems:
+            text, at = problems[0]
+            raise located_error(text, *at)
         return self
 
     @field_validator("optimizer", mode="before")

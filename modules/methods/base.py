@@ -70,6 +70,11 @@ class TrainingMethod(ABC):
         """Whether cached text conditioning stays valid while this method trains."""
         return not any(part in self.family.text_parts for part in self.trained_parts())
 
+    def expand_captions(self, captions: list[str]) -> list[str]:
+        """The captions as this method's tokens need them before tokenizing (a multi-vector embedding's
+        placeholder written out as its tokens); unchanged by default."""
+        return captions
+
     def steps_in_backward(self) -> bool:
         """True where the optimizer steps each parameter inside the backward pass (a fused backward):
         the trainer then neither clips nor steps after it."""
@@ -98,8 +103,13 @@ def method_class(name: str) -> type[TrainingMethod]:
 
 
 def build_methods(trainer: GenericTrainer) -> list[TrainingMethod]:
-    """The run's main method (config.method); companions are added here as they come."""
-    return [method_class(trainer.config.method.type)(trainer)]
+    """The run's main method (config.method), then its companions: the embeddings, whenever the
+    config has some and the main method is another (they train beside it, or are used frozen)."""
+    main = trainer.config.method.type
+    methods = [method_class(main)(trainer)]
+    if trainer.config.embeddings and main != "embedding":
+        methods.append(method_class("embedding")(trainer))
+    return methods
 
 
 def split_state(methods: list[TrainingMethod], state: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

@@ -69,6 +69,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
+    # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
+    # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file; empty: none taken
+    embedding_slots: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config

@@ -56,6 +56,7 @@ class SD15Family(DDPMTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 123_060_480, "unet": 859_520_964, "vae": 83_653_863}
 
     text_parts = ("text_encoder",)
+    embedding_slots = {"text_encoder": ("tokenizer", "emb_params")}  # A1111's SD1 embedding key
     image_parts = ("vae",)
 
     def load(self) -> None:

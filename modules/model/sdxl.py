@@ -61,6 +61,7 @@ class SDXLFamily(SD15Family):
     nominal_part_parameters = {"text_encoder": 123_060_480, "text_encoder_2": 694_659_840,
                                "unet": 2_567_463_684, "vae": 83_653_863}
     text_parts = ("text_encoder", "text_encoder_2")
+    embedding_slots = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "clip_g")}
     image_parts = ("vae",)
 
     def load(self) -> None:

@@ -215,6 +215,13 @@ class RemoteRun:
                 raise RemoteError(f"adapter.init_from: {config.adapter.init_from} is not a file here")
             pairs += _local_pairs(source.resolve(), f"data/init/{source.name}")
             data["adapter"]["init_from"] = f"{rd}/data/init/{source.name}"
+        for index, embedding in enumerate(config.embeddings):
+            if embedding.path:
+                source = Path(embedding.path).expanduser()
+                if not source.is_file():
+                    raise RemoteError(f"embeddings[{index}].path: {embedding.path} is not a file here")
+                pairs += _local_pairs(source.resolve(), f"data/embeddings/{index}-{source.name}")
+                data["embeddings"][index]["path"] = f"{rd}/data/embeddings/{index}-{source.name}"
         data["workspace_dir"] = self.remote_workspace
         data["cache_dir"] = None
         data["output"]["path"] = self.remote_output

@@ -371,8 +371,16 @@ class GenericTrainer:
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
         captions vary), plus `image_info` (original size and crop, for families that condition on it)."""
-        text = batch.text if batch.text is not None else self.family.encode_text(self.family.tokenize(batch.captions))
+        text = (batch.text if batch.text is not None
+                else self.family.encode_text(self.family.tokenize(self.captions(batch))))
         return {**text, "image_info": batch.image_info} if batch.image_info is not None else text
+
+    def captions(self, batch: Batch) -> list[str]:
+        """The batch's captions as the methods' tokens need them (embeddings' placeholders written out)."""
+        captions = batch.captions
+        for method in self.methods:
+            captions = method.expand_captions(captions)
+        return captions
 
     def _report(self, started: float, steps_at_start: int) -> None:
         elapsed = time.monotonic() - started

@@ -52,8 +52,12 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
-    caption_problems, images_per_epoch = _concept_problems(config)
+    caption_problems, images_per_epoch, captions = _concept_problems(config)
     problems = device_problems + place_problems + model_problems + caption_problems + _loss_problems(config)
+    if config.embeddings:
+        from modules.methods.embedding_files import embedding_problems
+
+        problems += embedding_problems(config.embeddings, captions)
     if device is not None:
         problems += _dtype_problems(config, device)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
@@ -221,16 +225,17 @@ def _loss_problems(config: TrainConfig) -> list[str]:
 
 # --- the data ----------------------------------------------------------------------------------
 
-def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int]:
+def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int, list[str]]:
     """Each enabled concept scanned as training will scan it (captions read and decoded);
-    also how many images an epoch trains, for the disk estimate."""
+    also how many images an epoch trains, for the disk estimate, and the captions it trains on
+    (with their prefix and suffix)."""
     from modules.data.concepts import DataError, check_concepts, scan_concept
 
     try:
         check_concepts(config.concepts)
     except DataError as error:
-        return [error], 0
-    problems, images = [], 0
+        return [error], 0, []
+    problems, images, captions = [], 0, []
     for index, concept in enumerate(config.concepts):
         if not concept.enabled:
             continue
@@ -241,7 +246,8 @@ def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int]:
             continue
         if not concept.validation:
             images += concept.samples_per_epoch or len(items) * concept.repeats
-    return problems, images
+            captions += [concept.captions.prefix + item.caption + concept.captions.suffix for item in items]
+    return problems, images, captions
 
 
 def _ignore(_message: str) -> None:

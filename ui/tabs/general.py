@@ -13,7 +13,7 @@ UI_SCALES = ["80%", "90%", "100%", "110%", "125%", "150%"]
 
 # top-level fields other tabs place (or that are not user settings: version)
 PLACED_ELSEWHERE = {"version", "model", "method", "adapter", "optimizer", "lr_scheduler", "ema", "loss", "concepts",
-                    "sampling", "schedule", "data", "output", "backup"}
+                    "embeddings", "sampling", "schedule", "data", "output", "backup"}
 WORKSPACE = ["workspace_dir", "cache_dir"]
 DEVICES = ["train_device", "temp_device", "train_dtype", "compile"]
 

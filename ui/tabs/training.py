@@ -28,7 +28,8 @@ class TrainingTab(Tab):
         section(self, "Method: what trains")
         self.method = UnionSection(self, "method", MethodConfig, "Method",
                                    "adapter: a LoRA/LoHa/LoKr/OFT on the trained parts (Adapter tab); "
-                                   "fine_tune: the trained parts' own weights; each has its options below.")
+                                   "fine_tune: the trained parts' own weights; embedding: only the embeddings "
+                                   "(Embeddings tab); each has its options below.")
         section(self, "Optimizer")
         self.optimizer = UnionSection(self, "optimizer", OptimizerConfig, "Optimizer",
                                       "The optimizer; each has its own parameters below.")

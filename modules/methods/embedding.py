@@ -1,0 +1,156 @@
+"""The embedding method: textual inversion. Each entry of `embeddings` becomes new tokens in every
+text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G), initialised from its init
+text or read from its file; only those vectors train, the model stays frozen.
+
+It is the main method with `method.type: embedding`, and a companion of the adapter or fine-tune
+method whenever `embeddings` is not empty (build_methods adds it): trained embeddings train beside
+the adapter (OneTrainer's "additional embeddings"), frozen ones just make their placeholder work
+in captions and sample prompts. Files are saved in the A1111/ComfyUI layout (embedding_files.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.errors import ConfigError
+from modules.config.train_config import TrainConfig
+from modules.methods.base import TrainingMethod, register_method
+from modules.methods.embedding_files import read_embedding_file, write_embedding_file
+from modules.methods.embedding_tokens import (
+    AddedTokenRows,
+    add_tokens,
+    expand_placeholders,
+    init_vectors,
+    placeholder_tokens,
+)
+
+
+@register_method
+class EmbeddingMethod(TrainingMethod):
+    name = "embedding"
+    state_prefix = "embedding."
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.embeddings = list(self.config.embeddings)
+        self.slots = dict(self.family.embedding_slots)  # text part -> (tokenizer attribute, file key)
+        if not self.slots:
+            from modules.model.registry import family_names, get_family_class
+
+            able = [get_family_class(n).label for n in family_names() if get_family_class(n).embedding_slots]
+            raise ConfigError([f"embeddings: the {self.family.label} family takes no textual-inversion embeddings "
+                               f"here (families that do: {', '.join(able)}); remove the embeddings"])
+        self.vectors: list[dict[str, nn.Parameter]] = []  # per embedding: text part -> [vectors, dim]
+        self.hooks: list[AddedTokenRows] = []
+
+    def trained_parts(self) -> list[str]:
+        return list(self.slots) if any(e.train for e in self.embeddings) else []
+
+    def text_cache_allowed(self) -> bool:
+        # captions with a placeholder encode differently than the cache's key (the text encoder's
+        # weights and the caption) can tell, trained or not
+        return not self.embeddings
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        try:
+            self._setup()
+        except ValueError as error:
+            raise ConfigError([str(error)]) from None
+
+    def _setup(self) -> None:
+        family = self.family
+        tokenizers = {part: getattr(family, attribute) for part, (attribute, _key) in self.slots.items()}
+        tables = {part: family.parts[part].get_input_embeddings() for part in self.slots}
+        keys = {part: key for part, (_attribute, key) in self.slots.items()}
+        starts = []
+        for index, embedding in enumerate(self.embeddings):
+            where = f"embeddings[{index}]"
+            if embedding.path:
+                start = read_embedding_file(embedding.path, keys, {p: t.embedding_dim for p, t in tables.items()},
+                                            f"{where}.path")
+            else:  # the init text is tokenized before any placeholder joins the vocabulary
+                start = {part: init_vectors(tokenizers[part], tables[part].weight, embedding.init_text,
+                                            embedding.vectors, f"{where}.init_text") for part in self.slots}
+            starts.append(start)
+        first_ids: dict[str, int] = {}
+        added: dict[int, int] = {}  # id(tokenizer) -> its first new id (a tokenizer shared by parts gets them once)
+        for part, tokenizer in tokenizers.items():
+            if id(tokenizer) not in added:
+                ids = []
+                for index, (embedding, start) in enumerate(zip(self.embeddings, starts)):
+                    tokens = placeholder_tokens(embedding.placeholder, next(iter(start.values())).shape[0])
+                    ids += add_tokens(tokenizer, tokens, f"embeddings[{index}].placeholder")
+                added[id(tokenizer)] = ids[0]
+            first_ids[part] = added[id(tokenizer)]
+        for embedding, start in zip(self.embeddings, starts):
+            self.vectors.append({part: nn.Parameter(tensor.to(self.device), requires_grad=embedding.train)
+                                 for part, tensor in start.items()})
+        for part in self.slots:
+            self.hooks.append(AddedTokenRows(tables[part], first_ids[part], [v[part] for v in self.vectors]))
+
+    def vector_counts(self) -> dict[str, int]:
+        return {e.placeholder: next(iter(v.values())).shape[0] for e, v in zip(self.embeddings, self.vectors)}
+
+    def expand_captions(self, captions: list[str]) -> list[str]:
+        counts = self.vector_counts()
+        return [expand_placeholders(caption, counts) for caption in captions]
+
+    # --- what trains -------------------------------------------------------------------------
+
+    def _trained(self) -> list[tuple[int, str, dict[str, nn.Parameter]]]:
+        return [(i, e.placeholder, v) for i, (e, v) in enumerate(zip(self.embeddings, self.vectors)) if e.train]
+
+    def parameter_groups(self, config: TrainConfig) -> list[dict]:
+        learning_rates = {e.placeholder: e.learning_rate for e in config.embeddings}
+        groups = []
+        for index, placeholder, vectors in self._trained():
+            lr = learning_rates.get(placeholder, self.embeddings[index].learning_rate) or config.optimizer.lr
+            groups.append({"params": list(vectors.values()), "lr": lr, "name": f"embedding {placeholder}"})
+        return groups
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{placeholder}.{part}", p)
+                for _, placeholder, vectors in self._trained() for part, p in vectors.items()]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
+        own = dict(self.named_parameters())
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ConfigError([f"embeddings: {source} holds other embeddings than this run trains (missing: "
+                               f"{', '.join(missing) or 'none'}; unexpected: {', '.join(unexpected) or 'none'}); "
+                               f"resume with the embeddings of the backup's run"])
+        for name, parameter in own.items():
+            if state[name].shape != parameter.shape:
+                raise ConfigError([f"embeddings: {source} has {name} as {list(state[name].shape)}, this run's is "
+                                   f"{list(parameter.shape)} (vectors changed?)"])
+            with torch.no_grad():
+                parameter.copy_(state[name])
+
+    # --- files -------------------------------------------------------------------------------
+
+    def file_path(self, path: Path, index: int) -> Path:
+        """Where an embedding is saved: trained alone, the first trained one at `path` (the output
+        path); every other one, and all of them beside an adapter or model, next to it as
+        <stem>.<placeholder>.safetensors."""
+        trained = [i for i, _, _ in self._trained()]
+        if self.config.method.type == self.name and index == trained[0]:
+            return path
+        return path.with_name(f"{path.stem}.{self.embeddings[index].file_stem}.safetensors")
+
+    def save(self, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> list[Path]:
+        keys = {part: key for part, (_attribute, key) in self.slots.items()}
+        saved = []
+        for index, placeholder, vectors in self._trained():
+            info = {**metadata, "difftrainer.placeholder": placeholder,
+                    "difftrainer.vectors": str(next(iter(vectors.values())).shape[0]),
+                    "difftrainer.step": str(self.trainer.step)}
+            saved.append(write_embedding_file(self.file_path(Path(path), index), vectors, keys, dtype, info))
+        return saved
