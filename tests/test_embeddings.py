@@ -173,7 +173,7 @@ def test_a_placeholder_the_tokenizer_knows_or_a_long_init_text_is_refused(tmp_pa
     from transformers import CLIPTokenizer
 
     from modules.methods.embedding_tokens import add_tokens, init_vectors
-    from modules.model.tiny_tokenizer import write_char_clip_tokenizer
+    from modules.model.tiny.clip_tokenizer import write_char_clip_tokenizer
 
     write_char_clip_tokenizer(tmp_path)
     tokenizer = CLIPTokenizer.from_pretrained(str(tmp_path))
