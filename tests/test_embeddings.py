@@ -243,3 +243,19 @@ def test_a_frozen_embedding_from_a_file_stands_for_its_vectors(tmp_path, tiny_mo
     (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match=r"^embeddings\[0\]\.path: bad\.safetensors is not a readable"):
         read_embedding_file(tmp_path / "bad.safetensors", keys, dims, "embeddings[0].path")
+
+
+def test_an_embedding_its_first_step_did_not_look_up_passes_the_first_step_guard(tmp_path, tiny_model, one_image):
+    """Every caption dropped: the placeholder's vectors get a zero gradient and (no weight decay)
+    rightly stay put, which the guard must not call "not learning"."""
+    overlay = embedding_overlay(one_image)
+    overlay["concepts"][0]["captions"]["caption_dropout"] = 1.0
+    overlay["optimizer"]["weight_decay"] = 0.0
+    config = train_config(tiny_model, one_image, tmp_path, {"method": {"type": "embedding"},
+                                                            "schedule": {"max_steps": 1}}, overlay)
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    assert trainer.step == 1
+    assert trainer.methods[0].guarded_parameters() == []  # nothing looked up, nothing held to the guard
+    trainer.release()

@@ -53,6 +53,11 @@ class TrainingMethod(ABC):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """Every trained parameter, named (the first-step guard, clipping and EMA use them)."""
 
+    def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters the first-step guard holds to having learned (modules/trainer/guards.py):
+        all of them, unless a method knows some rightly got no gradient in that step."""
+        return self.named_parameters()
+
     @abstractmethod
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained weights a backup holds (keys without state_prefix)."""

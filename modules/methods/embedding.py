@@ -117,6 +117,13 @@ class EmbeddingMethod(TrainingMethod):
         return [(f"{placeholder}.{part}", p)
                 for _, placeholder, vectors in self._trained() for part, p in vectors.items()]
 
+    def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        # an embedding whose placeholder no caption of the step held has a zero gradient and
+        # rightly did not move: only the ones looked up are held to the first-step guard
+        seen = [any(flags) for flags in zip(*(hook.seen_vectors() for hook in self.hooks))]
+        return [(f"{placeholder}.{part}", p) for index, placeholder, vectors in self._trained()
+                if seen[index] for part, p in vectors.items()]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: p.detach() for name, p in self.named_parameters()}
 

@@ -66,6 +66,8 @@ class AddedTokenRows:
         self.embedding, self.first_id, self.vectors = embedding, first_id, vectors
         self.rows = sum(v.shape[0] for v in vectors)
         self._ids: list[torch.Tensor] = []
+        # which new rows a forward has looked up (marked on the device: no sync per forward)
+        self.seen = torch.zeros(self.rows, dtype=torch.bool, device=vectors[0].device if vectors else None)
         self.handles = [embedding.register_forward_pre_hook(self._before),
                         embedding.register_forward_hook(self._after)]
 
@@ -79,9 +81,20 @@ class AddedTokenRows:
 
     def _after(self, _module, _args, output: torch.Tensor) -> torch.Tensor:
         ids = self._ids.pop()
+        added = self._added(ids)
+        self.seen[(ids[added] - self.first_id).to(self.seen.device)] = True
         table = torch.cat([v.to(device=output.device, dtype=output.dtype) for v in self.vectors])
         rows = nn.functional.embedding((ids - self.first_id).clamp(0, self.rows - 1), table)
-        return torch.where(self._added(ids).unsqueeze(-1), rows, output)
+        return torch.where(added.unsqueeze(-1), rows, output)
+
+    def seen_vectors(self) -> list[bool]:
+        """Per entry of `vectors`: whether a forward has looked up any of its rows."""
+        seen, start = self.seen.tolist(), 0
+        flags = []
+        for vector in self.vectors:
+            flags.append(any(seen[start:start + vector.shape[0]]))
+            start += vector.shape[0]
+        return flags
 
     def remove(self) -> None:
         for handle in self.handles:

@@ -345,7 +345,8 @@ class GenericTrainer:
                 self.scheduler.step()
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
                 if first_step_snapshot is not None and not skipped:
-                    check_first_step(self.named_trained_parameters(), first_step_snapshot)
+                    check_first_step([(m.state_prefix + n, p) for m in self.methods for n, p in m.guarded_parameters()],
+                                     first_step_snapshot)
                     first_step_snapshot = None
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()
