@@ -22,7 +22,7 @@ from modules.trainer.guards import TrainingError, check_first_step, snapshot
 TYPES = {
     "lora": {"type": "lora"}, "dora": {"type": "lora", "dora": True}, "loha": {"type": "loha"},
     "lokr": {"type": "lokr", "rank": 2}, "lokr-wd": {"type": "lokr", "rank": 2, "dora": True},
-    "oft": {"type": "oft", "oft_block_size": 4},
+    "oft": {"type": "oft", "block_size": 4},
 }
 
 
