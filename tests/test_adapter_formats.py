@@ -49,7 +49,8 @@ def family(tmp_path_factory, tiny_model, shape_images):
 @contextlib.contextmanager
 def adapters_on(family, seed=0, parts=PARTS, **options):
     """Hooked adapters of `options` (every Linear and Conv2d), perturbed so they do something."""
-    config = AdapterConfig(**{"layer_preset": "all", "rank": 4, "alpha": 2, **options})
+    size = {} if options.get("type") == "oft" else {"rank": 4, "alpha": 2}  # OFT has neither
+    config = AdapterConfig(**{"layer_preset": "all", **size, **options})
     adapters = build_adapter_set(family, config, parts, torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
