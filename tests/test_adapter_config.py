@@ -100,3 +100,13 @@ def test_a_v1_overlay_without_type_keeps_its_options_for_the_layer_below():
     base = {"adapter": {"type": "lokr", "rank": 4}}
     assert build_config([base, {"version": 1, "adapter": {"lokr_factor": 8}}]).adapter.factor == 8
     assert build_config([base, {"adapter": {"lokr_factor": 8}}]).adapter.factor == 8  # no version: v1 by its keys
+
+
+def test_a_layer_that_changes_the_type_keeps_from_below_what_the_new_type_has():
+    base = {"adapter": {"rank": 4, "alpha": 2, "layer_preset": "attn"}}
+    oft = build_config([base, {"adapter": {"type": "oft", "block_size": 8}}]).adapter
+    assert (oft.type, oft.block_size, oft.layer_preset) == ("oft", 8, "attn")
+    lokr = build_config([base], overrides=("adapter.type=lokr",)).adapter
+    assert (lokr.type, lokr.rank, lokr.alpha, lokr.layer_preset) == ("lokr", 4, 2.0, "attn")
+    with pytest.raises(ConfigError, match=r"adapter\.rank: unknown key"):  # in the layer that sets the type: an error
+        build_config([{"adapter": {"type": "oft", "rank": 4}}])

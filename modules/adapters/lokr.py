@@ -46,7 +46,7 @@ def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (m, n) if m <= n else (n, m)
 
 
-class LoKrConfig(LowRankOptions, DecompositionOptions, AdapterConfigBase):
+class LoKrConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
     type: Literal["lokr"] = Field("lokr", description="lokr: a Kronecker product of a small and a large factor "
                                   "(with dora: weight-decomposed LoKr).")
     factor: int = Field(-1, description="Split each dimension with this factor; -1: as square as possible.")

@@ -23,7 +23,7 @@ from modules.adapters.weight_decompose import Axis, WeightDecomposed
 from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
 
 
-class LoRAConfig(LowRankOptions, DecompositionOptions, AdapterConfigBase):
+class LoRAConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
     type: Literal["lora"] = Field("lora", description="lora: low-rank up(down(x)) (with dora: DoRA).")
 
 
