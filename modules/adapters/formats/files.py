@@ -3,7 +3,8 @@
 kohya      `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and the LyCORIS
            names for the other algorithms on the same stems: `.hada_w1_a` ... `.hada_w2_b`,
            `.lokr_w1` | `.lokr_w1_a`+`_b`, `.lokr_w2` | `.lokr_w2_a`+`_b`, `.oft_blocks`,
-           `.dora_scale` (each algorithm's class declares its names: AdapterModule.key_names). A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
+           `.dora_scale` (each algorithm's class declares its names: AdapterModule.key_names).
+           A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
 comfy      ComfyUI's own layout: the same tensor names on the model's own module paths,
            `diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_up.weight`,
            `text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha`.
