@@ -200,7 +200,7 @@ def test_resume_accepts_changes_that_keep_the_adapter(tmp_path, tiny_model, shap
 def test_resume_reads_a_backup_config_that_predates_a_field_as_its_default(tmp_path, tiny_model, shape_images):
     config = train_config(tiny_model, shape_images, tmp_path)
     backup = _backup_json(config)
-    for field in ("dora", "dora_axis", "parts"):
+    for field in ("dora", "parts"):
         del backup["adapter"][field]
     assert resume_changes(backup, config) == []
     assert resume_changes(backup, train_config(tiny_model, shape_images, tmp_path, {"adapter": {"dora": True}})) == \
