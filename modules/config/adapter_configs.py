@@ -12,6 +12,7 @@ at runtime (`register_adapter`) is a valid `adapter.type` without an edit here.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
@@ -24,8 +25,6 @@ DEFAULT_ADAPTER_TYPE = "lora"  # what a config without adapter.type trains
 
 
 def valid_regexes(patterns: list[str]) -> list[str]:
-    import re
-
     for index, pattern in enumerate(patterns):
         try:
             re.compile(pattern)
