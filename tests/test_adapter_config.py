@@ -110,3 +110,19 @@ def test_a_layer_that_changes_the_type_keeps_from_below_what_the_new_type_has():
     assert (lokr.type, lokr.rank, lokr.alpha, lokr.layer_preset) == ("lokr", 4, 2.0, "attn")
     with pytest.raises(ConfigError, match=r"adapter\.rank: unknown key"):  # in the layer that sets the type: an error
         build_config([{"adapter": {"type": "oft", "rank": 4}}])
+
+
+def test_a_v1_backup_resumes_compared_by_the_migrated_names():
+    import json
+
+    from modules.trainer.resume import resume_changes
+
+    current = build_config([{"adapter": {"type": "lokr", "rank": 8, "factor": 16}}])
+    backup = json.loads(current.model_dump_json())
+    v1 = {**backup, "version": 1}
+    v1["adapter"] = {**{k: v for k, v in backup["adapter"].items() if k not in ("factor", "decompose_both",
+                                                                               "full_matrix")},
+                     "lokr_factor": 4, "lokr_decompose_both": False, "lokr_full_matrix": False,
+                     "oft_block_size": 32, "oft_constraint": 0.0}
+    assert resume_changes(v1, current) == ["adapter.factor: 4 in the backup, 16 now"]
+    assert resume_changes({**v1, "adapter": {**v1["adapter"], "lokr_factor": 16}}, current) == []
