@@ -206,9 +206,9 @@ def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tup
     return tensors, metadata
 
 
-def _split(key: str, lookup: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+def _split(key: str, lookup: dict[str, tuple[str, str]], suffixes: tuple[str, ...]) -> tuple[str, str] | None:
     """(stem, tensor name) for a file key whose stem is known, trying each known tensor name."""
-    for suffix in (*canonical_keys(), *peft_keys.local_keys()):
+    for suffix in suffixes:
         if key.endswith("." + suffix) and key[: -len(suffix) - 1] in lookup:
             return key[: -len(suffix) - 1], suffix
     return None
@@ -223,11 +223,12 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
     """A file's tensors in any of the layouts -> this run's canonical (kohya) adapter state."""
     lookup = _stems_for_loading(adapters, family)
     unsupported = unsupported_keys()
+    suffixes = (*canonical_keys(), *peft_keys.local_keys())
     tensors, unmapped = fused.unfuse(tensors, adapters, family)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     layout_of: dict[str, set[str]] = {}
     for key, tensor in tensors.items():
-        found = _split(key, lookup)
+        found = _split(key, lookup, suffixes)
         if found is None:
             suffix = next((s for s in unsupported if key.endswith("." + s)), None)
             unmapped.append(f"{key} ({unsupported[suffix]}, not supported)" if suffix else key)
