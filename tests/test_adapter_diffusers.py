@@ -88,8 +88,8 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_model, tmp_path
         adapters.unhook()
 
 
-@pytest.mark.parametrize("options", [{"rank": 2}, {"rank": 1, "lokr_decompose_both": True, "lokr_factor": 4},
-                                     {"rank": 2, "lokr_full_matrix": True}], ids=["default", "both-factor4", "full"])
+@pytest.mark.parametrize("options", [{"rank": 2}, {"rank": 1, "decompose_both": True, "factor": 4},
+                                     {"rank": 2, "full_matrix": True}], ids=["default", "both-factor4", "full"])
 def test_lokr_loads_with_diffusers_lokr_loader_and_matches(family, tiny_model, tmp_path, options):
     path, adapters = written(family, tmp_path, "diffusers", ["unet"], type="lokr", layer_preset="attn-mlp", **options)
     try:

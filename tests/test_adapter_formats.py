@@ -28,8 +28,8 @@ TYPES = {
     "dora-input": {"type": "lora", "dora": True, "dora_axis": "input"},
     "loha": {"type": "loha"},
     "lokr": {"type": "lokr", "rank": 2},
-    "lokr-both-wd": {"type": "lokr", "rank": 2, "lokr_decompose_both": True, "dora": True, "dora_axis": "output"},
-    "oft": {"type": "oft", "oft_block_size": 2},  # LyCORIS's layout: 4 channels (conv_out) with 4 would be 1x1 blocks
+    "lokr-both-wd": {"type": "lokr", "rank": 2, "decompose_both": True, "dora": True, "dora_axis": "output"},
+    "oft": {"type": "oft", "block_size": 2},  # LyCORIS's layout: 4 channels (conv_out) with 4 would be 1x1 blocks
 }
 DIFFUSERS_CANNOT = {"dora-input", "lokr-both-wd", "oft"}
 PARTS = ["unet", "text_encoder"]
@@ -49,7 +49,8 @@ def family(tmp_path_factory, tiny_model, shape_images):
 @contextlib.contextmanager
 def adapters_on(family, seed=0, parts=PARTS, **options):
     """Hooked adapters of `options` (every Linear and Conv2d), perturbed so they do something."""
-    config = AdapterConfig(**{"layer_preset": "all", "rank": 4, "alpha": 2, **options})
+    size = {} if options.get("type") == "oft" else {"rank": 4, "alpha": 2}  # OFT has neither
+    config = AdapterConfig(**{"layer_preset": "all", **size, **options})
     adapters = build_adapter_set(family, config, parts, torch.device("cpu"))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -115,7 +116,7 @@ def test_key_layouts_are_the_ones_other_tools_read(family):
             "text_encoder.text_model.encoder.layers.0.self_attn.q_proj.lora_B.weight"} <= diffusers
     assert not any(k.endswith(".alpha") for k in diffusers)
     assert len(kohya) == len(comfy) and len(diffusers) == len(kohya) * 2 // 3
-    with adapters_on(family, type="lokr", rank=1, dora=True, lokr_decompose_both=True) as adapters:
+    with adapters_on(family, type="lokr", rank=1, dora=True, decompose_both=True) as adapters:
         lokr = set(file_state(adapters, family, "kohya"))
     stem = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
     assert {f"{stem}.{k}" for k in ("lokr_w1_a", "lokr_w1_b", "lokr_w2_a", "lokr_w2_b", "dora_scale", "alpha")} <= lokr

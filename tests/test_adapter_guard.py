@@ -22,7 +22,7 @@ from modules.trainer.guards import TrainingError, check_first_step, snapshot
 TYPES = {
     "lora": {"type": "lora"}, "dora": {"type": "lora", "dora": True}, "loha": {"type": "loha"},
     "lokr": {"type": "lokr", "rank": 2}, "lokr-wd": {"type": "lokr", "rank": 2, "dora": True},
-    "oft": {"type": "oft", "oft_block_size": 4},
+    "oft": {"type": "oft", "block_size": 4},
 }
 
 
@@ -48,7 +48,8 @@ def one_step(kind: str, inject) -> tuple[list[AdapterModule], dict, nn.Module]:
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
     wrapper = CastingWrapper(block)
-    config = AdapterConfig(**{"rank": 4, "alpha": 4, **TYPES[kind]})
+    size = {} if kind == "oft" else {"rank": 4, "alpha": 4}  # OFT has neither
+    config = AdapterConfig(**{**size, **TYPES[kind]})
     adapters = nn.ModuleDict({f"lora_block_{i}": create_adapter(config, "block", f"lora_block_{i}", block[i],
                                                                  torch.device("cpu"), torch.float32)
                               for i in (0, 2)})

@@ -215,7 +215,7 @@ def test_oft_rotation_is_orthogonal_and_blocks_fit_the_channels():
     rotation = oft.rotation_t()
     eye = torch.eye(4).expand_as(rotation)
     assert torch.allclose(rotation @ rotation.transpose(1, 2), eye, atol=1e-5)
-    with pytest.raises(InertAdapter, match=r"adapter\.oft_block_size 4 splits their output channels into 1-wide"):
+    with pytest.raises(InertAdapter, match=r"adapter\.block_size 4 splits their output channels into 1-wide"):
         OFTModule("x", nn.Linear(4, 7), block_size=4)  # 7 = 1 x 7: LyCORIS's layout is 1x1 blocks
 
 

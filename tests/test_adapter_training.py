@@ -15,9 +15,9 @@ RUNS = {
     "dora": ({"type": "lora", "dora": True, "dora_axis": "output"}, "diffusers"),
     "dora-input": ({"type": "lora", "dora": True, "dora_axis": "input"}, "comfy"),
     "loha": ({"type": "loha", "dropout": 0.1, "rank_dropout": 0.1, "module_dropout": 0.1}, "kohya"),
-    "lokr": ({"type": "lokr", "rank": 2, "lokr_factor": 4}, "comfy"),
-    "lokr-wd": ({"type": "lokr", "rank": 2, "dora": True, "lokr_decompose_both": True}, "kohya"),
-    "oft": ({"type": "oft", "oft_block_size": 8, "rank_dropout": 0.1, "module_dropout": 0.1}, "comfy"),
+    "lokr": ({"type": "lokr", "rank": 2, "factor": 4}, "comfy"),
+    "lokr-wd": ({"type": "lokr", "rank": 2, "dora": True, "decompose_both": True}, "kohya"),
+    "oft": ({"type": "oft", "block_size": 8, "rank_dropout": 0.1, "module_dropout": 0.1}, "comfy"),
 }
 
 

@@ -271,7 +271,7 @@ def test_a_real_v0_file_loads_as_v1(tmp_path):
     data = read_json_file(path)
     assert data["version"] == CURRENT_VERSION
     config = build_config([data])
-    assert config.version == 1
+    assert config.version == CURRENT_VERSION
     assert config.model.family == "sd15" and config.model.base == "/models/sd15"
     assert config.model.prediction_type == "v_prediction"
     assert (config.adapter.rank, config.adapter.alpha, config.adapter.dropout) == (8, 4.0, 0.1)

@@ -29,9 +29,11 @@ def _resolve(node: dict, defs: dict) -> dict:
 
 
 def schema_leaves() -> list[tuple[str, str | None, dict]]:
-    """(dotted path, the union member it needs ("optimizer.type=lion") or None, schema node) for every
+    """(dotted path, the union member it needs as 'union.type=kind' or None, schema node) for every
     leaf of the schema: list items at [0], dict entries at the family's parts, tuples by index, each
-    member's own fields under a discriminated union (the optimizer, the method)."""
+    union member's (optimizer's, method's, adapter algorithm's) own fields under its union. The adapter
+    algorithms share most fields through their configs' common bases: such a field is walked
+    under the first algorithm that has it."""
     from modules.config.train_config import TrainConfig
     from modules.model.registry import get_family_class
 
@@ -45,10 +47,10 @@ def schema_leaves() -> list[tuple[str, str | None, dict]]:
         members = node.get("oneOf") or node.get("anyOf") or []
         models = [_resolve(m, defs) for m in members]
         if members and all(m.get("type") == "object" and "properties" in m for m in models):
-            for member in models:  # a discriminated union (optimizer, method): each member's fields
-                kind = member["properties"]["type"]["const"]
+            for member in models:  # a discriminated union (optimizer, adapter): each member's fields
+                kind = f"{path}.type={member['properties']['type']['const']}"
                 for name, sub in member["properties"].items():
-                    walk(sub, f"{path}.{name}", tag if name == "type" else f"{path}.type={kind}")
+                    walk(sub, f"{path}.{name}", tag if name == "type" else kind)
             return
         if node.get("type") == "object" and "properties" in node:
             for name, sub in node["properties"].items():
@@ -69,7 +71,11 @@ def schema_leaves() -> list[tuple[str, str | None, dict]]:
         leaves.append((path, tag, node))
 
     walk(schema, "", None)
-    unique = {(path, tag): node for path, tag, node in leaves if path != "version"}  # version: not a setting
+    unique: dict[tuple, dict] = {}
+    for path, tag, node in leaves:
+        shared = path.startswith("adapter.") and any(p == path and n == node for (p, _), n in unique.items())
+        if path != "version" and not shared:  # version: not a setting
+            unique[(path, tag)] = node
     return [(path, tag, node) for (path, tag), node in unique.items()]
 
 
@@ -78,11 +84,6 @@ LEAVES = schema_leaves()
 # what must be set first for a field to apply (it is hidden until then) or for its value to be valid
 NEEDS = {
     "adapter.dora_axis": {"adapter.dora": True},
-    "adapter.lokr_factor": {"adapter.type": "lokr"},
-    "adapter.lokr_decompose_both": {"adapter.type": "lokr"},
-    "adapter.lokr_full_matrix": {"adapter.type": "lokr"},
-    "adapter.oft_block_size": {"adapter.type": "oft"},
-    "adapter.oft_constraint": {"adapter.type": "oft"},
     "concepts[0].caption_file": {"concepts[0].caption_source": "file"},
     "concepts[0].unmasked_weight": {"concepts[0].masked_loss": True},
     "loss.huber_delta": {"loss.type": "huber"},
@@ -105,7 +106,7 @@ for _part in ("unet", "text_encoder", "vae"):
 
 # values the schema alone cannot pick (free strings with rules, choices from the registry)
 VALUES = {"model.family": "sdxl", "adapter.layer_preset": "attn", "train_device": "cpu", "temp_device": "meta",
-          "adapter.lokr_factor": 4, "concepts[0].captions.separator": ";", "data.resolution": [256, 512]}
+          "adapter.factor": 4, "concepts[0].captions.separator": ";", "data.resolution": [256, 512]}
 
 
 def new_value(path: str, node: dict, current):
@@ -189,15 +190,15 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("path,member,node", LEAVES, ids=[f"{p}<{t}>" if t else p for p, t, _ in LEAVES])
+@pytest.mark.parametrize("path,member,node", LEAVES, ids=[f"{p}<{t.split('=')[1]}>" if t else p for p, t, _ in LEAVES])
 def test_every_schema_leaf_is_set_through_its_widget(app, tmp_path, path, member, node):
     from ui.state import get_path
 
     app.cfg.load(base_data())
     pump(app, timeout=0.02)
     if member:
-        type_path, kind = member.split("=")
-        through_widget(app, type_path, kind)
+        union_type, kind = member.split("=")
+        through_widget(app, union_type, kind)
     for needed, value in NEEDS.get(path, {}).items():
         through_widget(app, needed, value)
     _tab, widget = app.field_for(path)
@@ -214,18 +215,26 @@ def test_every_schema_leaf_is_set_through_its_widget(app, tmp_path, path, member
 def test_fields_that_do_not_apply_are_hidden(app):
     app.cfg.load(base_data())
     pump(app, timeout=0.05)
-    hidden = ["adapter.lokr_factor", "adapter.oft_block_size", "concepts[0].caption_file",
-              "model.parts.unet.nf4_double_quant", "loss.huber_delta"]
+    hidden = ["concepts[0].caption_file", "model.parts.unet.nf4_double_quant", "loss.huber_delta"]
     for path in hidden:
         assert not app.field_for(path)[1].is_visible(), f"{path} shows under the defaults"
         assert not app.field_for(path)[1].winfo_ismapped()
-    headers = app.tabs["Adapter"].headers
-    assert not headers["LoKr"].winfo_manager() and not headers["OFT"].winfo_manager()  # no empty sections
+    # only the chosen adapter algorithm's own options exist; the ones both have are kept on a switch
+    adapter_tab = app.tabs["Adapter"]
+    assert app.field_for("adapter.factor")[1] is None and app.field_for("adapter.block_size")[1] is None
+    through_widget(app, "adapter.rank", 8)
     through_widget(app, "adapter.type", "lokr")
-    assert headers["LoKr"].winfo_manager() == "pack" and not headers["OFT"].winfo_manager()
+    assert app.field_for("adapter.block_size")[1] is None and app.cfg.get("adapter.rank") == 8
+    through_widget(app, "adapter.type", "oft")
+    assert app.field_for("adapter.factor")[1] is None and app.field_for("adapter.rank")[1] is None
+    assert app.field_for("adapter.block_size")[1].winfo_manager() == "pack"
+    assert not adapter_tab.parts_frame.winfo_manager()  # OFT has no per-part rank/alpha
+    assert app.cfg.config is not None, app.cfg.problems
+    through_widget(app, "adapter.type", "lokr")
+    assert adapter_tab.parts_frame.winfo_manager() == "pack"
     through_widget(app, "concepts[0].caption_source", "file")
     pump(app, timeout=0.1)
-    for path in ("adapter.lokr_factor", "concepts[0].caption_file"):
+    for path in ("adapter.factor", "concepts[0].caption_file"):
         field = app.field_for(path)[1]
         assert field.is_visible() and field.winfo_manager() == "pack", path
 

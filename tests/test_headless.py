@@ -170,7 +170,7 @@ def _backup_json(config) -> dict:
 @pytest.mark.parametrize("change, message", [
     ({"adapter": {"type": "loha"}}, "adapter.type: 'lora' in the backup, 'loha' now"),
     ({"adapter": {"dora": True}}, "adapter.dora: False in the backup, True now"),
-    ({"adapter": {"type": "lokr", "lokr_factor": 4}}, "adapter.lokr_factor: -1 in the backup, 4 now"),
+    ({"adapter": {"type": "lokr", "factor": 4}}, "adapter.factor: -1 in the backup, 4 now"),
     ({"adapter": {"layer_preset": "all"}}, "adapter.layer_preset: 'attn-mlp' in the backup, 'all' now"),
     ({"adapter": {"alpha": 8}}, "adapter.alpha: 2.0 in the backup, 8.0 now"),
     ({"adapter": {"parts": {"unet": {"rank": 8}}}}, "adapter.parts.unet.rank: 4 in the backup, 8 now"),
@@ -200,7 +200,7 @@ def test_resume_accepts_changes_that_keep_the_adapter(tmp_path, tiny_model, shap
 def test_resume_reads_a_backup_config_that_predates_a_field_as_its_default(tmp_path, tiny_model, shape_images):
     config = train_config(tiny_model, shape_images, tmp_path)
     backup = _backup_json(config)
-    for field in ("dora", "lokr_factor", "oft_block_size", "parts"):
+    for field in ("dora", "parts"):
         del backup["adapter"][field]
     assert resume_changes(backup, config) == []
     assert resume_changes(backup, train_config(tiny_model, shape_images, tmp_path, {"adapter": {"dora": True}})) == \

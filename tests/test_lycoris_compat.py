@@ -39,14 +39,14 @@ ALGORITHMS = {
     "lora": {"type": "lora", "rank": 8, "alpha": 4},
     "dora": {"type": "lora", "rank": 8, "alpha": 4, "dora": True, "dora_axis": "output"},  # LyCORIS's axis
     "loha": {"type": "loha", "rank": 4, "alpha": 2},
-    "lokr-small-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 4},
-    "lokr-large-factor": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 32},
-    "lokr-square-decomposed-both": {"type": "lokr", "rank": 2, "alpha": 1, "lokr_decompose_both": True},
-    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "lokr_factor": 16, "dora": True,
+    "lokr-small-factor": {"type": "lokr", "rank": 4, "alpha": 2, "factor": 4},
+    "lokr-large-factor": {"type": "lokr", "rank": 4, "alpha": 2, "factor": 32},
+    "lokr-square-decomposed-both": {"type": "lokr", "rank": 2, "alpha": 1, "decompose_both": True},
+    "lokr-weight-decomposed": {"type": "lokr", "rank": 4, "alpha": 2, "factor": 16, "dora": True,
                                 "dora_axis": "output"},
-    "lokr-full": {"type": "lokr", "rank": 4, "alpha": 4, "lokr_factor": 8, "lokr_full_matrix": True},
-    "oft": {"type": "oft", "oft_block_size": 32},
-    "oft-constrained": {"type": "oft", "oft_block_size": 16, "oft_constraint": 1e-4},
+    "lokr-full": {"type": "lokr", "rank": 4, "alpha": 4, "factor": 8, "full_matrix": True},
+    "oft": {"type": "oft", "block_size": 32},
+    "oft-constrained": {"type": "oft", "block_size": 16, "constraint": 1e-4},
 }
 
 
@@ -154,12 +154,12 @@ def _lycoris_module(layer, options):
     elif kind == "loha":
         module = LohaModule(NAME, layer, 1, options["rank"], options["alpha"])
     elif kind == "lokr":
-        module = LokrModule(NAME, layer, 1, options["rank"], options["alpha"], factor=options.get("lokr_factor", -1),
-                            decompose_both=options.get("lokr_decompose_both", False),
-                            full_matrix=options.get("lokr_full_matrix", False),
+        module = LokrModule(NAME, layer, 1, options["rank"], options["alpha"], factor=options.get("factor", -1),
+                            decompose_both=options.get("decompose_both", False),
+                            full_matrix=options.get("full_matrix", False),
                             weight_decompose=options.get("dora", False))
     else:
-        module = DiagOFTModule(NAME, layer, 1, options["oft_block_size"], constraint=options.get("oft_constraint", 0))
+        module = DiagOFTModule(NAME, layer, 1, options["block_size"], constraint=options.get("constraint", 0))
     generator = torch.Generator().manual_seed(3)
     std = {"loha": 0.3, "lokr": 0.1}.get(kind, 0.02)  # products of factors need larger factors to show
     with torch.no_grad():
@@ -215,11 +215,11 @@ def test_diffusers_format_is_refused_where_diffusers_cannot_rebuild_lycoris_spli
     from modules.adapters.formats.files import AdapterFileError, check_output_format
 
     adapters = AdapterSet()
-    config = AdapterConfig(type="lokr", rank=4, lokr_factor=32)
+    config = AdapterConfig(type="lokr", rank=4, factor=32)
     for width in (320, 640):
         adapters.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
                                             torch.device("cpu"), torch.float32), f"layer{width}")
-    with pytest.raises(AdapterFileError, match=r"^output\.format: 'diffusers' cannot hold.*lokr_factor"):
+    with pytest.raises(AdapterFileError, match=r"^output\.format: 'diffusers' cannot hold.*factor"):
         check_output_format("diffusers", adapters, OneLayerFamily())
     from diffusers.utils.peft_utils import _create_lokr_config  # what the refusal predicts
 
@@ -228,7 +228,7 @@ def test_diffusers_format_is_refused_where_diffusers_cannot_rebuild_lycoris_spli
         _create_lokr_config(peft_state, None)
     check_output_format("kohya", adapters, OneLayerFamily())
     small = AdapterSet()
-    config = AdapterConfig(type="lokr", rank=4, lokr_factor=8)
+    config = AdapterConfig(type="lokr", rank=4, factor=8)
     for width in (320, 640):
         small.add("unet", create_adapter(config, "unet", f"{NAME}{width}", nn.Linear(width, width),
                                          torch.device("cpu"), torch.float32), f"layer{width}")
@@ -269,7 +269,7 @@ def test_oft_files_compute_the_same_in_comfyui_and_a1111_maths(tmp_path, constra
     from safetensors.torch import load_file
 
     layer = nn.Linear(768, 320)
-    adapters, adapter = _ours(layer, {"type": "oft", "oft_block_size": 32, "oft_constraint": constraint})
+    adapters, adapter = _ours(layer, {"type": "oft", "block_size": 32, "constraint": constraint})
     try:
         with torch.no_grad():
             adapter.oft_blocks.normal_(0, 0.02, generator=torch.Generator().manual_seed(4))

@@ -18,7 +18,7 @@ ADAPTERS = {
     "loha": {"type": "loha"},
     "lokr": {"type": "lokr"},
     "lokr-wd": {"type": "lokr", "dora": True},
-    "oft": {"type": "oft", "oft_block_size": 8},
+    "oft": {"type": "oft", "block_size": 8},
 }
 
 

@@ -143,7 +143,7 @@ def test_the_estimated_adapter_is_the_one_training_builds(tmp_path, tiny_model, 
 
     loaded = None
     for adapter in ({"type": "lora"}, {"type": "lora", "dora": True, "layer_preset": "all"}, {"type": "loha"},
-                    {"type": "lokr", "rank": 2}, {"type": "oft", "oft_block_size": 8}):
+                    {"type": "lokr", "rank": 2}, {"type": "oft", "block_size": 8}):
         config = train_config(tiny_model, shape_images, tmp_path, {"adapter": adapter, "model": {
             "parts": {"text_encoder": {"train": True}}}})
         family = SD15Family(config)

@@ -109,4 +109,4 @@ def test_resume_compares_the_dora_axis_it_resolves_to_and_the_oft_constraint():
     old_diffusers = json.loads(config(dora=True, dora_axis="output", format="diffusers").model_dump_json())
     assert not resume_changes(old_diffusers, config(dora=True, format="diffusers"))
     old_oft = json.loads(config(type="oft").model_dump_json())
-    assert any(line.startswith("adapter.oft_constraint") for line in resume_changes(old_oft, config(type="oft", oft_constraint=0.5)))
+    assert any(line.startswith("adapter.constraint") for line in resume_changes(old_oft, config(type="oft", constraint=0.5)))

@@ -54,13 +54,11 @@ METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  #
 
 
 def training_methods() -> dict[str, tuple[str, bool]]:
-    """Menu entry -> (adapter.type, adapter.dora): each type the schema allows, and DoRA after LoRA."""
-    import typing
-
-    from modules.config.train_config import AdapterConfig
+    """Menu entry -> (adapter.type, adapter.dora): each registered algorithm, and DoRA after LoRA."""
+    from modules.config.adapter_configs import adapter_config_classes
 
     methods = {}
-    for kind in typing.get_args(AdapterConfig.model_fields["type"].annotation):
+    for kind in adapter_config_classes():
         methods[METHOD_NAMES.get(kind, kind)] = (kind, False)
         if kind == "lora":
             methods["DoRA"] = ("lora", True)
@@ -226,11 +224,9 @@ class App(PresetBar, ctk.CTk):
 
     def _method_chosen(self, method: str) -> None:
         kind, dora = METHODS[method]
-        if not dora:
-            self.cfg.set("adapter.dora", False)
-        self.cfg.set("adapter.type", kind)
-        if dora:
-            self.cfg.set("adapter.dora", True)
+        self.cfg.set("adapter.type", kind)  # the Adapter tab's hook keeps the options both algorithms have
+        if "dora" in (self.cfg.data.get("adapter") or {}):
+            self.cfg.set("adapter.dora", dora)
         self.cfg.refresh()
 
     def _validated(self) -> None:

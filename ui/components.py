@@ -66,27 +66,6 @@ def pack_in_place(widget, options: dict) -> None:
     widget.pack(**options)
 
 
-class SectionHeader(ctk.CTkLabel):
-    """A section title that hides itself while every field under it is hidden (LoKr options
-    under LoRA); `fields` is filled by the tab as it builds the section."""
-
-    PACK = {"fill": "x", "padx": 8, "pady": (12, 2)}
-
-    def __init__(self, parent, text: str):
-        super().__init__(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
-        self.pack(**self.PACK)
-        self.fields: list = []
-
-    def follow(self) -> None:
-        if not self.winfo_exists() or not self.fields:
-            return
-        show = any(f.winfo_exists() and f.is_visible() for f in self.fields)
-        if show and not self.winfo_manager():
-            pack_in_place(self, self.PACK)
-        elif not show and self.winfo_manager():
-            self.pack_forget()
-
-
 def section(parent, text: str):
     label = ctk.CTkLabel(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
     label.pack(fill="x", padx=8, pady=(12, 2))

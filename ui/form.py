@@ -146,16 +146,7 @@ CHOICES: dict[str, tuple[str, Callable]] = {
 # Fields that apply only in some settings: shown when the rule holds. A rule gets `sibling(name)`
 # (a field next to this one) and `value(path)` (any path).
 VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
-    "adapter.rank": lambda s, v: v("adapter.type") != "oft",
-    "adapter.alpha": lambda s, v: v("adapter.type") != "oft",
     "adapter.dora_axis": lambda s, v: bool(v("adapter.dora")),
-    "adapter.lokr_factor": lambda s, v: v("adapter.type") == "lokr",
-    "adapter.lokr_decompose_both": lambda s, v: v("adapter.type") == "lokr",
-    "adapter.lokr_full_matrix": lambda s, v: v("adapter.type") == "lokr",
-    "adapter.oft_block_size": lambda s, v: v("adapter.type") == "oft",
-    "adapter.oft_constraint": lambda s, v: v("adapter.type") == "oft",
-    "adapter.parts.*.rank": lambda s, v: v("adapter.type") != "oft",
-    "adapter.parts.*.alpha": lambda s, v: v("adapter.type") != "oft",
     "concepts[].caption_file": lambda s, v: s("caption_source") == "file",
     "concepts[].unmasked_weight": lambda s, v: bool(s("masked_loss")),
     "model.parts.*.nf4_double_quant": lambda s, v: s("weight_dtype") in ("nf4", "auto"),

@@ -30,7 +30,7 @@ from modules.config.errors import ConfigError, format_validation_error
 from modules.config.loading import (
     build_config,
     config_overlay,
-    deep_merge,
+    merge_layer,
     parse_dotted,
 )
 from modules.config.train_config import UNION_TAGS, TrainConfig
@@ -384,5 +384,5 @@ class ConfigState:
             base = default_data(family)
         except ConfigError:
             base = default_data()
-        merged = deep_merge(base, {k: v for k, v in raw.items() if k in base})
+        merged = merge_layer(base, {k: v for k, v in raw.items() if k in base})
         self.load(json.loads(json.dumps(merged)))

@@ -99,7 +99,8 @@ def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts
                       device: torch.device, output_format: str = "kohya") -> AdapterSet:
     """Create adapters on `device` for the layers of `trained_parts` the filter selects, and hook
     them (`output_format`: the file format they will be saved in, which resolves dora_axis 'auto')."""
-    unknown = sorted(set(adapter.parts) - {spec.name for spec in family.part_specs if spec.adapter_prefix})
+    sized_parts = getattr(adapter, "parts", {})  # per-part rank/alpha: the low-rank algorithms only
+    unknown = sorted(set(sized_parts) - {spec.name for spec in family.part_specs if spec.adapter_prefix})
     if unknown:
         known = ", ".join(spec.name for spec in family.part_specs if spec.adapter_prefix)
         raise AdapterSetError(f"adapter.parts.{unknown[0]}: no part of {family.label} carries adapters by that "

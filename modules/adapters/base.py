@@ -13,18 +13,30 @@ would copy the adapter with it, so the copy would learn and the optimizer's tens
 Geometry comes from `in_features`/`out_features` (or the Conv2d attributes), never from
 `weight.shape` (a packed 4-bit weight has another shape), and the base weight is read only through
 `unquantized_weight`, so every adapter works on dense, torchao-int8 and QuantizedLinear layers.
+
+An algorithm is one subclass that declares, besides its math: its name (the config's
+`adapter.type`), its own config (`config_class`), the tensor names it saves (`key_names`, kohya/
+LyCORIS names after the layer's key stem) and their peft names, how it is built from its config
+(`from_config`), and kohya's network metadata. modules/adapters/registry.py finds it; formats/
+read all of this from the class, so a new algorithm is one new file (README: "Adding an adapter
+algorithm").
 """
 
 from __future__ import annotations
 
+import json
 import math
 from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from modules.quantization.base import is_linear, unquantized_weight
+
+if TYPE_CHECKING:
+    from modules.config.adapter_configs import AdapterConfigBase
 
 
 class InertAdapter(ValueError):
@@ -46,8 +58,21 @@ class _AdapterHook:
 
 
 class AdapterModule(nn.Module, ABC):
-    # what kohya/LyCORIS metadata and our error messages call this algorithm
-    algorithm: str = ""
+    # what the config's adapter.type, kohya/LyCORIS metadata and our error messages call this algorithm
+    algorithm: ClassVar[str] = ""
+    # its config: a subclass of AdapterConfigBase whose `type` is Literal[algorithm]
+    config_class: ClassVar[type[AdapterConfigBase]]
+    # the tensor names after the key stem in saved files that only this algorithm has (a file's
+    # algorithm is told by them); `alpha` and `dora_scale` are shared, and not listed
+    key_names: ClassVar[tuple[str, ...]] = ()
+    # LyCORIS tensor names of this algorithm's variants that are not trained here: named when a file has them
+    unsupported_keys: ClassVar[dict[str, str]] = {}
+    # diffusers/peft: its names for ours where they differ, and the factors that carry the folded
+    # scale (such files have no alpha; formats/diffusers.py)
+    peft_names: ClassVar[dict[str, str]] = {}
+    peft_scaled: ClassVar[tuple[str, ...]] = ()
+    # kohya's `ss_network_args` algo name (LyCORIS's), when it differs from `algorithm`
+    lycoris_algo: ClassVar[str | None] = None
 
     def __init__(self, name: str, base: nn.Module, dropout: float = 0.0, rank_dropout: float = 0.0,
                  module_dropout: float = 0.0):
@@ -71,6 +96,71 @@ class AdapterModule(nn.Module, ABC):
             self.in_dim, self.out_dim, self.kernel_size = base.in_channels, base.out_channels, tuple(base.kernel_size)
         else:
             raise TypeError(f"{name}: adapters support Linear and Conv2d layers, not {type(base).__name__}")
+
+    # --- the algorithm's declarations (the registry and formats/ read these) -------------------
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: AdapterConfigBase, part: str, name: str, module: nn.Module,
+                    device: torch.device, dtype: torch.dtype, output_format: str = "kohya") -> AdapterModule:
+        """The adapter for `module` (a layer of `part`) as `config` sets it, unhooked; `output_format`
+        resolves what depends on the file the run writes (dora_axis 'auto')."""
+
+    @staticmethod
+    def common_options(config: AdapterConfigBase, device: torch.device, dtype: torch.dtype) -> dict:
+        """The constructor keywords every algorithm takes from the shared config fields."""
+        return {"dropout": config.dropout, "rank_dropout": config.rank_dropout,
+                "module_dropout": config.module_dropout, "device": device, "dtype": dtype}
+
+    @classmethod
+    def network_args(cls, config: AdapterConfigBase, output_format: str) -> dict:
+        """This algorithm's own entries of LyCORIS's `ss_network_args` (after algo and DoRA's)."""
+        return {}
+
+    @classmethod
+    def network_metadata(cls, config: AdapterConfigBase, output_format: str = "kohya") -> dict[str, str]:
+        """kohya's ss_network_* fields: LyCORIS's kohya module with `algo` and its args by default."""
+        args = {"algo": cls.lycoris_algo or cls.algorithm}
+        axis = config.resolved_dora_axis(output_format)
+        if axis is not None:
+            args.update(dora_wd=True, wd_on_output=axis == "output")
+        args.update(cls.network_args(config, output_format))
+        dim, alpha = cls.network_dim_alpha(config)
+        return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(alpha),
+                "ss_network_args": json.dumps(args)}
+
+    @classmethod
+    def network_dim_alpha(cls, config: AdapterConfigBase) -> tuple:
+        """ss_network_dim and ss_network_alpha: rank and alpha for the low-rank algorithms."""
+        return getattr(config, "rank", 0), getattr(config, "alpha", 0)
+
+    def default_alpha(self, local: dict[str, torch.Tensor]) -> float:
+        """alpha for a file that has none (kohya's rule: alpha = rank, scale 1): the rows of the
+        first low-rank factor the file holds; the adapter's own alpha without one."""
+        return float(self.alpha)
+
+    def file_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors a saved file holds for this adapter, by tensor name (its state dict by default)."""
+        return {key: tensor.detach() for key, tensor in self.state_dict().items()}
+
+    @classmethod
+    def file_header(cls, adapters: list[AdapterModule]) -> dict[str, str]:
+        """Header entries a saved file needs for these adapters (all of this algorithm) to read back."""
+        return {}
+
+    def from_file(self, local: dict[str, torch.Tensor], metadata: dict) -> dict[str, torch.Tensor]:
+        """A file's tensors for this adapter (kohya names) as `load_state_dict` takes them, given the
+        file's header (the inverse of `file_tensors` and `file_header`)."""
+        return local
+
+    def peft_unsupported(self) -> str | None:
+        """Why this adapter cannot be written as diffusers/peft keys, or None."""
+        return f"peft has no {self.algorithm} adapter; use 'kohya' or 'comfy'"
+
+    @classmethod
+    def peft_set_problem(cls, adapters: list[AdapterModule]) -> str | None:
+        """Why diffusers would not rebuild these adapters (all of this algorithm) from peft keys, or None."""
+        return None
 
     # --- geometry ----------------------------------------------------------------------------
 

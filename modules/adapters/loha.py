@@ -10,14 +10,39 @@ delta's rows.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule
+from modules.adapters.registry import register_adapter
+from modules.config.adapter_configs import AdapterConfigBase, LowRankOptions
 
 
+class LoHaConfig(LowRankOptions, AdapterConfigBase):
+    type: Literal["loha"] = Field("loha", description="loha: a Hadamard product of two low-rank products.")
+
+
+@register_adapter
 class LoHaModule(AdapterModule):
     algorithm = "loha"
+    config_class = LoHaConfig
+    key_names = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")
+    unsupported_keys = {"hada_t1": "LoHa's Tucker (CP) core", "hada_t2": "LoHa's Tucker (CP) core"}
+    peft_scaled = ("hada_w1_a",)
+
+    @classmethod
+    def from_config(cls, config, part, name, module, device, dtype, output_format="kohya"):
+        rank, alpha = config.size_for(part)
+        return cls(name, module, rank, alpha, **cls.common_options(config, device, dtype))
+
+    def default_alpha(self, local):
+        return float(local["hada_w1_b"].shape[0]) if "hada_w1_b" in local else float(self.alpha)
+
+    def peft_unsupported(self):
+        return None
 
     def __init__(self, name: str, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -13,12 +13,16 @@ then, and ComfyUI and diffusers ignore it). w2 (or w2_b) starts at zero: a fresh
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
 from modules.adapters.base import AdapterModule
+from modules.adapters.registry import register_adapter
 from modules.adapters.weight_decompose import Axis, WeightDecomposed
+from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
 
 
 def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -42,8 +46,65 @@ def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (m, n) if m <= n else (n, m)
 
 
+class LoKrConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
+    type: Literal["lokr"] = Field("lokr", description="lokr: a Kronecker product of a small and a large factor "
+                                  "(with dora: weight-decomposed LoKr).")
+    factor: int = Field(-1, description="Split each dimension with this factor; -1: as square as possible.")
+    decompose_both: bool = Field(False, description="Make the small factor low-rank too.")
+    full_matrix: bool = Field(False, description="Keep the large factor a full matrix whatever the rank.")
+
+    @field_validator("factor")
+    @classmethod
+    def _valid_factor(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(f"must be -1 (as square as possible) or a positive factor (got {value})")
+        return value
+
+
+@register_adapter
 class LoKrModule(WeightDecomposed, AdapterModule):
     algorithm = "lokr"
+    config_class = LoKrConfig
+    key_names = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+    unsupported_keys = {"lokr_t2": "LoKr's Tucker (CP) core"}
+    peft_scaled = ("lokr_w1", "lokr_w1_a")  # where diffusers' own LoKr converter folds it too
+
+    @classmethod
+    def from_config(cls, config, part, name, module, device, dtype, output_format="kohya"):
+        rank, alpha = config.size_for(part)
+        return cls(name, module, rank, alpha, factor=config.factor, decompose_both=config.decompose_both,
+                   full_matrix=config.full_matrix, weight_decompose=config.dora,
+                   dora_axis=config.resolved_dora_axis(output_format) or "output",
+                   **cls.common_options(config, device, dtype))
+
+    @classmethod
+    def network_args(cls, config, output_format):
+        return {"factor": config.factor, "decompose_both": config.decompose_both, "full_matrix": config.full_matrix}
+
+    def default_alpha(self, local):
+        for key in ("lokr_w2_b", "lokr_w1_b"):
+            if key in local:
+                return float(local[key].shape[0])
+        return float(self.alpha)  # both factors full: alpha is not used
+
+    def peft_unsupported(self):
+        return "peft's LoKr has no weight decomposition; use 'kohya' or 'comfy'" if self.dora_axis else None
+
+    @classmethod
+    def peft_set_problem(cls, adapters):
+        """diffusers' loader keeps no factor in the file: it tries each w1 height as peft's
+        `decompose_factor` (then -1) until peft's factorization reproduces every layer's split.
+        peft keeps a dividing factor first where LyCORIS (this trainer) sorts it, so a factor whose
+        square exceeds a width may find none."""
+        from peft.tuners.lokr.layer import factorization
+
+        splits = [a.splits for a in adapters]
+        for candidate in sorted({out[0] for out, _ in splits}) + [-1]:
+            if all(factorization(o[0] * o[1], candidate) == o and factorization(i[0] * i[1], candidate) == i
+                   for o, i in splits):
+                return None
+        return ("diffusers re-derives LoKr's factor splits with peft's rule, which differs from LyCORIS's where "
+                "adapter.factor squared exceeds a layer's width; use 'kohya' or 'comfy', or a smaller factor")
 
     def __init__(self, name: str, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -10,17 +10,54 @@ changes nothing. On a Conv2d, down takes the base kernel, stride and padding and
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule
+from modules.adapters.registry import register_adapter
 from modules.adapters.weight_decompose import Axis, WeightDecomposed
+from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
 
 
+class LoRAConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
+    type: Literal["lora"] = Field("lora", description="lora: low-rank up(down(x)) (with dora: DoRA).")
+
+
+@register_adapter
 class LoRAModule(WeightDecomposed, AdapterModule):
     algorithm = "lora"
+    config_class = LoRAConfig
+    key_names = ("lora_down.weight", "lora_up.weight")
+    unsupported_keys = {"lora_mid.weight": "LoCon's Tucker (CP) middle layer"}
+    peft_names = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight"}
+    peft_scaled = ("lora_up.weight",)
+    lycoris_algo = "locon"
+
+    @classmethod
+    def from_config(cls, config, part, name, module, device, dtype, output_format="kohya"):
+        rank, alpha = config.size_for(part)
+        return cls(name, module, rank, alpha, dora=config.dora, dora_axis=config.resolved_dora_axis(output_format)
+                   or "output", **cls.common_options(config, device, dtype))
+
+    @classmethod
+    def network_metadata(cls, config, output_format="kohya"):
+        if not config.dora:  # plain LoRA: kohya's own module
+            return {"ss_network_module": "networks.lora", "ss_network_dim": str(config.rank),
+                    "ss_network_alpha": str(config.alpha)}
+        return super().network_metadata(config, output_format)
+
+    def default_alpha(self, local):
+        return float(local["lora_down.weight"].shape[0]) if "lora_down.weight" in local else float(self.alpha)
+
+    def peft_unsupported(self):
+        if self.dora_axis not in (None, "output"):
+            return ("peft's DoRA decomposes on the output axis (adapter.dora_axis: input cannot be written); "
+                    "use 'kohya' or 'comfy'")
+        return None
 
     def __init__(self, name: str, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -7,7 +7,7 @@ and the identity at B = 0, where a fresh adapter starts. R^T is solved for, not 
 (I + Q) R^T = (I - Q).
 
 The layout is LyCORIS's DiagOFTModule (its loader re-derives it and refuses any other):
-(block_size, block_num) = factorization(out_channels, oft_block_size), the smaller factor being
+(block_size, block_num) = factorization(out_channels, block_size), the smaller factor being
 the block size (320 channels with 32: 32 blocks of 10). `alpha` is LyCORIS's constraint: ||Q||
 (all blocks) is clipped to alpha * out_channels; 0: none. A1111 reads the same constraint but
 takes 0 as "clip to 0" (no rotation at all), and ComfyUI clips to alpha itself, so a file never
@@ -21,12 +21,21 @@ output; module dropout skips the adapter.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule, InertAdapter
 from modules.adapters.lokr import factorize
+from modules.adapters.registry import register_adapter
+from modules.config.adapter_configs import AdapterConfigBase
+
+# header of a file whose alphas are bounds no reader reaches (`file_alpha`): this trainer reads
+# them back as "no constraint"
+_UNCONSTRAINED = "difftrainer.oft_unconstrained"
 
 
 def block_layout(dimension: int, wanted: int) -> tuple[int, int]:
@@ -34,8 +43,58 @@ def block_layout(dimension: int, wanted: int) -> tuple[int, int]:
     return factorize(dimension, wanted)
 
 
+class OFTConfig(AdapterConfigBase):
+    type: Literal["oft"] = Field("oft", description="oft: a block-diagonal orthogonal rotation of the output "
+                                 "channels.")
+    block_size: int = Field(32, ge=2, description="LyCORIS's block rule: a layer's output channels split into "
+                            "two factors as LoKr splits with this factor, the smaller one the block size (320 "
+                            "channels with 32: 32 blocks of 10; 1280: 40 blocks of 32).")
+    constraint: float = Field(0.0, ge=0, description="LyCORIS's constraint: the rotation's skew part is clipped "
+                              "to this times the layer's output channels; 0: none. Exact in LyCORIS and A1111; "
+                              "ComfyUI clips to the value itself (differs once it binds).")
+
+
+@register_adapter
 class OFTModule(AdapterModule):
     algorithm = "oft"
+    config_class = OFTConfig
+    key_names = ("oft_blocks",)
+    unsupported_keys = {"rescale": "rescaled OFT", "oft_diag": "A1111's old OFT layout"}
+    lycoris_algo = "diag-oft"
+
+    @classmethod
+    def from_config(cls, config, part, name, module, device, dtype, output_format="kohya"):
+        return cls(name, module, config.block_size, constraint=config.constraint,
+                   **cls.common_options(config, device, dtype))
+
+    @classmethod
+    def network_args(cls, config, output_format):
+        return {"constraint": config.constraint}
+
+    @classmethod
+    def network_dim_alpha(cls, config):
+        return config.block_size, config.constraint
+
+    def default_alpha(self, local):
+        return 0.0  # no constraint
+
+    def file_tensors(self):
+        tensors = super().file_tensors()
+        tensors["alpha"] = self.file_alpha()  # never 0: A1111 reads that as "no rotation"
+        return tensors
+
+    @classmethod
+    def file_header(cls, adapters):
+        return {_UNCONSTRAINED: "1"} if any(float(a.alpha) == 0 for a in adapters) else {}
+
+    def from_file(self, local, metadata):
+        if metadata.get(_UNCONSTRAINED) == "1":
+            local = {**local, "alpha": torch.tensor(0.0)}
+        return local
+
+    def peft_unsupported(self):
+        return ("peft's OFT rotates a layer's input features and LyCORIS/ComfyUI's OFT (this one) its "
+                "output channels, so no peft layout holds it; use 'kohya' or 'comfy'")
 
     def __init__(self, name: str, base: nn.Module, block_size: int, dropout: float = 0.0,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -43,7 +102,7 @@ class OFTModule(AdapterModule):
         super().__init__(name, base, dropout=dropout, rank_dropout=rank_dropout, module_dropout=module_dropout)
         size, number = block_layout(self.out_dim, block_size)
         if size < 2:  # 1x1 blocks rotate nothing (Q = B - B^T = 0): LyCORIS would make a no-op there
-            raise InertAdapter(f"LyCORIS's OFT layout for adapter.oft_block_size {block_size} splits their "
+            raise InertAdapter(f"LyCORIS's OFT layout for adapter.block_size {block_size} splits their "
                                "output channels into 1-wide blocks, which cannot rotate")
         self.block_size, self.block_num = size, number
         self.oft_blocks = nn.Parameter(torch.zeros(self.block_num, size, size, device=device, dtype=dtype))

@@ -1,7 +1,9 @@
 """Build a TrainConfig from layers: defaults <- preset <- config files <- `--set` overrides.
 
 Each layer is a partial JSON object, migrated to the current version, then deep-merged: objects
-merge key by key, anything else (lists included) replaces what was below.
+merge key by key, anything else (lists included) replaces what was below. A layer (or `--set`)
+that changes the `type` of a tagged object (adapter, optimizer) keeps from below only the keys the
+new type has: a LoRA preset's rank stays for LoKr, and is not an error for OFT, which has none.
 """
 
 from __future__ import annotations
@@ -26,6 +28,33 @@ def deep_merge(base: dict, overlay: dict) -> dict:
         else:
             merged[key] = value
     return merged
+
+
+def _tagged_members() -> dict[str, tuple[str, dict[str, type]]]:
+    """The config's tagged objects: key -> (its default type, its models by type)."""
+    import typing
+
+    from modules.config.adapter_configs import DEFAULT_ADAPTER_TYPE, adapter_config_classes
+    from modules.config.optimizer_configs import OptimizerConfig
+
+    optimizers = {m.model_fields["type"].default: m for m in typing.get_args(typing.get_args(OptimizerConfig)[0])}
+    return {"adapter": (DEFAULT_ADAPTER_TYPE, adapter_config_classes()), "optimizer": ("adamw", optimizers)}
+
+
+def _retyped(below: Any, new_type: Any, default: str, members: dict[str, type]) -> Any:
+    """`below` (a tagged object) when `new_type` is set over it: the keys the new type has."""
+    if not isinstance(below, dict) or new_type == below.get("type", default) or new_type not in members:
+        return below
+    return {k: v for k, v in below.items() if k in members[new_type].model_fields}
+
+
+def merge_layer(base: dict, overlay: dict) -> dict:
+    """deep_merge, a tagged object whose type the overlay changes keeping only what fits the new type."""
+    for key, (default, members) in _tagged_members().items():
+        above = overlay.get(key)
+        if isinstance(above, dict) and "type" in above and key in base:
+            base = {**base, key: _retyped(base[key], above["type"], default, members)}
+    return deep_merge(base, overlay)
 
 
 def read_json_file(path: str | Path) -> dict:
@@ -78,6 +107,9 @@ def set_override(data: dict, assignment: str) -> dict:
         value = raw
     steps = parse_dotted(key.strip())
     root = json.loads(json.dumps(data))  # a deep copy of plain JSON
+    tagged = _tagged_members()
+    if len(steps) == 2 and steps[1] == "type" and steps[0] in tagged and steps[0] in root:
+        root[steps[0]] = _retyped(root[steps[0]], value, *tagged[steps[0]])
     node: Any = root
     for index, step in enumerate(steps[:-1]):
         following = steps[index + 1]
@@ -113,7 +145,7 @@ def validate_config(data: dict, source: str | None = None) -> TrainConfig:
 def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:
     merged: dict = {"version": CURRENT_VERSION}
     for layer in layers:
-        merged = deep_merge(merged, migrate(layer))
+        merged = merge_layer(merged, migrate(layer))
     for assignment in overrides:
         merged = set_override(merged, assignment)
     return validate_config(merged)

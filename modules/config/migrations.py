@@ -1,8 +1,9 @@
 """Versioned config migrations: MIGRATIONS[v] turns a version-v dict into a version-(v+1) dict.
 
 A file without "version" is taken to be written for the current version (hand-written overlays
-rarely say it); every file this trainer writes carries it. Add a step here whenever a field is
-renamed or moved, and a test with a real file of the old shape.
+rarely say it), unless it has keys that only an older version had (`_looks_v1`); every file this
+trainer writes carries it. Add a step here whenever a field is renamed or moved, and a test with
+a real file of the old shape.
 """
 
 from __future__ import annotations
@@ -77,12 +78,58 @@ def _v0_to_v1(old: dict) -> dict:
     return new
 
 
-MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1}
+# v1 had one flat adapter object: every algorithm's options side by side (ignored by the others).
+# v2's adapter is a union on `type`, each algorithm with only its own options, named without prefix.
+_V1_OWN_FIELDS = {
+    "lokr": {"lokr_factor": "factor", "lokr_decompose_both": "decompose_both", "lokr_full_matrix": "full_matrix"},
+    "oft": {"oft_block_size": "block_size", "oft_constraint": "constraint"},
+}
+# v1's defaults: a prefixed field at its default says nothing (it was in every full dump) and is dropped
+_V1_DEFAULTS = {"lokr_factor": -1, "lokr_decompose_both": False, "lokr_full_matrix": False,
+                "oft_block_size": 32, "oft_constraint": 0.0}
+# v1 fields that only some algorithms used -> those algorithms (the others ignored them)
+_V1_SHARED_BY_SOME = {"rank": ("lora", "loha", "lokr"), "alpha": ("lora", "loha", "lokr"),
+                      "parts": ("lora", "loha", "lokr"), "dora": ("lora", "lokr"), "dora_axis": ("lora", "lokr")}
+
+
+def _looks_v1(data: dict) -> bool:
+    adapter = data.get("adapter")
+    return isinstance(adapter, dict) and any(key in adapter for own in _V1_OWN_FIELDS.values() for key in own)
+
+
+def _v1_adapter(old: dict) -> dict:
+    kind = old.get("type")  # None in an overlay that leaves the type to a layer below
+    new = {}
+    for key, value in old.items():
+        owner = next((name for name, own in _V1_OWN_FIELDS.items() if key in own), None)
+        if owner is not None:
+            if kind is None and value == _V1_DEFAULTS[key]:
+                continue  # its default in v2 too
+            if kind in (None, owner):
+                new[_V1_OWN_FIELDS[owner][key]] = value
+            # another algorithm's option: v1 ignored it
+        elif key in _V1_SHARED_BY_SOME and kind is not None and kind not in _V1_SHARED_BY_SOME[key]:
+            if key == "dora" and value:
+                new[key] = value  # v1 refused it too: validation names it
+        else:
+            new[key] = value
+    return new
+
+
+def _v1_to_v2(old: dict) -> dict:
+    new = dict(old)
+    if isinstance(old.get("adapter"), dict):
+        new["adapter"] = _v1_adapter(old["adapter"])
+    new["version"] = 2
+    return new
+
+
+MIGRATIONS: dict[int, Callable[[dict], dict]] = {0: _v0_to_v1, 1: _v1_to_v2}
 
 
 def migrate(data: dict, source: str | None = None) -> dict:
     """Return `data` lifted to CURRENT_VERSION (a new dict; the input is not changed)."""
-    version = data.get("version", CURRENT_VERSION)
+    version = data.get("version", 1 if _looks_v1(data) else CURRENT_VERSION)
     if not isinstance(version, int) or isinstance(version, bool):
         raise ConfigError([f"version: must be a whole number (got {version!r})"], source)
     if version > CURRENT_VERSION:

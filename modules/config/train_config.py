@@ -11,8 +11,17 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
+from modules.config.adapter_configs import (  # noqa: F401  (re-exported: the config's names live here)
+    DEFAULT_ADAPTER_TYPE,
+    AdapterConfig,
+    AdapterConfigBase,
+    AdapterPartConfig,
+    default_adapter_config,
+    default_adapter_type,
+    valid_regexes,
+)
 from modules.config.embedding_config import EmbeddingConfig, check_embeddings
 from modules.config.errors import located_error
 from modules.config.method_configs import (  # noqa: F401  (re-exported: the config's names live here)
@@ -23,6 +32,7 @@ from modules.config.method_configs import (  # noqa: F401  (re-exported: the con
     default_method_type,
 )
 from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
+    UNION_TAGS as OPTIMIZER_TAGS,
     AdafactorConfig,
     AdamW8bitConfig,
     AdamWConfig,
@@ -34,14 +44,13 @@ from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the 
     default_optimizer_type,
     union_tags,
 )
-from modules.config.optimizer_configs import UNION_TAGS as _OPTIMIZER_TAGS
 from modules.config.strict import StrictModel
 from modules.quantization.weight_modes import is_weight_mode, weight_mode_names
 
-CURRENT_VERSION = 1
+CURRENT_VERSION = 2
 
-# The `type` tags of the config's discriminated unions, so error paths can leave them out (errors.py).
-UNION_TAGS = _OPTIMIZER_TAGS | union_tags(MethodConfig)
+# The `type` tags of the config's discriminated unions, so error paths can leave them out (errors.py)
+UNION_TAGS = OPTIMIZER_TAGS | union_tags(MethodConfig) | {DEFAULT_ADAPTER_TYPE}
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -56,15 +65,6 @@ def weight_dtype_choices() -> list[str]:
 
 def _weight_dtype_schema(schema: dict) -> None:
     schema["enum"] = weight_dtype_choices()  # the JSON schema and the GUI list the registry's modes
-
-
-def valid_regexes(patterns: list[str]) -> list[str]:
-    for index, pattern in enumerate(patterns):
-        try:
-            re.compile(pattern)
-        except re.error as error:
-            raise ValueError(f"entry {index} ({pattern!r}) is not a valid regex: {error}") from None
-    return patterns
 
 
 class ModelPartConfig(StrictModel):
@@ -169,89 +169,6 @@ class ModelConfig(StrictModel):
         if value not in family_names():
             raise ValueError(f"unknown family {value!r} (known: {', '.join(family_names())})")
         return value
-
-
-class AdapterPartConfig(StrictModel):
-    """Per-part overrides of the adapter's size (`adapter.parts.text_encoder.rank`)."""
-
-    rank: int | None = Field(None, ge=1, description="None: adapter.rank.")
-    alpha: float | None = Field(None, gt=0, description="None: adapter.alpha.")
-
-
-class AdapterConfig(StrictModel):
-    type: Literal["lora", "loha", "lokr", "oft"] = Field(
-        "lora", description="lora (with dora: DoRA), loha, lokr (with dora: weight-decomposed LoKr), "
-        "oft (block-diagonal orthogonal rotation of the output channels).")
-    rank: int = Field(16, ge=1, description="lora, loha, lokr: the rank of the low-rank factors (oft: unused).")
-    alpha: float = Field(16.0, gt=0, description="Output is scaled by alpha / rank (oft: unused; lokr with "
-                         "both factors full: scale 1).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="lora: on the rank-sized hidden; the others: on "
-                           "the adapter's change of the output.")
-    rank_dropout: float = Field(0.0, ge=0, lt=1, description="Drop whole ranks (lora), delta rows (loha, "
-                                "lokr) or rotation blocks (oft) while training.")
-    module_dropout: float = Field(0.0, ge=0, lt=1, description="Skip a whole adapter for a step with this "
-                                  "probability while training.")
-    dora: bool = Field(False, description="Weight decomposition (magnitude and direction): DoRA for lora, "
-                       "weight-decomposed LoKr for lokr.")
-    dora_axis: Literal["auto", "output", "input"] = Field(
-        "auto", description="The norm DoRA divides by. Exact per consumer: output axis (one norm per output "
-        "row) in LyCORIS, peft and diffusers, approximate in ComfyUI (it divides by the base weight's norm); "
-        "input axis (one per input column) in ComfyUI, Forge and A1111, refused by LyCORIS's loader and not "
-        "writable as diffusers keys. auto: output for output.format 'diffusers', input for 'kohya'/'comfy' "
-        "(the tools that load those files).")
-    lokr_factor: int = Field(-1, description="lokr: split each dimension with this factor; -1: as square as possible.")
-    lokr_decompose_both: bool = Field(False, description="lokr: make the small factor low-rank too.")
-    lokr_full_matrix: bool = Field(False, description="lokr: keep the large factor a full matrix whatever the rank.")
-    oft_block_size: int = Field(32, ge=2, description="oft: LyCORIS's block rule: a layer's output channels "
-                                "split into two factors as LoKr splits with this factor, the smaller one the "
-                                "block size (320 channels with 32: 32 blocks of 10; 1280: 40 blocks of 32).")
-    oft_constraint: float = Field(0.0, ge=0, description="oft: LyCORIS's constraint: the rotation's skew part "
-                                  "is clipped to this times the layer's output channels; 0: none. Exact in "
-                                  "LyCORIS and A1111; ComfyUI clips to the value itself (differs once it binds).")
-    parts: dict[str, AdapterPartConfig] = Field(
-        default_factory=dict, description="Per-part rank/alpha, e.g. {\"text_encoder\": {\"rank\": 8}}.")
-    init_from: str | None = Field(
-        None, description="Start from this adapter file (kohya/LyCORIS, ComfyUI or diffusers/peft keys, from "
-        "this or another trainer) and continue training it; it must fit the adapter configured here.")
-    layer_preset: str = Field(
-        "attn-mlp", description="A named layer selection of the family (attn, attn-mlp, all-linear, all)."
-    )
-    layer_filter: list[str] = Field(
-        default_factory=list,
-        description="Regexes searched in 'part.module.name'; when given, they replace the preset.",
-    )
-    dtype: DType = Field("float32", description="Dtype of the adapter's own weights while training.")
-
-    @field_validator("layer_filter")
-    @classmethod
-    def _valid_regexes(cls, patterns: list[str]) -> list[str]:
-        return valid_regexes(patterns)
-
-    def resolved_dora_axis(self, output_format: str) -> Literal["output", "input"]:
-        """The axis `auto` stands for with this output format (see the field's description)."""
-        if self.dora_axis != "auto":
-            return self.dora_axis
-        return "output" if output_format == "diffusers" else "input"
-
-    @field_validator("lokr_factor")
-    @classmethod
-    def _valid_factor(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError(f"must be -1 (as square as possible) or a positive factor (got {value})")
-        return value
-
-    @model_validator(mode="after")
-    def _dora_needs_a_decomposable_type(self) -> "AdapterConfig":
-        if self.dora and self.type not in ("lora", "lokr"):
-            raise located_error(f"only lora and lokr have a weight-decomposed form (type is {self.type!r})", "dora")
-        return self
-
-    def size_for(self, part: str) -> tuple[int, float]:
-        """(rank, alpha) for a model part, its overrides applied."""
-        override = self.parts.get(part)
-        rank = override.rank if override and override.rank is not None else self.rank
-        alpha = override.alpha if override and override.alpha is not None else self.alpha
-        return rank, alpha
 
 
 class LossConfig(StrictModel):
@@ -455,10 +372,13 @@ class BackupConfig(StrictModel):
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
+    # a union over the registered algorithms (modules/adapters/registry.py), built on first use, so the
+    # algorithms' files (which import this package for their configs) need not be imported before it
+    model_config = ConfigDict(defer_build=True)
     method: MethodConfig = Field(default_factory=AdapterMethodConfig, description="What the run trains: an "
                                  "adapter (adapter), the parts' own weights (fine_tune), or only the embeddings "
                                  "(embedding).")
-    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    adapter: AdapterConfig = Field(default_factory=default_adapter_config)
     embeddings: list[EmbeddingConfig] = Field(default_factory=list, description="Textual-inversion embeddings: "
                                               "new tokens for the text encoders, trained alone (method.type "
                                               "embedding) or alongside the adapter or fine-tune, or used frozen.")
@@ -522,6 +442,11 @@ class TrainConfig(StrictModel):
     @classmethod
     def _method_type_default(cls, data: Any) -> Any:
         return default_method_type(data)
+
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _adapter_type_default(cls, data: Any) -> Any:
+        return default_adapter_type(data)
 
     @field_validator("version")
     @classmethod

@@ -14,15 +14,24 @@ from pathlib import Path
 
 import torch
 
-from modules.config.train_config import AdapterConfig, TrainConfig
+from modules.config.adapter_configs import DEFAULT_ADAPTER_TYPE, AdapterConfigBase, resolve_dora_axis
+from modules.config.migrations import migrate
+from modules.config.train_config import TrainConfig
 from modules.trainer.guards import TrainingError
 
 # What the adapter is attached to: the model (its family, weights and any part loaded from elsewhere).
 _MODEL_FIELDS = (("model", "family"), ("model", "base"))
-# What the adapter is: its algorithm, the shape of its tensors, the layers it sits on, its scale.
-# (dora_axis is compared as the axis it resolves to: a backup from before `auto` says "output")
-_ADAPTER_FIELDS = ("type", "dora", "lokr_factor", "lokr_decompose_both", "lokr_full_matrix",
-                   "oft_block_size", "oft_constraint", "layer_preset", "layer_filter")
+# What the adapter is: its algorithm, the shape of its tensors, the layers it sits on, its scale:
+# the algorithm's own options and these shared ones. Not compared here: rank and alpha (by their
+# per-part effect, below), dora_axis (as the axis it resolves to: a backup from before `auto`
+# says "output"), and what only changes how it trains (dropouts, dtype, the start file).
+_ADAPTER_FIELDS = ("type", "layer_preset", "layer_filter")
+_ADAPTER_NOT_COMPARED = {"rank", "alpha", "parts", "dora_axis"} | set(AdapterConfigBase.model_fields)
+
+
+def _adapter_fields(config: TrainConfig) -> list[str]:
+    own = [name for name in type(config.adapter).model_fields if name not in _ADAPTER_NOT_COMPARED]
+    return [*_ADAPTER_FIELDS, *own]
 
 
 def _get(tree: dict, path: tuple[str, ...], default=None):
@@ -36,16 +45,18 @@ def _get(tree: dict, path: tuple[str, ...], default=None):
 def _size(adapter: dict, part: str, defaults: dict) -> tuple:
     """(rank, alpha) of a part as adapter.size_for gives it, read from a dumped config."""
     override = (adapter.get("parts") or {}).get(part) or {}
-    rank = override.get("rank") if override.get("rank") is not None else adapter.get("rank", defaults["rank"])
-    alpha = override.get("alpha") if override.get("alpha") is not None else adapter.get("alpha", defaults["alpha"])
-    return rank, float(alpha)
+    rank = override.get("rank") if override.get("rank") is not None else adapter.get("rank", defaults.get("rank"))
+    alpha = override.get("alpha") if override.get("alpha") is not None else adapter.get("alpha", defaults.get("alpha"))
+    return rank, float(alpha or 0)
 
 
 def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     """One line per setting that differs between the backup's config and this run's, naming its dotted path."""
+    backup_config = migrate(backup_config)
     current = config.model_dump(mode="json")
-    # a backup written before a field existed had that field's default
+    # a backup written before a field existed had that field's default (the adapter's: of this run's algorithm)
     defaults = TrainConfig().model_dump(mode="json")
+    defaults["adapter"] = {**type(config.adapter)().model_dump(mode="json"), "type": DEFAULT_ADAPTER_TYPE}
     changes = []
 
     def compare(path: tuple[str, ...], label: str | None = None) -> None:
@@ -64,11 +75,11 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     if old_trained != new_trained:
         changes.append(f"model.parts.*.train: {old_trained} in the backup, {new_trained} now")
 
-    for field in _ADAPTER_FIELDS:
+    for field in _adapter_fields(config):
         compare(("adapter", field))
-    if config.adapter.dora:
+    if getattr(config.adapter, "dora", False):
         old_axis = _get(backup_config, ("adapter", "dora_axis"), "output")  # before `auto`, output was the default
-        old_axis = AdapterConfig(dora_axis=old_axis).resolved_dora_axis(_get(backup_config, ("output", "format"), "kohya"))
+        old_axis = resolve_dora_axis(old_axis, _get(backup_config, ("output", "format"), "kohya"))
         new_axis = config.adapter.resolved_dora_axis(config.output.format)
         if old_axis != new_axis:
             changes.append(f"adapter.dora_axis: {old_axis!r} in the backup, {new_axis!r} now")
@@ -113,6 +124,7 @@ _NOT_COMPARED = {"version", "backup.resume"}
 
 def describe_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     """Every setting that differs between the backup's config and this run's, as 'path: old -> new'."""
+    backup_config = migrate(backup_config)
     defaults = _leaves(TrainConfig.model_validate({"model": {"family": config.model.family}}).model_dump(mode="json"))
     old, new = _leaves(backup_config), _leaves(config.model_dump(mode="json"))
     changes = []

@@ -12,47 +12,23 @@ peft's DoRA magnitude is (out,) for a Linear and (1, out, 1, 1) for a Conv2d, on
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 import torch
 
-from modules.adapters.base import AdapterModule
+if TYPE_CHECKING:
+    from modules.adapters.base import AdapterModule
 
-# the factor that carries the folded scale, per algorithm
-_SCALED = {"lora": ("lora_up.weight",), "loha": ("hada_w1_a",), "lokr": ("lokr_w1", "lokr_w1_a")}
-_RENAME = {"lora_down.weight": "lora_A.weight", "lora_up.weight": "lora_B.weight",
-           "dora_scale": "lora_magnitude_vector"}
-_RENAME_BACK = {v: k for k, v in _RENAME.items()}
-LOCAL_KEYS = tuple(_RENAME.values())
+# weight decomposition's magnitude, whatever the algorithm; each algorithm names its own tensors
+# (AdapterModule.peft_names, .peft_scaled)
+_MAGNITUDE = {"dora_scale": "lora_magnitude_vector"}
 
 
-def unsupported(algorithm: str, dora_axis: str | None, decomposed: bool) -> str | None:
-    """Why an adapter cannot be written as diffusers/peft keys, or None."""
-    if algorithm == "oft":
-        return ("peft's OFT rotates a layer's input features and LyCORIS/ComfyUI's OFT (this one) its "
-                "output channels, so no peft layout holds it; use 'kohya' or 'comfy'")
-    if decomposed and algorithm != "lora":
-        return "peft's LoKr has no weight decomposition; use 'kohya' or 'comfy'"
-    if decomposed and dora_axis != "output":
-        return "peft's DoRA decomposes on the output axis (adapter.dora_axis: input cannot be written); use 'kohya' or 'comfy'"
-    return None
+def local_keys() -> tuple[str, ...]:
+    """The peft tensor names of the registered algorithms that differ from their kohya names."""
+    from modules.adapters.registry import adapter_classes
 
-
-def lokr_split_problem(adapters: list[AdapterModule]) -> str | None:
-    """Why diffusers would not rebuild these LoKr adapters' shapes, or None. Its loader keeps no
-    factor in the file: it tries each w1 height as peft's `decompose_factor` (then -1) until peft's
-    factorization reproduces every layer's split. peft keeps a dividing factor first where
-    LyCORIS (this trainer) sorts it, so a factor whose square exceeds a width may find none."""
-    from peft.tuners.lokr.layer import factorization
-
-    splits = [a.splits for a in adapters if a.algorithm == "lokr"]
-    if not splits:
-        return None
-    for candidate in sorted({out[0] for out, _ in splits}) + [-1]:
-        if all(factorization(o[0] * o[1], candidate) == o and factorization(i[0] * i[1], candidate) == i
-               for o, i in splits):
-            return None
-    return ("diffusers re-derives LoKr's factor splits with peft's rule, which differs from LyCORIS's where "
-            "adapter.lokr_factor squared exceeds a layer's width; use 'kohya' or 'comfy', or a smaller lokr_factor")
+    return (*_MAGNITUDE.values(), *(name for cls in adapter_classes().values() for name in cls.peft_names.values()))
 
 
 def to_peft(adapter: AdapterModule, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -61,11 +37,11 @@ def to_peft(adapter: AdapterModule, local: dict[str, torch.Tensor]) -> dict[str,
     for key, tensor in local.items():
         if key == "alpha":
             continue
-        if key in _SCALED.get(adapter.algorithm, ()):
+        if key in adapter.peft_scaled:
             tensor = tensor * adapter.scale
         if key == "dora_scale":
             tensor = tensor.reshape(1, -1, 1, 1) if adapter.is_conv else tensor.reshape(-1)
-        out[_RENAME.get(key, key)] = tensor
+        out[{**adapter.peft_names, **_MAGNITUDE}.get(key, key)] = tensor
     return out
 
 
@@ -73,10 +49,11 @@ def from_peft(adapter: AdapterModule, tensors: dict[str, torch.Tensor], file_sca
     """peft local keys -> the adapter's own keys, keeping the adapter's alpha: the folded factor is
     rescaled from the file's scale to the adapter's."""
     own = adapter.state_dict()
+    back = {peft: ours for ours, peft in {**adapter.peft_names, **_MAGNITUDE}.items()}
     out = {}
     for key, tensor in tensors.items():
-        local = _RENAME_BACK.get(key, key)
-        if local in _SCALED.get(adapter.algorithm, ()):
+        local = back.get(key, key)
+        if local in adapter.peft_scaled:
             tensor = tensor.float() * (file_scale / adapter.scale)
         if local == "dora_scale" and "dora_scale" in own and tensor.numel() == own["dora_scale"].numel():
             tensor = tensor.reshape(own["dora_scale"].shape)

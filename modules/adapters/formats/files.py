@@ -3,7 +3,8 @@
 kohya      `lora_unet_<module>.lora_down.weight` / `.lora_up.weight` / `.alpha`, and the LyCORIS
            names for the other algorithms on the same stems: `.hada_w1_a` ... `.hada_w2_b`,
            `.lokr_w1` | `.lokr_w1_a`+`_b`, `.lokr_w2` | `.lokr_w2_a`+`_b`, `.oft_blocks`,
-           `.dora_scale`. A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
+           `.dora_scale` (each algorithm's class declares its names: AdapterModule.key_names).
+           A1111, Forge, ComfyUI read it; diffusers reads its LoRA part.
 comfy      ComfyUI's own layout: the same tensor names on the model's own module paths,
            `diffusion_model.input_blocks.1.1.transformer_blocks.0.attn1.to_q.lora_up.weight`,
            `text_encoders.clip_l.transformer.text_model.encoder.layers.0.self_attn.q_proj.alpha`
@@ -31,6 +32,7 @@ from safetensors.torch import save_file
 from modules.adapters.adapter_set import AdapterSet, AdapterSetError
 from modules.adapters.formats import diffusers as peft_keys
 from modules.adapters.formats import fused
+from modules.adapters.registry import adapter_class, adapter_classes
 from modules.saving.atomic import write_with
 
 if TYPE_CHECKING:
@@ -38,27 +40,27 @@ if TYPE_CHECKING:
     from modules.model.base import ModelFamily
 
 FORMATS = ("kohya", "comfy", "diffusers")
-CANONICAL_KEYS = (
-    "lora_down.weight", "lora_up.weight", "alpha", "dora_scale",
-    "hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b",
-    "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "oft_blocks",
-)
-# tensor names of LyCORIS features this trainer does not train: named when a file has them
-_UNSUPPORTED = {
-    "lora_mid.weight": "LoCon's Tucker (CP) middle layer", "hada_t1": "LoHa's Tucker (CP) core",
-    "hada_t2": "LoHa's Tucker (CP) core", "lokr_t2": "LoKr's Tucker (CP) core", "rescale": "rescaled OFT",
-    "oft_diag": "A1111's old OFT layout", "diff": "a full weight difference", "diff_b": "a bias difference",
-}
-# the algorithm a tensor name belongs to (dora_scale and alpha belong to several)
-_ALGORITHM = {"lora_down.weight": "lora", "lora_up.weight": "lora", "lora_A.weight": "lora", "lora_B.weight": "lora",
-              "oft_blocks": "oft"}
-_ALGORITHM.update({k: "loha" for k in CANONICAL_KEYS if k.startswith("hada_")})
-_ALGORITHM.update({k: "lokr" for k in CANONICAL_KEYS if k.startswith("lokr_")})
+# tensor names of LyCORIS features no algorithm here trains (each algorithm names its own variants)
+_UNSUPPORTED = {"diff": "a full weight difference", "diff_b": "a bias difference"}
 
 
-# header of a file whose OFT alphas are bounds no reader reaches (oft.py file_alpha): this
-# trainer reads them back as "no constraint"
-_OFT_UNCONSTRAINED = "difftrainer.oft_unconstrained"
+def canonical_keys() -> tuple[str, ...]:
+    """Every tensor name (after the key stem) a kohya/LyCORIS file of a registered algorithm has."""
+    return ("alpha", "dora_scale", *(key for cls in adapter_classes().values() for key in cls.key_names))
+
+
+def unsupported_keys() -> dict[str, str]:
+    """Tensor name -> the LyCORIS feature it belongs to, for what no algorithm here trains."""
+    out = dict(_UNSUPPORTED)
+    for cls in adapter_classes().values():
+        out.update(cls.unsupported_keys)
+    return out
+
+
+def algorithm_of_keys() -> dict[str, str]:
+    """The algorithm a tensor name belongs to, kohya and peft names (alpha and dora_scale: several)."""
+    return {key: name for name, cls in adapter_classes().items()
+            for key in (*cls.key_names, *cls.peft_names.values())}
 
 
 class AdapterFileError(AdapterSetError):
@@ -124,13 +126,20 @@ def check_output_format(fmt: str, adapters: AdapterSet, family: ModelFamily) -> 
     stems(adapters, family, fmt)
     if family.file_layout(fmt) == "diffusers":
         for adapter in adapters:
-            axis = getattr(adapter, "dora_axis", None)
-            why = peft_keys.unsupported(adapter.algorithm, axis, axis is not None)
+            why = adapter.peft_unsupported()
             if why:
                 raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
-        why = peft_keys.lokr_split_problem(list(adapters))
-        if why:
-            raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+        for algorithm, members in _by_algorithm(adapters).items():
+            why = adapter_class(algorithm).peft_set_problem(members)
+            if why:
+                raise AdapterFileError(f"output.format: 'diffusers' cannot hold these adapters: {why}")
+
+
+def _by_algorithm(adapters: AdapterSet) -> dict[str, list]:
+    grouped: dict[str, list] = {}
+    for adapter in adapters:
+        grouped.setdefault(adapter.algorithm, []).append(adapter)
+    return grouped
 
 
 def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list[str]:
@@ -167,9 +176,7 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
     for name, adapter in adapters.modules.items():
         if name in on_original_layers:
             continue
-        local = {k: v.detach() for k, v in adapter.state_dict().items()}
-        if adapter.algorithm == "oft":  # never 0: A1111 reads that as "no rotation" (oft.py)
-            local["alpha"] = adapter.file_alpha()
+        local = adapter.file_tensors()
         if layout == "diffusers":
             local = peft_keys.to_peft(adapter, local)
         out.update({f"{named[name]}.{key}": tensor for key, tensor in local.items()})
@@ -177,22 +184,8 @@ def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str,
 
 
 def network_metadata(config: AdapterConfig, output_format: str = "kohya") -> dict[str, str]:
-    """kohya's ss_network_* fields; LyCORIS's `algo` args for what is not plain LoRA."""
-    if config.type == "lora" and not config.dora:
-        return {"ss_network_module": "networks.lora", "ss_network_dim": str(config.rank),
-                "ss_network_alpha": str(config.alpha)}
-    args = {"algo": {"lora": "locon", "oft": "diag-oft"}.get(config.type, config.type)}
-    if config.dora:
-        args.update(dora_wd=True, wd_on_output=config.resolved_dora_axis(output_format) == "output")
-    if config.type == "lokr":
-        args.update(factor=config.lokr_factor, decompose_both=config.lokr_decompose_both,
-                    full_matrix=config.lokr_full_matrix)
-    if config.type == "oft":
-        args["constraint"] = config.oft_constraint
-    dim = config.oft_block_size if config.type == "oft" else config.rank
-    alpha = config.oft_constraint if config.type == "oft" else config.alpha
-    return {"ss_network_module": "lycoris.kohya", "ss_network_dim": str(dim), "ss_network_alpha": str(alpha),
-            "ss_network_args": json.dumps(args)}
+    """kohya's ss_network_* fields, as the configured algorithm declares them."""
+    return adapter_class(config.type).network_metadata(config, output_format)
 
 
 def save_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamily, fmt: str, dtype: torch.dtype,
@@ -200,8 +193,8 @@ def save_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamil
     state = file_state(adapters, family, fmt)
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in state.items()}
     header = {**metadata, "difftrainer.format": fmt}
-    if any(a.algorithm == "oft" and float(a.alpha) == 0 for a in adapters):
-        header[_OFT_UNCONSTRAINED] = "1"  # its alpha is a bound for other readers, not a constraint
+    for algorithm, members in _by_algorithm(adapters).items():
+        header.update(adapter_class(algorithm).file_header(members))
     write_with(path, lambda temp: save_file(tensors, str(temp), metadata=header))
     return Path(path)
 
@@ -225,9 +218,9 @@ def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tup
     return tensors, metadata
 
 
-def _split(key: str, lookup: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+def _split(key: str, lookup: dict[str, tuple[str, str]], suffixes: tuple[str, ...]) -> tuple[str, str] | None:
     """(stem, tensor name) for a file key whose stem is known, trying each known tensor name."""
-    for suffix in (*CANONICAL_KEYS, *peft_keys.LOCAL_KEYS):
+    for suffix in suffixes:
         if key.endswith("." + suffix) and key[: -len(suffix) - 1] in lookup:
             return key[: -len(suffix) - 1], suffix
     return None
@@ -241,14 +234,16 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
                     source: str, where: str = "adapter.init_from") -> dict[str, torch.Tensor]:
     """A file's tensors in any of the layouts -> this run's canonical (kohya) adapter state."""
     lookup = _stems_for_loading(adapters, family)
+    unsupported = unsupported_keys()
+    suffixes = (*canonical_keys(), *peft_keys.local_keys())
     tensors, unmapped = fused.unfuse(tensors, adapters, family)
     grouped: dict[str, dict[str, torch.Tensor]] = {}
     layout_of: dict[str, set[str]] = {}
     for key, tensor in tensors.items():
-        found = _split(key, lookup)
+        found = _split(key, lookup, suffixes)
         if found is None:
-            suffix = next((s for s in _UNSUPPORTED if key.endswith("." + s)), None)
-            unmapped.append(f"{key} ({_UNSUPPORTED[suffix]}, not supported)" if suffix else key)
+            suffix = next((s for s in unsupported if key.endswith("." + s)), None)
+            unmapped.append(f"{key} ({unsupported[suffix]}, not supported)" if suffix else key)
             continue
         stem, suffix = found
         name, layout = lookup[stem]
@@ -272,33 +267,23 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
                                                                           adapters.module_name_of[name]))
             local = peft_keys.from_peft(adapter, local, scale)
         elif "alpha" not in local and "alpha" in adapter.state_dict():
-            local["alpha"] = torch.tensor(_default_alpha(adapter, local))
-        if adapter.algorithm == "oft" and metadata.get(_OFT_UNCONSTRAINED) == "1":
-            local["alpha"] = torch.tensor(0.0)
+            local["alpha"] = torch.tensor(adapter.default_alpha(local))
+        local = adapter.from_file(local, metadata)
         state.update({f"{name}.{key}": tensor for key, tensor in local.items()})
     return state
-
-
-def _default_alpha(adapter, local: dict[str, torch.Tensor]) -> float:
-    """kohya's rule for a file without alpha: alpha = rank (scale 1); no constraint for OFT."""
-    if adapter.algorithm == "oft":
-        return 0.0
-    for key in ("lora_down.weight", "hada_w1_b", "lokr_w2_b", "lokr_w1_b"):
-        if key in local:
-            return float(local[key].shape[0])
-    return float(adapter.alpha)  # LoKr with both factors full: alpha is not used
 
 
 def _check_algorithms(grouped: dict[str, dict[str, torch.Tensor]], adapters: AdapterSet, source: str, where: str) -> None:
     """Name the setting to change when the file holds another algorithm or another DoRA than the run."""
     problems: dict[str, str] = {}  # one message per kind of mismatch, with its first example
+    algorithm_of = algorithm_of_keys()
 
     def add(message: str) -> None:
         problems.setdefault(re.sub(r"\([^)]*\)", "", message), message)  # the example in parentheses
 
     for name, local in grouped.items():
         adapter = adapters.modules[name]
-        found = {_ALGORITHM[k] for k in local if k in _ALGORITHM}
+        found = {algorithm_of[k] for k in local if k in algorithm_of}
         if found and found != {adapter.algorithm}:
             add(f"it holds {'/'.join(sorted(found))} adapters (e.g. {name}) and adapter.type is {adapter.algorithm!r}")
         has_dora = "dora_scale" in local or "lora_magnitude_vector" in local
