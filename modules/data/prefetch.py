@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from modules.data.dataset import Batch, HostBatch, TrainDataset
+from modules.data.dataset import Batch, TrainDataset
 
 _POLL_S = 0.1  # how often a blocked loader thread looks whether it was stopped
 
