@@ -3,6 +3,7 @@
 
   python launch.py                      the desktop GUI (ui/app.py)
   python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--protocol jsonl]
+  python launch.py cache --config my.json [--preset NAME] [--set key=value ...]
   python launch.py demo [--workspace DIR]
   python launch.py presets [list] | presets show NAME | presets save NAME [--preset P] [--config FILE]
   python launch.py schema
@@ -90,6 +91,19 @@ def cmd_train(args) -> int:
         return 1
     if args.protocol != "jsonl" and path is not None:  # None: stopped before the first step, nothing saved
         print(path)
+    return 0
+
+
+def cmd_cache(args) -> int:
+    from modules.cli.cache_command import build_caches
+    from modules.cli.console import ConsoleCallbacks
+    from modules.cli.train_command import resolve_config
+
+    if not args.config and not args.preset:
+        raise _usage_error("cache needs --config FILE or --preset NAME")
+    config = resolve_config(args.config, args.preset, args.set)
+    report = build_caches(config, ConsoleCallbacks())
+    print(report.summary())
     return 0
 
 
@@ -183,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--protocol", choices=["text", "jsonl"], default="text",
                        help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see README)")
     train.set_defaults(run=cmd_train)
+
+    cache = sub.add_parser("cache", help="fill the latent and text caches of a config without training "
+                           "(resumable; a following train encodes nothing)")
+    cache.add_argument("--config", action="append", default=[], metavar="FILE", help="config JSON (repeatable; later wins)")
+    cache.add_argument("--preset", help="a preset name, applied under the config files")
+    cache.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.resolution=768")
+    cache.set_defaults(run=cmd_cache)
 
     demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in well under a minute")
     demo.add_argument("--workspace", default="workspace/demo")

@@ -62,7 +62,7 @@ def test_caching_shows_a_progress_bar_on_a_terminal(tmp_path, tiny_model, shape_
     config = train_config(tiny_model, shape_images, tmp_path)
     family = SD15Family(config)
     family.load()
-    import modules.data.dataset as dataset_module
+    import modules.data.cache_build as cache_build
     from tqdm import tqdm
 
     closed = []
@@ -73,7 +73,7 @@ def test_caching_shows_a_progress_bar_on_a_terminal(tmp_path, tiny_model, shape_
                 closed.append((self.desc, self.n, self.total))
             super().close()
 
-    monkeypatch.setattr(dataset_module, "tqdm", Recorded)
+    monkeypatch.setattr(cache_build, "tqdm", Recorded)
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
     prepare_dataset(config, family, torch.device("cpu"), tmp_path / "cache", lambda message: None, cache_text=True)

@@ -323,6 +323,13 @@ class DataConfig(StrictModel):
     crop_jitter: bool = Field(False, description="Crop at a random position instead of the centre.")
     color_jitter: float = Field(0.0, ge=0, le=0.5, description="Move brightness, contrast and saturation by "
                                 "up to this much each time an image is trained.")
+    cache_memory_mb: float = Field(
+        256, ge=0, description="Cached latents and text kept in RAM (the most recently used, up to this many "
+        "MB); the rest is read from the cache folder as batches need it, so RAM does not grow with the number "
+        "of images. 0: read every batch from disk.")
+    prefetch_batches: int = Field(
+        2, ge=0, le=64, description="Batches assembled ahead on a background thread (cache reads, crops, "
+        "stacking) while the current step runs. 0: assemble each batch between steps.")
 
     @model_validator(mode="after")
     def _jitter_needs_fresh_latents(self) -> "DataConfig":

@@ -1,19 +1,23 @@
 """A content-addressed tensor cache on disk: one safetensors file per key.
 
 Keys hash everything that changes the cached tensor (image bytes, crop size, caption, the
-encoder's weights and dtype), so a change makes a new key and a stale entry is never read.
+encoder's weights and dtype), so a change makes a new key and a stale entry is never read. The
+same keys make building resumable: an entry written before an interrupt is found and reused.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from modules.saving.atomic import write_with
+from modules.errors import UserError
+from modules.saving.atomic import write_errors
 
 CACHE_FORMAT = "1"  # bump when what is cached or how it is computed changes
 
@@ -21,6 +25,10 @@ CACHE_FORMAT = "1"  # bump when what is cached or how it is computed changes
 def cache_key(*facts: object) -> str:
     text = "\x1f".join(str(f) for f in (CACHE_FORMAT, *facts))
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
+class CacheEntryGone(UserError):
+    """An entry found while the caches were built is missing or damaged when a batch reads it."""
 
 
 class TensorCache:
@@ -45,6 +53,42 @@ class TensorCache:
         self.hits += 1
         return tensors
 
+    def names(self, key: str) -> set[str] | None:
+        """The tensor names an entry holds, from its header alone (no tensor is read); None when
+        the entry is absent or unreadable (a truncated file fails here: safetensors checks that
+        the header's offsets cover the file)."""
+        path = self.path(key)
+        try:
+            with safe_open(str(path), framework="pt") as opened:
+                names = set(opened.keys())
+        except (SafetensorError, OSError):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return names
+
+    def read(self, key: str) -> dict[str, torch.Tensor]:
+        """The entry's tensors, for an entry known to exist (a training batch needs it)."""
+        path = self.path(key)
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError) as error:
+            raise CacheEntryGone(f"cache entry {path} was found when the caches were built but cannot be read "
+                                 f"now ({error}); was the cache folder changed during the run? Start the run "
+                                 "again to rebuild what is missing") from None
+
     def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
         cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-        write_with(self.path(key), lambda temp: save_file(cpu, str(temp)))
+        target = self.path(key)
+        # a temp name renamed over the target, as every write here, but without atomic_path's fsync
+        # (a disk flush per image): an entry a power loss leaves empty or torn is unreadable, so it
+        # is a miss and is rebuilt
+        temp = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        with write_errors(target):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                save_file(cpu, str(temp))
+                os.replace(temp, target)
+            except BaseException:
+                temp.unlink(missing_ok=True)
+                raise

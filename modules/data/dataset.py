@@ -1,26 +1,31 @@
 """The training set: scanned concepts, bucketed, with latents (and, when the text encoder is
-frozen, text conditioning) encoded once into the disk cache and then served from memory.
+frozen, text conditioning) encoded once into the disk cache and read back from it as batches need
+them (cache_reader.py: a bounded LRU in memory, so RAM does not grow with the data set).
 
-Epoch order is a pure function of (seed, epoch), so a resumed run sees the same batches as an
-uninterrupted one from the same position.
+A batch is built in two halves: `assemble` reads and stacks on the CPU (the background loader runs
+it on its thread, prefetch.py), `finish` puts it on the device (and encodes fresh latents there).
+Epoch order, and every random draw of a batch, is a pure function of (seed, epoch, batch index,
+position), so a resumed run sees the same batches as an uninterrupted one from the same position,
+and a batch is the same whichever thread assembles it and when.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
-from tqdm import tqdm
 
 from modules.config.train_config import CaptionConfig
 from modules.data.augment import color_jitter, crop_position
 from modules.data.buckets import bucket_for
 from modules.data.cache import TensorCache, cache_key
+from modules.data.cache_build import fill_latents, fill_texts
+from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.images import crop_origin, image_size, load_cropped
@@ -31,8 +36,16 @@ if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
     from modules.model.base import ModelFamily
 
-ENCODE_BATCH = 4
 FLIPPED = ":flipped"  # suffix of a latent key that names the mirrored image's latents
+MB = 1024 * 1024
+
+
+def caches_text(config: TrainConfig, family: ModelFamily) -> bool:
+    """Text conditioning can be cached only while no text encoder trains, no embedding changes what
+    a caption encodes to, and every caption is fixed (varying caption options encode each drawn
+    caption as it is trained)."""
+    return (not any(config.model.parts[p].train for p in family.text_parts) and not config.embeddings
+            and not any(c.captions.varies for c in config.concepts if c.enabled))
 
 
 @dataclass
@@ -71,14 +84,14 @@ def _image_info(entry: Entry, position: tuple[float, float]) -> list[float]:
 
 @dataclass
 class FreshLatents:
-    """Latents encoded per batch, for pixel augmentations that differ each time an image trains."""
+    """Latents encoded per batch, for pixel augmentations that differ each time an image trains:
+    `load` (any thread) crops, mirrors and jitters the pixels; `encode` (the device's thread) runs the VAE."""
 
     family: ModelFamily
     crop_jitter: bool
     color_jitter: float
 
-    @torch.no_grad()
-    def encode(self, entries: list[Entry], flipped: list[bool], rngs: list, device: torch.device):
+    def load(self, entries: list[Entry], flipped: list[bool], rngs: list):
         pixels, masks, positions = [], [], []
         for entry, flip, rng in zip(entries, flipped, rngs):
             width, height = entry.bucket
@@ -91,20 +104,44 @@ class FreshLatents:
                 mask = mask.flip(-1) if mask is not None else None
             pixels.append(color_jitter(image, self.color_jitter, rng))
             masks.append(mask)
-        latents = self.family.encode_images(torch.stack(pixels).to(device)).float()
+        return torch.stack(pixels), masks, positions
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor, masks: list, device: torch.device):
+        latents = self.family.encode_images(pixels.to(device, non_blocking=True)).float()
         grid = latents.shape[-2:]
-        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks], positions
+        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks]
+
+
+@dataclass
+class HostBatch:
+    """A batch assembled on the CPU (in pinned memory when it goes to a CUDA device)."""
+
+    latents: torch.Tensor | None  # cached latents; None: `pixels` are encoded on the device
+    pixels: torch.Tensor | None
+    masks: list  # per sample: a mask (on the latent grid when cached, the pixel grid when fresh) or None
+    image_info: torch.Tensor
+    text: dict[str, torch.Tensor] | None
+    captions: list[str]
+    loss_weights: list[float]
+    unmasked_weights: list[float]
+
+
+def _pinned(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    return tensor.pin_memory() if pin else tensor
 
 
 class TrainDataset:
-    def __init__(self, entries: list[Entry], latents: dict[str, torch.Tensor],
-                 texts: dict[str, dict[str, torch.Tensor]], batch_size: int, seed: int,
-                 masks: dict[str, torch.Tensor] | None = None, fresh: FreshLatents | None = None):
+    def __init__(self, entries: list[Entry], latents: Mapping[str, torch.Tensor],
+                 texts: Mapping[str, dict[str, torch.Tensor]], batch_size: int, seed: int,
+                 masks: Mapping[str, torch.Tensor] | None = None, fresh: FreshLatents | None = None,
+                 reader: CacheReader | None = None):
         self.entries = entries
         self.fresh = fresh  # set when latents are encoded per batch (pixel augmentations), not cached
         self.latents = latents  # latent key -> latents; latent key + FLIPPED -> the mirrored image's
         self.masks = masks or {}  # the same keys, for masked entries
         self.texts = texts
+        self.reader = reader  # the LRU the cached mappings read through (None: plain dicts)
         self.batch_size = batch_size
         self.seed = seed
         self.cache_stats: dict[str, tuple[int, int]] = {}  # cache name -> (hits, misses)
@@ -143,34 +180,51 @@ class TrainDataset:
 
     def collate(self, indices: list[int], device: torch.device, epoch: int = 0, batch_index: int = 0) -> Batch:
         """The batch's tensors on `device`; varying caption options drawn for (epoch, batch_index)."""
+        return self.finish(self.assemble(indices, epoch, batch_index, pin=device.type == "cuda"), device)
+
+    def assemble(self, indices: list[int], epoch: int = 0, batch_index: int = 0, pin: bool = False) -> HostBatch:
+        """The CPU half of a batch: cache reads, pixel augmentations, stacking. Thread-safe, and a
+        pure function of its arguments."""
         entries = [self.entries[i] for i in indices]
         rngs = [caption_rng(self.seed, epoch, batch_index, position) for position in range(len(entries))]
         # each sample's stream draws its flip first, then (fresh latents) its crop and colour, then its caption
         flipped = [e.flip and rng.random() < 0.5 for e, rng in zip(entries, rngs)]
+        latents = pixels = None
         if self.fresh is None:
             latent_keys = [e.latent_key + FLIPPED if flip else e.latent_key for e, flip in zip(entries, flipped)]
-            latents = torch.stack([self.latents[k] for k in latent_keys]).to(device, non_blocking=True)
-            sample_masks = [self.masks.get(k) for k in latent_keys]
+            latents = _pinned(torch.stack([self.latents[k] for k in latent_keys]), pin)
+            sample_masks = [self.masks[k] if k in self.masks else None for k in latent_keys]
             positions = [(0.5, 0.5)] * len(entries)
         else:
-            latents, sample_masks, positions = self.fresh.encode(entries, flipped, rngs, device)
-        image_info = torch.tensor([_image_info(e, p) for e, p in zip(entries, positions)], dtype=torch.float32,
-                                  device=device)
+            pixels, sample_masks, positions = self.fresh.load(entries, flipped, rngs)
+            pixels = _pinned(pixels, pin)
+        image_info = torch.tensor([_image_info(e, p) for e, p in zip(entries, positions)], dtype=torch.float32)
         text = None
         if entries[0].text_key is not None:
-            keys = self.texts[entries[0].text_key].keys()
-            text = {k: torch.stack([self.texts[e.text_key][k] for e in entries]).to(device, non_blocking=True) for k in keys}
-        weights = [e.loss_weight for e in entries]
-        loss_weights = None if all(w == 1.0 for w in weights) else torch.tensor(weights, device=device)
+            rows = [self.texts[e.text_key] for e in entries]
+            text = {k: _pinned(torch.stack([row[k] for row in rows]), pin) for k in rows[0]}
         captions = [varied_caption(e.item.caption, e.captions, rng) if e.captions is not None else e.item.caption
                     for e, rng in zip(entries, rngs)]
+        return HostBatch(latents, pixels, sample_masks, image_info, text, captions,
+                         [e.loss_weight for e in entries], [e.unmasked_weight for e in entries])
+
+    def finish(self, host: HostBatch, device: torch.device) -> Batch:
+        """The device half of a batch: copies (asynchronous from pinned memory) and, for fresh
+        latents, the VAE. Runs on the thread that trains."""
+        if host.latents is not None:
+            latents, sample_masks = host.latents.to(device, non_blocking=True), host.masks
+        else:
+            latents, sample_masks = self.fresh.encode(host.pixels, host.masks, device)
+        text = None if host.text is None else {k: t.to(device, non_blocking=True) for k, t in host.text.items()}
+        weights = host.loss_weights
+        loss_weights = None if all(w == 1.0 for w in weights) else torch.tensor(weights, device=device)
         masks = None
         if any(m is not None for m in sample_masks):
             grid = latents.shape[-2:]
             raw = torch.stack([m if m is not None else torch.ones(1, *grid) for m in sample_masks]).to(device)
-            floor = torch.tensor([e.unmasked_weight if m is not None else 1.0 for e, m in zip(entries, sample_masks)])
+            floor = torch.tensor([w if m is not None else 1.0 for w, m in zip(host.unmasked_weights, sample_masks)])
             masks = mask_loss_weights(raw, floor.to(device))
-        return Batch(latents, text, captions, loss_weights, masks, image_info)
+        return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device))
 
 
 def _file_hash(path: Path) -> str:
@@ -219,103 +273,35 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         if usable == 0:
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
 
-    fresh = None
+    fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
+    latents: Mapping = {}
+    masks: Mapping = {}
     if config.data.cache_latents:
-        latents, masks = _fill_latents(entries, family, device, latent_cache, warn)
-        entries = [e for e in entries if e.latent_key in latents]
+        ready = fill_latents(entries, family, device, latent_cache, warn)
+        entries = [e for e in entries if e.latent_key in ready]
+        latents = CachedTensors(reader, latent_cache, _latent_index(entries, "latents"))
+        masks = CachedTensors(reader, latent_cache, _latent_index([e for e in entries if e.mask], "mask"))
     else:
-        latents, masks = {}, {}
         fresh = FreshLatents(family, config.data.crop_jitter, config.data.color_jitter)
     for index, concept in concepts:
         if not any(e.item.concept == index for e in entries):
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
-    texts = _fill_texts(entries, family, device, text_cache) if cache_text else {}
-    dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh)
+    texts: Mapping = {}
+    if cache_text:
+        fill_texts(entries, family, text_cache)
+        texts = CachedTensors(reader, text_cache, {e.text_key: (e.text_key, None) for e in entries})
+    dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}
     return dataset
 
 
-def caching_progress(total: int, what: str, unit: str) -> tqdm:
-    """A tqdm bar on stderr while the encoders run (minutes for a big data set on a slow machine);
-    tqdm turns it off where stderr is no terminal (the GUI and log files get the summary line)."""
-    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
-                disable=None if total else True)
-
-
-@torch.no_grad()
-def _fill_latents(entries, family, device, cache, warn) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Latents per latent key and, for masked entries, their masks on the latent grid."""
-    latents: dict[str, torch.Tensor] = {}
-    masks: dict[str, torch.Tensor] = {}
-    todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
-    pending: set[str] = set()
+def _latent_index(entries: list[Entry], name: str) -> dict[str, tuple[str, str]]:
+    """Served key -> (cache key, tensor name): `name` under the latent key, its mirrored
+    version under the latent key + FLIPPED."""
+    index = {}
     for entry in entries:
-        if entry.latent_key in latents or entry.latent_key in pending:
-            continue
-        cached = cache.get(entry.latent_key)
-        needed = ["latents"] + (["mask"] if entry.mask else []) + (["latents_flipped"] if entry.flip else [])
-        if cached is not None and all(name in cached for name in needed):
-            for name, value in cached.items():
-                target = masks if name.startswith("mask") else latents
-                target[entry.latent_key + (FLIPPED if name.endswith("_flipped") else "")] = value
-        else:
-            todo[entry.bucket].append(entry)
-            pending.add(entry.latent_key)
-    bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
-    for (width, height), group in todo.items():
-        pixels, ready = [], []
-        for entry in group:
-            try:
-                pixels.append(load_cropped(entry.item.image, width, height))
-                ready.append(entry)
-            except Exception as error:
-                warn(f"skipping unreadable image {entry.item.image}: {error}")
-                bar.update(1)
-        for start in range(0, len(pixels), ENCODE_BATCH):
-            chunk, chunk_entries = pixels[start:start + ENCODE_BATCH], ready[start:start + ENCODE_BATCH]
-            encoded = family.encode_images(torch.stack(chunk).to(device)).float().cpu()
-            flipped_pixels = [p.flip(-1) for p, e in zip(chunk, chunk_entries) if e.flip]
-            flipped = (iter(family.encode_images(torch.stack(flipped_pixels).to(device)).float().cpu())
-                       if flipped_pixels else iter(()))
-            for entry, latent in zip(chunk_entries, encoded):
-                key = entry.latent_key
-                stored = {"latents": latent.clone()}
-                if entry.flip:  # the mirrored image encoded, not the latent mirrored: the VAE is not symmetric
-                    stored["latents_flipped"] = next(flipped).clone()
-                if entry.mask is not None:
-                    stored["mask"] = latent_mask(load_mask(entry.mask, width, height), *latent.shape[-2:])
-                    if entry.flip:
-                        stored["mask_flipped"] = stored["mask"].flip(-1)
-                for name, value in stored.items():
-                    target = masks if name.startswith("mask") else latents
-                    target[key + (FLIPPED if name.endswith("_flipped") else "")] = value
-                cache.put(key, stored)
-            bar.update(len(chunk_entries))
-    bar.close()
-    return latents, masks
-
-
-@torch.no_grad()
-def _fill_texts(entries, family, device, cache) -> dict[str, dict[str, torch.Tensor]]:
-    texts: dict[str, dict[str, torch.Tensor]] = {}
-    todo: dict[str, str] = {}
-    for entry in entries:
-        if entry.text_key in texts or entry.text_key in todo:
-            continue
-        cached = cache.get(entry.text_key)
-        if cached:  # an empty entry is as good as none
-            texts[entry.text_key] = cached
-        else:
-            todo[entry.text_key] = entry.item.caption
-    keys = list(todo)
-    bar = caching_progress(len(keys), "encoding captions", "caption")
-    for start in range(0, len(keys), ENCODE_BATCH):
-        chunk = keys[start:start + ENCODE_BATCH]
-        encoded = family.encode_text(family.tokenize([todo[k] for k in chunk]))
-        for row, key in enumerate(chunk):
-            texts[key] = {name: t[row].float().cpu().clone() for name, t in encoded.items()}
-            cache.put(key, texts[key])
-        bar.update(len(chunk))
-    bar.close()
-    return texts
+        index[entry.latent_key] = (entry.latent_key, name)
+        if entry.flip:
+            index[entry.latent_key + FLIPPED] = (entry.latent_key, f"{name}_flipped")
+    return index

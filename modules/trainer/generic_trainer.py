@@ -20,7 +20,8 @@ import torch
 from modules.config.errors import ConfigError
 from modules.config.train_config import SamplePromptConfig, TrainConfig
 from modules.data.concepts import check_concepts
-from modules.data.dataset import Batch, TrainDataset, prepare_dataset
+from modules.data.dataset import Batch, TrainDataset, caches_text, prepare_dataset
+from modules.data.prefetch import BatchPrefetcher
 from modules.methods.base import TrainingMethod, build_methods, joined_state
 from modules.model.registry import get_family_class
 from modules.offload.checkpointing import checkpoint_blocks_
@@ -86,6 +87,7 @@ class GenericTrainer:
         self.ema: EMA | None = None
         self.conductors: dict[str, LayerOffloadConductor] = {}
         self.dataset: TrainDataset | None = None
+        self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
 
     # --- start -------------------------------------------------------------------------------
 
@@ -275,12 +277,12 @@ class GenericTrainer:
         return groups
 
     def setup_data(self) -> None:
-        # text conditioning can be cached only while no text encoder trains and every caption is
-        # fixed (varying caption options encode each drawn caption as it is trained)
-        cache_text = (all(method.text_cache_allowed() for method in self.methods)
-                      and not any(c.captions.varies for c in self.config.concepts if c.enabled))
+        # each method says whether cached text stays valid while it trains (trained text encoders,
+        # embeddings), the data whether captions are fixed
+        cache_text = caches_text(self.config, self.family) and all(m.text_cache_allowed() for m in self.methods)
         self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                        self.callbacks.on_warning, cache_text)
+        self.batches = BatchPrefetcher(self.dataset, self.config.data.prefetch_batches)
         self.validation_set = None
         if any(c.enabled and c.validation for c in self.config.concepts):
             self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
@@ -364,7 +366,7 @@ class GenericTrainer:
             self.backup()
 
     def _forward(self, indices: list[int], compute_dtype: torch.dtype, batch_index: int = 0) -> torch.Tensor:
-        batch = self.dataset.collate(indices, self.device, self.epoch, batch_index)
+        batch = self.batches.collate(indices, self.device, self.epoch, batch_index)
         with autocast(self.device, compute_dtype):
             out = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
         return training_loss(out, self.config.loss, batch.loss_weights, batch.masks)
@@ -495,4 +497,6 @@ class GenericTrainer:
 
     def release(self) -> None:
         """Free the workspace for the next run (also after an error: run_training calls it)."""
+        if self.batches is not None:
+            self.batches.close()
         self.lock.release()

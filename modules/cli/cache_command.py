@@ -1,0 +1,63 @@
+"""`launch.py cache --config F`: fill the latent and text caches a training run of F would read,
+without training (on a machine that is free now, or before a run whose caching would hold up the
+train device). A following `launch.py train` with the same config encodes nothing.
+
+It loads the model as training would (the same weight modes, so the cache keys are the ones the
+run computes), moves only the encoders to the train device, and builds the caches of the training
+and the validation concepts. Interrupted, it keeps every entry written; run again, it goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from modules.config.train_config import TrainConfig
+from modules.trainer.callbacks import TrainCallbacks
+
+
+@dataclass
+class CacheReport:
+    images: int  # training entries (an image at each resolution)
+    latents_encoded: int
+    texts_encoded: int
+    reused: int
+    seconds: float
+    cache_dir: Path
+
+    def summary(self) -> str:
+        rate = f", {self.latents_encoded / self.seconds:.1f} images/s" if self.latents_encoded and self.seconds else ""
+        return (f"{self.cache_dir}: {self.images} images; {self.latents_encoded} latents and {self.texts_encoded} "
+                f"captions encoded in {self.seconds:.1f}s{rate}, {self.reused} entries reused")
+
+
+def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> CacheReport:
+    from modules.data.concepts import check_concepts
+    from modules.data.dataset import caches_text, prepare_dataset
+    from modules.model.registry import get_family_class
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    callbacks = callbacks or TrainCallbacks()
+    check_concepts(config.concepts)  # before the slow model load
+    trainer = GenericTrainer(config, callbacks)  # for its cache folder, device and weight-mode resolution
+    family = get_family_class(config.model.family)(config)
+    trainer.family = family
+    family.weight_modes = trainer.resolve_weight_modes()
+    callbacks.on_status("loading model")
+    family.load()
+    cache_text = caches_text(config, family)
+    for part in (*family.image_parts, *(family.text_parts if cache_text else ())):
+        family.parts[part].to(trainer.device)
+    started = time.monotonic()
+    callbacks.on_status("caching latents and text")
+    counts = []
+    sets = [False] + ([True] if any(c.enabled and c.validation for c in config.concepts) else [])
+    for validation in sets:
+        dataset = prepare_dataset(config, family, trainer.device, trainer.cache_dir, callbacks.on_warning,
+                                  cache_text, validation=validation)
+        counts.append((len(dataset.entries), dataset.cache_stats))
+    (images, _), stats = counts[0], [s for _, s in counts]
+    return CacheReport(images, sum(s["latents"][1] for s in stats), sum(s["text"][1] for s in stats),
+                       sum(s["latents"][0] + s["text"][0] for s in stats), time.monotonic() - started,
+                       trainer.cache_dir)

@@ -1,0 +1,174 @@
+"""Filling the latent and text caches: what is missing is encoded on the train device in batches
+(images that share a bucket size go through the VAE together) and written entry by entry, so an
+interrupted build resumes where it stopped (the content-addressed keys find what was written).
+
+Images are decoded and resized on a thread pool ahead of the encoder, and entries are written by a
+writer thread behind it, so the device is not kept waiting on PIL or the disk. Nothing encoded is
+kept in memory after it is written: training reads it back lazily (cache_reader.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import defaultdict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from modules.data.cache import TensorCache
+from modules.data.images import load_cropped
+from modules.data.masks import latent_mask, load_mask
+
+if TYPE_CHECKING:
+    from modules.data.dataset import Entry
+    from modules.model.base import ModelFamily
+
+ENCODE_BATCH = 4  # images per VAE call (and captions per text encoder call)
+LOAD_AHEAD = 3  # batches of pixels decoded ahead of the encoder
+LOAD_THREADS = 2
+
+
+def caching_progress(total: int, what: str, unit: str) -> tqdm:
+    """A tqdm bar on stderr while the encoders run (minutes for a big data set on a slow machine),
+    with the rate and the time left; tqdm turns it off where stderr is no terminal (the GUI and
+    log files get the summary line)."""
+    return tqdm(total=total, desc=what, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+                disable=None if total else True)
+
+
+def needed_latent_names(entry: Entry) -> set[str]:
+    return {"latents"} | ({"mask"} if entry.mask else set()) | ({"latents_flipped"} if entry.flip else set())
+
+
+class _Writer:
+    """Cache entries written on one background thread, in order; an error is raised on the caller's
+    next call (or at close), and close waits for every write already handed over."""
+
+    def __init__(self, cache: TensorCache):
+        self.cache = cache
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cache-writer")
+        self.pending: list[Future] = []
+
+    def put(self, key: str, tensors: dict[str, torch.Tensor]) -> None:
+        self._raise_done()
+        self.pending.append(self.pool.submit(self.cache.put, key, tensors))
+
+    def _raise_done(self) -> None:
+        done = [f for f in self.pending if f.done()]
+        self.pending = [f for f in self.pending if not f.done()]
+        for future in done:
+            future.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)  # also after an interrupt: what was encoded is kept for the next run
+        self._raise_done()
+
+
+def _load_chunk(group: list[Entry], width: int, height: int):
+    pixels, ready, failed = [], [], []
+    for entry in group:
+        try:
+            pixels.append(load_cropped(entry.item.image, width, height))
+            ready.append(entry)
+        except Exception as error:  # PIL raises many kinds for a broken file
+            failed.append((entry, error))
+    return pixels, ready, failed
+
+
+def _ahead(pool: ThreadPoolExecutor, jobs: Iterable[tuple], work: Callable, depth: int) -> Iterator:
+    """work(*job) for each job, in order, at most `depth` running ahead of the consumer."""
+    queued: list[Future] = []
+    for job in jobs:
+        queued.append(pool.submit(work, *job))
+        if len(queued) > depth:
+            yield queued.pop(0).result()
+    for future in queued:
+        yield future.result()
+
+
+@torch.no_grad()
+def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device, cache: TensorCache,
+                 warn: Callable[[str], None]) -> set[str]:
+    """Encode and write every entry's latents (its mirrored image's and its mask on the latent grid
+    too, where it uses them) that the cache lacks; the latent keys whose entries are complete."""
+    ready: set[str] = set()
+    todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.latent_key in seen:
+            continue
+        seen.add(entry.latent_key)
+        names = cache.names(entry.latent_key)
+        if names is not None and needed_latent_names(entry) <= names:
+            ready.add(entry.latent_key)
+        else:
+            todo[entry.bucket].append(entry)
+    chunks = [(group[start:start + ENCODE_BATCH], *bucket)
+              for bucket, group in todo.items() for start in range(0, len(group), ENCODE_BATCH)]
+    bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
+    writer = _Writer(cache)
+    loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="cache-loader")
+    try:
+        for (pixels, chunk, failed), (_, width, height) in zip(_ahead(loaders, chunks, _load_chunk, LOAD_AHEAD),
+                                                               chunks):
+            for entry, error in failed:
+                warn(f"skipping unreadable image {entry.item.image}: {error}")
+            if chunk:
+                _encode_chunk(chunk, pixels, width, height, family, device, writer)
+                ready.update(entry.latent_key for entry in chunk)
+            bar.update(len(chunk) + len(failed))
+    finally:
+        loaders.shutdown(wait=True, cancel_futures=True)
+        writer.close()
+        bar.close()
+    return ready
+
+
+def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, height: int,
+                  family: ModelFamily, device: torch.device, writer: _Writer) -> None:
+    # the mirrored images go through the same VAE call: the mirrored image is encoded, not the
+    # latent mirrored, because the VAE is not symmetric
+    mirrored = [p.flip(-1) for p, entry in zip(pixels, chunk) if entry.flip]
+    encoded = family.encode_images(torch.stack(pixels + mirrored).to(device)).float().cpu()
+    plain, flipped = iter(encoded[:len(pixels)]), iter(encoded[len(pixels):])
+    for entry in chunk:
+        latent = next(plain)
+        stored = {"latents": latent.clone()}
+        if entry.flip:
+            stored["latents_flipped"] = next(flipped).clone()
+        if entry.mask is not None:
+            stored["mask"] = latent_mask(load_mask(entry.mask, width, height), *latent.shape[-2:])
+            if entry.flip:
+                stored["mask_flipped"] = stored["mask"].flip(-1)
+        writer.put(entry.latent_key, stored)
+
+
+@torch.no_grad()
+def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache) -> set[str]:
+    """Encode and write the conditioning of every caption the cache lacks; the text keys present."""
+    ready: set[str] = set()
+    todo: dict[str, str] = {}
+    for entry in entries:
+        if entry.text_key in ready or entry.text_key in todo:
+            continue
+        if cache.names(entry.text_key):  # an empty entry is as good as none
+            ready.add(entry.text_key)
+        else:
+            todo[entry.text_key] = entry.item.caption
+    keys = list(todo)
+    bar = caching_progress(len(keys), "encoding captions", "caption")
+    writer = _Writer(cache)
+    try:
+        for start in range(0, len(keys), ENCODE_BATCH):
+            chunk = keys[start:start + ENCODE_BATCH]
+            encoded = family.encode_text(family.tokenize([todo[k] for k in chunk]))
+            for row, key in enumerate(chunk):
+                writer.put(key, {name: t[row].float().cpu().clone() for name, t in encoded.items()})
+                ready.add(key)
+            bar.update(len(chunk))
+    finally:
+        writer.close()
+        bar.close()
+    return ready
