@@ -480,6 +480,13 @@ class TrainConfig(StrictModel):
                                     "train device)", "model", "parts", name, "offload_fraction")
         return self
 
+    @model_validator(mode="after")
+    def _method_fits_config(self) -> "TrainConfig":
+        check = getattr(self.method, "check_config", None)  # a method's own rules about the rest of the config
+        if check is not None:
+            check(self)
+        return self
+
     @field_validator("optimizer", mode="before")
     @classmethod
     def _optimizer_type_default(cls, data: Any) -> Any:

@@ -251,6 +251,12 @@ class GenericTrainer:
     def named_trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(method.state_prefix + n, p) for method in self.methods for n, p in method.named_parameters()]
 
+    def _gradients_seen(self) -> dict[str, bool]:
+        seen = {}
+        for method in self.methods:
+            seen.update({method.state_prefix + n: nonzero for n, nonzero in (method.gradients_seen() or {}).items()})
+        return seen
+
     def setup_model(self) -> None:
         config = self.config
         for method in self.methods:
@@ -258,6 +264,8 @@ class GenericTrainer:
         for part in self.trained_parts:
             self.family.parts[part].train()
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
+        for method in self.methods:
+            method.optimizer_ready(self.optimizer)
         self.ema = (EMA(self.trained_parameters(), config.ema.decay,
                         self.device if config.ema.device == "train" else torch.device("cpu"))
                     if config.ema.enabled else None)
@@ -345,7 +353,7 @@ class GenericTrainer:
                 self.scheduler.step()
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
                 if first_step_snapshot is not None and not skipped:
-                    check_first_step(self.named_trained_parameters(), first_step_snapshot)
+                    check_first_step(self.named_trained_parameters(), first_step_snapshot, self._gradients_seen())
                     first_step_snapshot = None
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()

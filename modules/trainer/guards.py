@@ -22,19 +22,28 @@ class TrainingError(UserError, RuntimeError):
 
 
 def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in named_parameters}
+    # in RAM: for a full fine-tune this is a copy of the whole trained model
+    return {name: p.detach().to("cpu", copy=True) for name, p in named_parameters}
 
 
 def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
-                     before: dict[str, torch.Tensor]) -> None:
+                     before: dict[str, torch.Tensor], gradients_seen: dict[str, bool] | None = None) -> None:
+    """`gradients_seen`: name -> non-zero gradient, for parameters whose gradients were freed in the
+    backward pass (a fused backward); the others' `.grad` is read."""
     no_grad, not_updated, modules_moved = [], [], {}
+    seen = gradients_seen or {}
     for name, parameter in named_parameters:
         module = name.rsplit(".", 2)[0]
-        moved = not torch.equal(parameter.detach(), before[name])
+        moved = not torch.equal(parameter.detach().cpu(), before[name])
         modules_moved[module] = modules_moved.get(module, False) or moved
-        if parameter.grad is None:
+        if name in seen:
+            nonzero = seen[name]
+        elif parameter.grad is None:
             no_grad.append(name)
-        elif not moved and bool(parameter.grad.detach().abs().sum() > 0):
+            continue
+        else:
+            nonzero = bool(parameter.grad.detach().abs().sum() > 0)
+        if not moved and nonzero:
             not_updated.append(name)
     frozen_modules = sorted(m for m, moved in modules_moved.items() if not moved)
     problems = []
