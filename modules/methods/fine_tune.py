@@ -20,6 +20,7 @@ from modules.optim.fused_backward import FusedBackward
 from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochastically
 from modules.optim.single_parameter_step import SingleParameterStepper
 from modules.saving.model_files import uncopyable_parts, write_pipeline_folder, write_single_file
+from modules.saving.output_folder import folder_for, resolve_output_folder
 
 
 def single_file_output(config: TrainConfig) -> bool:
@@ -49,6 +50,10 @@ class FineTuneMethod(TrainingMethod):
             raise ConfigError([f"model.parts.{part}.weight_dtype: {part} is kept quantized and its original "
                                f"weights are not in {layout}, which method.save_format writes; keep it dense "
                                f"or choose the other save_format" for part in refused])
+        if not single_file:  # output.if_exists applies to the folder, before training
+            trainer, config = self.trainer, self.config
+            self.output_folder = resolve_output_folder(trainer.output_path, config.output.if_exists, trainer.workspace,
+                                                       config.backup.resume, trainer.callbacks.on_warning)
         self.named = []
         for part in self.trained_parts():
             unreachable = self.family.unreachable_prefixes(part)
@@ -109,12 +114,8 @@ class FineTuneMethod(TrainingMethod):
                     "difftrainer.trained_parts": ",".join(self.trained_parts())}
         if single_file_output(self.config):
             return [write_single_file(Path(path), self.family, dtype, metadata)]
-        return [write_pipeline_folder(self.folder_for(Path(path)), self.family, self.trained_parts(), dtype,
-                                      metadata)]
-
-    def folder_for(self, path: Path) -> Path:
-        """The diffusers folder written for `path`: the path without its .safetensors suffix."""
-        return path.with_suffix("") if path.suffix == ".safetensors" else path
+        folder = self.output_folder if Path(path) == self.trainer.output_path else folder_for(path)
+        return [write_pipeline_folder(folder, self.family, self.trained_parts(), dtype, metadata)]
 
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
