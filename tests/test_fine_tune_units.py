@@ -179,6 +179,18 @@ def test_sdxl_written_in_the_original_layout_loads_back_to_the_same_tensors(tmp_
         for key in expected:
             assert torch.equal(expected[key], loaded[key]), (part, key)
 
+    # SDXL reads CLIP-L's penultimate layer: its last layer and final norm never reach the loss, so a
+    # fine-tune leaves them out; CLIP-G's pooled projection reads all of it
+    from modules.methods.reachable_weights import reachable_text_weights
+
+    for part, unreachable in (("text_encoder", {"final_layer_norm.weight", "encoder.layers.1.mlp.fc2.bias"}),
+                              ("text_encoder_2", set())):
+        reachable = reachable_text_weights(ours, part)
+        left_out = {n.removeprefix("text_model.") for n, p in ours.parts[part].named_parameters()
+                    if id(p) not in reachable}
+        assert unreachable <= left_out and not any(".layers.0." in n or "embeddings" in n for n in left_out), part
+        assert bool(left_out) == bool(unreachable), (part, left_out)
+
 
 # --- sizes and EMA -----------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from torch import nn
 from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.methods.base import TrainingMethod, register_method
+from modules.methods.reachable_weights import reachable_text_weights
 from modules.optim.fused_backward import FusedBackward
 from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochastically
 from modules.optim.single_parameter_step import SingleParameterStepper
@@ -56,13 +57,19 @@ class FineTuneMethod(TrainingMethod):
                                                        config.backup.resume, trainer.callbacks.on_warning)
         self.named = []
         for part in self.trained_parts():
-            unreachable = self.family.unreachable_prefixes(part)
+            # a text encoder's weights after the hidden state the family reads never get a gradient
+            reachable = reachable_text_weights(self.family, part) if part in self.family.text_parts else None
+            left_out = []
             for name, parameter in self.family.parts[part].named_parameters():
-                # a layer after the one a family reads its conditioning from never gets a gradient
-                trains = not name.startswith(unreachable) if unreachable else True
+                trains = reachable is None or id(parameter) in reachable
                 parameter.requires_grad_(trains)
                 if trains:
                     self.named.append((f"{part}.{name}", parameter))
+                else:
+                    left_out.append(name)
+            if left_out:
+                self.trainer.callbacks.on_status(f"model.parts.{part}: {len(left_out)} weight(s) do not reach the "
+                                                 f"loss and stay frozen ({', '.join(left_out[:3])}, ...)")
         if self.config.method.fused_backward:
             self.fused = FusedBackward(self.named, self.config.schedule.max_grad_norm)
 
