@@ -55,7 +55,7 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
     if frozen_modules and not no_grad:
         problems.append(_listing("module(s) did not change at all", frozen_modules))
     if problems:
-        raise TrainingError("the adapter is not learning after the first optimizer step:\n" + "\n".join(problems))
+        raise TrainingError("the trained weights are not learning after the first optimizer step:\n" + "\n".join(problems))
 
 
 def _listing(what: str, names: list[str]) -> str:
