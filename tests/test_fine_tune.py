@@ -1,4 +1,5 @@
-"""Full fine-tune of the tiny SD1.5 UNet (bfloat16 weights, stochastic rounding, fused backward):
+"""Full fine-tune of the tiny SD1.5 UNet (bfloat16 weights, stochastic rounding, fused backward,
+gradient checkpointing):
 the loss falls; the single file loads in diffusers' from_single_file and the diffusers folder in
 from_pretrained, both with the trained weights; a resumed run ends where an uninterrupted one
 does; the first-step guard names a weight the optimizer does not hold."""
@@ -16,7 +17,8 @@ from modules.trainer.guards import TrainingError
 
 FINE_TUNE = {
     "method": {"type": "fine_tune"},  # fused_backward and stochastic_rounding are on by default
-    "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}},
+    # checkpointing: the fused step runs while blocks are recomputed in the backward pass
+    "model": {"parts": {"unet": {"weight_dtype": "bfloat16", "gradient_checkpointing": True}}},
     "optimizer": {"lr": 1e-3},
     "schedule": {"epochs": 2, "max_steps": 4},
 }
