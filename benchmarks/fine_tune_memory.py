@@ -9,7 +9,10 @@ follows live tensor memory. Reported per case, in MiB:
 - `loaded`: after start() (model, data cache) minus before it (imports only),
 - `peak`: the highest resident set in training steps 2..N minus the same imports-only baseline
   (step 1 is left out: the first-step guard holds a copy of the trained weights then, in every case),
-- `peak/unfused`: that peak over the unfused peak with the same optimizer.
+- `peak/unfused`: that peak over the unfused peak with the same optimizer,
+- `grads`: the size of all UNet gradients (what the fused backward should save).
+The UNet trains with gradient checkpointing at batch 1 (as a large fine-tune would), so
+activations do not hide the weights, gradients and optimizer state.
 
     python -m benchmarks.fine_tune_memory                       # adamw and adamw_8bit, fp32 weights
     python -m benchmarks.fine_tune_memory --optimizers adamw --steps 4 --weights bfloat16
@@ -43,11 +46,11 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
     from modules.trainer.generic_trainer import GenericTrainer
 
     config = build_config([{
-        "model": {"base": model, "parts": {"unet": {"weight_dtype": weights}}},
+        "model": {"base": model, "parts": {"unet": {"weight_dtype": weights, "gradient_checkpointing": True}}},
         "method": {"type": "fine_tune", "fused_backward": fused},
         "concepts": [{"path": images}], "data": {"resolution": 128},
         "optimizer": {"type": optimizer, "lr": 1e-5},
-        "schedule": {"epochs": 100, "max_steps": steps, "batch_size": 2},
+        "schedule": {"epochs": 100, "max_steps": steps, "batch_size": 1},
         "workspace_dir": work, "output": {"path": f"{work}/out.safetensors"},
         "tensorboard": False, "train_device": "cpu",
     }])
@@ -63,6 +66,9 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
                 window["peak"] = max(window["peak"], _rss())
             time.sleep(0.002)
 
+    from diffusers import AutoencoderKL, UNet2DConditionModel  # noqa: F401  (imported before the baseline)
+    from transformers import CLIPTextModel  # noqa: F401
+
     imports_only = _rss()
     trainer = GenericTrainer(config, Window())
     trainer.start()
@@ -74,7 +80,8 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
     sampler.join()
     trainer.release()
     mib = 1 << 20
-    return {"optimizer": optimizer, "fused": fused, "weights": weights,
+    grads = sum(p.numel() * p.element_size() for p in trainer.trained_parameters())
+    return {"optimizer": optimizer, "fused": fused, "weights": weights, "grads": round(grads / mib, 1),
             "loaded": round((loaded - imports_only) / mib, 1), "peak": round((window["peak"] - imports_only) / mib, 1)}
 
 
@@ -102,10 +109,12 @@ def main() -> None:
             output = subprocess.run([sys.executable, "-m", "benchmarks.fine_tune_memory", "--case", json.dumps(case)],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
-    print(f"{'optimizer':<12}{'fused':<7}{'weights':<10}{'loaded MiB':>12}{'peak MiB':>10}{'peak/unfused':>14}")
+    print(f"{'optimizer':<12}{'fused':<7}{'weights':<10}{'grads MiB':>10}{'loaded MiB':>12}{'peak MiB':>10}"
+          f"{'peak/unfused':>14}")
     for result in results:
         unfused = next(r for r in results if r["optimizer"] == result["optimizer"] and not r["fused"])
-        print(f"{result['optimizer']:<12}{str(result['fused']):<7}{result['weights']:<10}{result['loaded']:>12}"
+        print(f"{result['optimizer']:<12}{str(result['fused']):<7}{result['weights']:<10}{result['grads']:>10}"
+              f"{result['loaded']:>12}"
               f"{result['peak']:>10}{result['peak'] / unfused['peak']:>14.2f}")
 
 
