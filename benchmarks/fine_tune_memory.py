@@ -109,6 +109,7 @@ def main() -> None:
             output = subprocess.run([sys.executable, "-m", "benchmarks.fine_tune_memory", "--case", json.dumps(case)],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
+            print(json.dumps(results[-1]), flush=True)  # each case as it ends (a long run may be cut short)
     print(f"{'optimizer':<12}{'fused':<7}{'weights':<10}{'grads MiB':>10}{'loaded MiB':>12}{'peak MiB':>10}"
           f"{'peak/unfused':>14}")
     for result in results:
