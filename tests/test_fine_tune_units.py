@@ -42,12 +42,12 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_loses_the_value(
 
 def _model(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(1)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.SiLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)).to(dtype)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.SiLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 16)).to(dtype)  # 4608 weights: 8-bit state
 
 
 def _batches(count=3):
     generator = torch.Generator().manual_seed(2)
-    return [(torch.randn(5, 3, 6, 6, generator=generator), torch.randn(5, 4, generator=generator))
+    return [(torch.randn(5, 3, 6, 6, generator=generator), torch.randn(5, 16, generator=generator))
             for _ in range(count)]
 
 
@@ -66,7 +66,7 @@ def _loss(model, batch):
     return nn.functional.mse_loss(model(x.to(next(model.parameters()).dtype)).float(), y)
 
 
-@pytest.mark.parametrize("kind", ["adamw", "adafactor", "lion", "came"])
+@pytest.mark.parametrize("kind", ["adamw", "adamw_8bit", "adafactor", "lion", "came"])
 def test_fused_backward_ends_at_the_weights_of_the_ordinary_step(kind):
     plain, fused = _model(), _model()
     plain_optimizer, fused_optimizer = _optimizer(kind, plain), _optimizer(kind, fused)
