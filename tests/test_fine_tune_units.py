@@ -124,8 +124,14 @@ def _config(tmp_path, *overlays):
 def test_a_quantized_or_auto_trained_part_is_refused_naming_its_weight_dtype(tmp_path, mode):
     with pytest.raises(ConfigError, match=r"model\.parts\.unet\.weight_dtype: .*float32 or bfloat16"):
         _config(tmp_path, {"model": {"parts": {"unet": {"weight_dtype": mode}}}})
-    # a frozen part may stay quantized, and an adapter may train on a quantized base
-    _config(tmp_path, {"model": {"parts": {"text_encoder": {"weight_dtype": mode}}}})
+    # a frozen part may stay quantized (its original weights are copied from the base folder into a
+    # diffusers folder; a single file cannot take them from a folder), and an adapter may train on a
+    # quantized base
+    _config(tmp_path, {"model": {"parts": {"text_encoder": {"weight_dtype": mode}}},
+                       "method": {"save_format": "diffusers"}})
+    if mode not in ("auto", "float16"):
+        with pytest.raises(ConfigError, match=r"model\.parts\.text_encoder\.weight_dtype: .*method\.save_format"):
+            _config(tmp_path, {"model": {"parts": {"text_encoder": {"weight_dtype": mode}}}})
     train_config(tmp_path, tmp_path, tmp_path, {"model": {"parts": {"unet": {"weight_dtype": mode}}}})
 
 

@@ -362,8 +362,8 @@ class ScheduleConfig(StrictModel):
     batch_size: int = Field(1, ge=1, description="Images per forward pass (same bucket).")
     gradient_accumulation: int = Field(1, ge=1, description="Batches whose gradients add up before one "
                                        "optimizer step (effective batch = batch_size x this).")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this; "
-                                        "None: no clipping.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this "
+                                        "(a fused fine-tune: each parameter's own norm); None: no clipping.")
     sample_every: Cadence = Field(default_factory=Cadence, description="Sample the prompts this often "
                                   "(0: never).")
     backup_every: Cadence = Field(default_factory=Cadence, description="Write a backup (adapter, optimizer, "

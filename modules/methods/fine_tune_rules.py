@@ -59,10 +59,29 @@ def check_fine_tune_config(config) -> None:
     if stepped_alone and why:
         raise located_error(f"{why}, so it cannot step one weight at a time as {' and '.join(stepped_alone)} "
                             "do; choose another optimizer or turn those off", "optimizer", "type")
-    if method.save_format == "single_file":
-        from modules.saving.ldm_checkpoint import single_file_families
+    from modules.saving.ldm_checkpoint import single_file_families
 
-        if config.model.family not in single_file_families():
-            raise located_error(f"a single file in the original layout is written for "
-                                f"{', '.join(single_file_families())} only, not {config.model.family}; "
-                                "choose diffusers (or auto)", "method", "save_format")
+    if method.save_format == "single_file" and config.model.family not in single_file_families():
+        raise located_error(f"a single file in the original layout is written for "
+                            f"{', '.join(single_file_families())} only, not {config.model.family}; "
+                            "choose diffusers (or auto)", "method", "save_format")
+    _check_frozen_quantized_parts(config, single_file_families())
+
+
+def _check_frozen_quantized_parts(config, single_file_families: tuple[str, ...]) -> None:
+    """A frozen part kept quantized is saved by copying its original weights from the base, which
+    must hold them in the layout written (modules/saving/model_files.py); `auto` is checked once
+    resolved, before training."""
+    from modules.loading.single_file import is_single_file
+
+    save_format = config.method.save_format
+    single_file = save_format == "single_file" or (save_format == "auto" and config.model.family in single_file_families)
+    for name, part in config.model.parts.items():
+        if part.train or part.weight_dtype in TRAINABLE_WEIGHT_DTYPES + ("float16", "auto"):
+            continue
+        from_single_file = is_single_file(config.model.base) and not part.path
+        if from_single_file != single_file:
+            layout = "a single file" if single_file else "a diffusers folder"
+            raise located_error(f"{name} is kept quantized, so the saved model copies its original weights "
+                                f"from the base, which does not hold them as {layout} (method.save_format); "
+                                "keep it dense or choose the other save_format", "model", "parts", name, "weight_dtype")
