@@ -242,3 +242,19 @@ def test_small_updates_of_bfloat16_weights_add_up_instead_of_being_lost():
         weights.grad = torch.ones_like(weights)
         optimizer.step()
     assert weights.detach().double().mean().item() == pytest.approx(1 - 1e-2, abs=1e-3)
+
+
+def test_a_tiny_bfloat16_step_that_rounds_back_still_counts_as_a_step_for_the_guard():
+    from modules.trainer.guards import TrainingError, check_first_step, snapshot
+
+    weights = nn.Parameter(torch.ones(64, dtype=torch.bfloat16))  # a norm's weight
+    optimizer = torch.optim.SGD([weights], lr=1e-7)  # 1e-7 of 0.0078's spacing: almost surely no element moves
+    stepper = SingleParameterStepper(optimizer, stochastic_rounding=True)
+    before = snapshot([("norm.weight", weights)])
+    weights.grad = torch.ones_like(weights)
+    stepper.step(weights)
+    assert torch.equal(weights.detach(), before["norm.weight"])
+    with pytest.raises(TrainingError, match="did not change"):  # what the stored value alone says
+        check_first_step([("norm.weight", weights)], before)
+    moves = stepper.take_moves()
+    check_first_step([("norm.weight", weights)], before, moves={"norm.weight": moves[id(weights)]})

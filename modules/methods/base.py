@@ -83,6 +83,11 @@ class TrainingMethod(ABC):
         name -> whether the parameter's first gradient was non-zero; None: read `.grad` as usual."""
         return None
 
+    def first_step_moves(self) -> dict[str, bool] | None:
+        """For the first-step guard where the stored value cannot show a step (a tiny update of a
+        bfloat16 weight rounded back to its old value): name -> whether the optimizer changed it."""
+        return None
+
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
         """What a backup and a saved file of this method hold, before the model loads (an

@@ -74,7 +74,7 @@ class FineTuneMethod(TrainingMethod):
             self.fused = FusedBackward(self.named, self.config.schedule.max_grad_norm)
 
     def optimizer_ready(self, optimizer: torch.optim.Optimizer) -> None:
-        stepper = SingleParameterStepper(optimizer, self.config.method.stochastic_rounding)
+        stepper = self.stepper = SingleParameterStepper(optimizer, self.config.method.stochastic_rounding)
         keep_float32_state(stepper)
         if self.fused is not None:
             self.fused.attach(stepper)
@@ -86,6 +86,10 @@ class FineTuneMethod(TrainingMethod):
 
     def gradients_seen(self) -> dict[str, bool] | None:
         return self.fused.take_gradients_seen() if self.fused is not None else None
+
+    def first_step_moves(self) -> dict[str, bool] | None:
+        moves = self.stepper.take_moves()
+        return {name: moves[id(p)] for name, p in self.named if id(p) in moves}
 
     def parameter_groups(self, config: TrainConfig) -> list[dict]:
         groups = []

@@ -25,6 +25,13 @@ class SingleParameterStepper:
         self.stochastic_rounding = stochastic_rounding
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.active = False  # inside one of our own steps (its step hooks must not step again)
+        # id -> whether the float32 step changed a rounded weight, until taken (the first-step guard:
+        # a tiny update may round back to every old bfloat16 value and still be a real step)
+        self.moves: dict[int, bool] | None = {}
+
+    def take_moves(self) -> dict[int, bool]:
+        moves, self.moves = self.moves or {}, None
+        return moves
 
     def rounds(self, parameter: nn.Parameter) -> bool:
         return self.stochastic_rounding and parameter.dtype == torch.bfloat16
@@ -48,6 +55,8 @@ class SingleParameterStepper:
                 parameter.grad = gradient.float()
             self.active = True
             self.optimizer.step()
+            if rounding and self.moves is not None:
+                self.moves[id(parameter)] = not torch.equal(parameter.data, stored.float())
         finally:
             self.active = False
             for group, params in zip(groups, kept):

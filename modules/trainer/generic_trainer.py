@@ -251,11 +251,13 @@ class GenericTrainer:
     def named_trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(method.state_prefix + n, p) for method in self.methods for n, p in method.named_parameters()]
 
-    def _gradients_seen(self) -> dict[str, bool]:
-        seen = {}
+    def _first_step_record(self) -> tuple[dict[str, bool], dict[str, bool]]:
+        """What the methods recorded of the first step for its guard: gradients seen, weights moved."""
+        seen, moves = {}, {}
         for method in self.methods:
-            seen.update({method.state_prefix + n: nonzero for n, nonzero in (method.gradients_seen() or {}).items()})
-        return seen
+            seen.update({method.state_prefix + n: v for n, v in (method.gradients_seen() or {}).items()})
+            moves.update({method.state_prefix + n: v for n, v in (method.first_step_moves() or {}).items()})
+        return seen, moves
 
     def setup_model(self) -> None:
         config = self.config
@@ -353,7 +355,7 @@ class GenericTrainer:
                 self.scheduler.step()
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
                 if first_step_snapshot is not None and not skipped:
-                    check_first_step(self.named_trained_parameters(), first_step_snapshot, self._gradients_seen())
+                    check_first_step(self.named_trained_parameters(), first_step_snapshot, *self._first_step_record())
                     first_step_snapshot = None
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()

@@ -27,14 +27,17 @@ def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str
 
 
 def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
-                     before: dict[str, torch.Tensor], gradients_seen: dict[str, bool] | None = None) -> None:
+                     before: dict[str, torch.Tensor], gradients_seen: dict[str, bool] | None = None,
+                     moves: dict[str, bool] | None = None) -> None:
     """`gradients_seen`: name -> non-zero gradient, for parameters whose gradients were freed in the
-    backward pass (a fused backward); the others' `.grad` is read."""
+    backward pass (a fused backward); the others' `.grad` is read. `moves`: name -> changed by the
+    optimizer, where the stored value cannot show it (stochastically rounded bfloat16 weights);
+    the others are compared with `before`."""
     no_grad, not_updated, modules_moved = [], [], {}
-    seen = gradients_seen or {}
+    seen, moves = gradients_seen or {}, moves or {}
     for name, parameter in named_parameters:
         module = name.rsplit(".", 2)[0]
-        moved = not torch.equal(parameter.detach().cpu(), before[name])
+        moved = moves[name] if name in moves else not torch.equal(parameter.detach().cpu(), before[name])
         modules_moved[module] = modules_moved.get(module, False) or moved
         if name in seen:
             nonzero = seen[name]
