@@ -26,6 +26,17 @@ class FineTuneMethodConfig(StrictModel):
                                  "not the model (needs schedule.gradient_accumulation 1).")
     stochastic_rounding: bool = Field(True, description="bfloat16 weights: round each update stochastically, "
                                       "so updates smaller than bfloat16's spacing are not lost on average.")
+    save_format: Literal["auto", "single_file", "diffusers"] = Field(
+        "auto", description="What the run saves: single_file (one .safetensors in the original ldm layout "
+        "that ComfyUI, A1111 and diffusers' from_single_file load; sd15, sdxl), diffusers (a pipeline folder "
+        "named like output.path without .safetensors, for from_pretrained), or auto (single_file where the "
+        "family has it, else diffusers).")
+
+    def check_config(self, config) -> None:
+        """Refusals that depend on the rest of the config (quantized trained parts, fused-step limits)."""
+        from modules.methods.fine_tune_rules import check_fine_tune_config
+
+        check_fine_tune_config(config)
 
 
 class EmbeddingMethodConfig(StrictModel):

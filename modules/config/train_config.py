@@ -299,8 +299,8 @@ class ScheduleConfig(StrictModel):
     batch_size: int = Field(1, ge=1, description="Images per forward pass (same bucket).")
     gradient_accumulation: int = Field(1, ge=1, description="Batches whose gradients add up before one "
                                        "optimizer step (effective batch = batch_size x this).")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this; "
-                                        "None: no clipping.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this "
+                                        "(a fused fine-tune: each parameter's own norm); None: no clipping.")
     sample_every: Cadence = Field(default_factory=Cadence, description="Sample the prompts this often "
                                   "(0: never).")
     backup_every: Cadence = Field(default_factory=Cadence, description="Write a backup (adapter, optimizer, "
@@ -438,6 +438,13 @@ class TrainConfig(StrictModel):
         if problems:
             text, at = problems[0]
             raise located_error(text, *at)
+        return self
+
+    @model_validator(mode="after")
+    def _method_fits_config(self) -> "TrainConfig":
+        check = getattr(self.method, "check_config", None)  # a method's own rules about the rest of the config
+        if check is not None:
+            check(self)
         return self
 
     @field_validator("optimizer", mode="before")

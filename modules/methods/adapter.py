@@ -56,6 +56,12 @@ class AdapterMethod(TrainingMethod):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.adapters.named_parameters())
 
+    @classmethod
+    def planned_size(cls, config: TrainConfig, family):
+        from modules.trainer.backup_size import adapter_size
+
+        return adapter_size(config, family)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self.adapters.state_dict()
 

@@ -85,6 +85,25 @@ class TrainingMethod(ABC):
         the trainer then neither clips nor steps after it."""
         return False
 
+    def optimizer_ready(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once the trainer's optimizer holds this method's groups (a fused backward steps it)."""
+
+    def gradients_seen(self) -> dict[str, bool] | None:
+        """For the first-step guard where gradients are freed in the backward pass (a fused backward):
+        name -> whether the parameter's first gradient was non-zero; None: read `.grad` as usual."""
+        return None
+
+    def first_step_moves(self) -> dict[str, bool] | None:
+        """For the first-step guard where the stored value cannot show a step (a tiny update of a
+        bfloat16 weight rounded back to its old value): name -> whether the optimizer changed it."""
+        return None
+
+    @classmethod
+    def planned_size(cls, config: TrainConfig, family):
+        """What a backup and a saved file of this method hold, before the model loads (an
+        modules.trainer.backup_size.AdapterSize), for the preflight's disk estimate; None: not sized."""
+        return None
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for _, p in self.named_parameters()]
 

@@ -2,3 +2,4 @@
 
 import modules.methods.adapter  # noqa: F401
 import modules.methods.embedding  # noqa: F401
+import modules.methods.fine_tune  # noqa: F401

@@ -29,7 +29,9 @@ class EMA:
 
     @contextlib.contextmanager
     def swapped_in(self):
-        saved = [p.detach().clone() for p in self.parameters]
+        # the trained values wait where the average lives (RAM with ema.device cpu): a full
+        # fine-tune's weights are never copied a second time on the train device
+        saved = [p.detach().to(shadow.device, copy=True) for p, shadow in zip(self.parameters, self.shadow)]
         with torch.no_grad():
             for shadow, parameter in zip(self.shadow, self.parameters):
                 parameter.copy_(shadow.to(device=parameter.device, dtype=parameter.dtype))
@@ -38,7 +40,7 @@ class EMA:
         finally:
             with torch.no_grad():
                 for value, parameter in zip(saved, self.parameters):
-                    parameter.copy_(value)
+                    parameter.copy_(value.to(parameter.device))
 
     def state_dict(self) -> dict:
         return {"decay": self.decay, "updates": self.updates, "shadow": [s.cpu() for s in self.shadow]}

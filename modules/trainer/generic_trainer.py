@@ -253,6 +253,14 @@ class GenericTrainer:
     def named_trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(method.state_prefix + n, p) for method in self.methods for n, p in method.named_parameters()]
 
+    def _first_step_record(self) -> tuple[dict[str, bool], dict[str, bool]]:
+        """What the methods recorded of the first step for its guard: gradients seen, weights moved."""
+        seen, moves = {}, {}
+        for method in self.methods:
+            seen.update({method.state_prefix + n: v for n, v in (method.gradients_seen() or {}).items()})
+            moves.update({method.state_prefix + n: v for n, v in (method.first_step_moves() or {}).items()})
+        return seen, moves
+
     def setup_model(self) -> None:
         config = self.config
         for method in self.methods:
@@ -260,6 +268,8 @@ class GenericTrainer:
         for part in self.trained_parts:
             self.family.parts[part].train()
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
+        for method in self.methods:
+            method.optimizer_ready(self.optimizer)
         self.ema = (EMA(self.trained_parameters(), config.ema.decay,
                         self.device if config.ema.device == "train" else torch.device("cpu"))
                     if config.ema.enabled else None)
@@ -348,7 +358,7 @@ class GenericTrainer:
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
                 if first_step_snapshot is not None and not skipped:
                     check_first_step([(m.state_prefix + n, p) for m in self.methods for n, p in m.guarded_parameters()],
-                                     first_step_snapshot)
+                                     first_step_snapshot, *self._first_step_record())
                     first_step_snapshot = None
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()

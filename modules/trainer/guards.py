@@ -22,19 +22,31 @@ class TrainingError(UserError, RuntimeError):
 
 
 def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in named_parameters}
+    # in RAM: for a full fine-tune this is a copy of the whole trained model
+    return {name: p.detach().to("cpu", copy=True) for name, p in named_parameters}
 
 
 def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
-                     before: dict[str, torch.Tensor]) -> None:
+                     before: dict[str, torch.Tensor], gradients_seen: dict[str, bool] | None = None,
+                     moves: dict[str, bool] | None = None) -> None:
+    """`gradients_seen`: name -> non-zero gradient, for parameters whose gradients were freed in the
+    backward pass (a fused backward); the others' `.grad` is read. `moves`: name -> changed by the
+    optimizer, where the stored value cannot show it (stochastically rounded bfloat16 weights);
+    the others are compared with `before`."""
     no_grad, not_updated, modules_moved = [], [], {}
+    seen, moves = gradients_seen or {}, moves or {}
     for name, parameter in named_parameters:
         module = name.rsplit(".", 2)[0]
-        moved = not torch.equal(parameter.detach(), before[name])
+        moved = moves[name] if name in moves else not torch.equal(parameter.detach().cpu(), before[name])
         modules_moved[module] = modules_moved.get(module, False) or moved
-        if parameter.grad is None:
+        if name in seen:
+            nonzero = seen[name]
+        elif parameter.grad is None:
             no_grad.append(name)
-        elif not moved and bool(parameter.grad.detach().abs().sum() > 0):
+            continue
+        else:
+            nonzero = bool(parameter.grad.detach().abs().sum() > 0)
+        if not moved and nonzero:
             not_updated.append(name)
     frozen_modules = sorted(m for m, moved in modules_moved.items() if not moved)
     problems = []
@@ -46,7 +58,7 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
     if frozen_modules and not no_grad:
         problems.append(_listing("module(s) did not change at all", frozen_modules))
     if problems:
-        raise TrainingError("the adapter is not learning after the first optimizer step:\n" + "\n".join(problems))
+        raise TrainingError("the trained weights are not learning after the first optimizer step:\n" + "\n".join(problems))
 
 
 def _listing(what: str, names: list[str]) -> str:

@@ -257,11 +257,12 @@ def _ignore(_message: str) -> None:
 # --- disk space --------------------------------------------------------------------------------
 
 def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, refused: set[str]) -> list[str]:
-    from modules.trainer.backup_size import adapter_size, describe, planned_bytes, planned_steps
+    from modules.methods.base import method_class
+    from modules.trainer.backup_size import describe, planned_bytes, planned_steps
 
-    size = adapter_size(config, family)
+    size = method_class(config.method.type).planned_size(config, family)
     if size is None:
-        return []  # pickled weights: no header to size the adapter from
+        return []  # pickled weights: no header to size the trained weights from
     planned = planned_bytes(config, size, planned_steps(config, images_per_epoch))
     workspace_need = planned.backups + planned.saves
     workspace_detail = f"{planned.backup_count} backup(s) of ~{describe(planned.backups / planned.backup_count)}"

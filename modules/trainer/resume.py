@@ -66,6 +66,7 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
 
     for path in _MODEL_FIELDS:
         compare(path)
+    compare(("method", "type"))  # the backup's weights are another method's
     old_parts = _get(backup_config, ("model", "parts"), {}) or {}
     new_parts = current["model"]["parts"]
     for part in sorted(set(old_parts) | set(new_parts)):

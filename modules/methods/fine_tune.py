@@ -1,0 +1,135 @@
+"""The full fine-tune: the trained parts' own weights are the parameters (their storage dtype,
+float32 or bfloat16, is the training dtype). Optional, from `method`: a fused backward pass
+(modules/optim/fused_backward.py) and stochastic rounding of bfloat16 weights
+(modules/optim/rounded_step.py); the output is the whole model, a single file in the original
+layout or a diffusers folder (modules/saving/model_files.py). What is refused is in
+fine_tune_rules.py (checked with the config).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from modules.config.errors import ConfigError
+from modules.config.train_config import TrainConfig
+from modules.methods.base import TrainingMethod, register_method
+from modules.methods.reachable_weights import reachable_text_weights
+from modules.optim.fused_backward import FusedBackward
+from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochastically
+from modules.optim.single_parameter_step import SingleParameterStepper
+from modules.saving.model_files import uncopyable_parts, write_pipeline_folder, write_single_file
+from modules.saving.output_folder import folder_for, resolve_output_folder
+
+
+def single_file_output(config: TrainConfig) -> bool:
+    from modules.saving.ldm_checkpoint import single_file_families
+
+    save_format = config.method.save_format
+    return save_format == "single_file" or (save_format == "auto" and config.model.family in single_file_families())
+
+
+@register_method
+class FineTuneMethod(TrainingMethod):
+    name = "fine_tune"
+    state_prefix = "fine_tune."
+
+    fused: FusedBackward | None = None
+
+    def trained_parts(self) -> list[str]:
+        # the parts the diffusion loss reaches (the same ones an adapter could go on; not the VAE)
+        return [name for name, part in self.config.model.parts.items()
+                if part.train and self.family.spec(name).adapter_prefix]
+
+    def setup(self) -> None:
+        single_file = single_file_output(self.config)
+        refused = uncopyable_parts(self.family, single_file)
+        if refused:
+            layout = "a single file" if single_file else "a diffusers folder"
+            raise ConfigError([f"model.parts.{part}.weight_dtype: {part} is kept quantized and its original "
+                               f"weights are not in {layout}, which method.save_format writes; keep it dense "
+                               f"or choose the other save_format" for part in refused])
+        if not single_file:  # output.if_exists applies to the folder, before training
+            trainer, config = self.trainer, self.config
+            self.output_folder = resolve_output_folder(trainer.output_path, config.output.if_exists, trainer.workspace,
+                                                       config.backup.resume, trainer.callbacks.on_warning)
+        self.named = []
+        for part in self.trained_parts():
+            # a text encoder's weights after the hidden state the family reads never get a gradient
+            reachable = reachable_text_weights(self.family, part) if part in self.family.text_parts else None
+            left_out = []
+            for name, parameter in self.family.parts[part].named_parameters():
+                trains = reachable is None or id(parameter) in reachable
+                parameter.requires_grad_(trains)
+                if trains:
+                    self.named.append((f"{part}.{name}", parameter))
+                else:
+                    left_out.append(name)
+            if left_out:
+                self.trainer.callbacks.on_status(f"model.parts.{part}: {len(left_out)} weight(s) do not reach the "
+                                                 f"loss and stay frozen ({', '.join(left_out[:3])}, ...)")
+        if self.config.method.fused_backward:
+            self.fused = FusedBackward(self.named, self.config.schedule.max_grad_norm)
+
+    def optimizer_ready(self, optimizer: torch.optim.Optimizer) -> None:
+        stepper = self.stepper = SingleParameterStepper(optimizer, self.config.method.stochastic_rounding)
+        keep_float32_state(stepper)
+        if self.fused is not None:
+            self.fused.attach(stepper)
+        elif stepper.stochastic_rounding:
+            step_bfloat16_stochastically(stepper)
+
+    def steps_in_backward(self) -> bool:
+        return self.fused is not None
+
+    def gradients_seen(self) -> dict[str, bool] | None:
+        return self.fused.take_gradients_seen() if self.fused is not None else None
+
+    def first_step_moves(self) -> dict[str, bool] | None:
+        moves = self.stepper.take_moves()
+        return {name: moves[id(p)] for name, p in self.named if id(p) in moves}
+
+    def parameter_groups(self, config: TrainConfig) -> list[dict]:
+        groups = []
+        for part in self.trained_parts():
+            params = [p for name, p in self.named if name.startswith(part + ".")]
+            if params:
+                groups.append({"params": params, "lr": config.model.parts[part].learning_rate or config.optimizer.lr,
+                               "name": part})
+        return groups
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.named)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: parameter.detach() for name, parameter in self.named}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
+        own = dict(self.named)
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if missing or unexpected:
+            raise ConfigError([f"backup.resume: {source} does not fit the trained weights of this run "
+                               f"(missing: {', '.join(missing[:5]) or 'none'}; unexpected: "
+                               f"{', '.join(unexpected[:5]) or 'none'})"])
+        for name, parameter in own.items():
+            if state[name].shape != parameter.shape:
+                raise ConfigError([f"backup.resume: {source}: {name} has shape {tuple(state[name].shape)}, "
+                                   f"the model {tuple(parameter.shape)}"])
+            parameter.copy_(state[name])
+
+    def save(self, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> list[Path]:
+        metadata = {**metadata, "difftrainer.steps": str(self.trainer.step),
+                    "difftrainer.trained_parts": ",".join(self.trained_parts())}
+        if single_file_output(self.config):
+            return [write_single_file(Path(path), self.family, dtype, metadata)]
+        folder = self.output_folder if Path(path) == self.trainer.output_path else folder_for(path)
+        return [write_pipeline_folder(folder, self.family, self.trained_parts(), dtype, metadata)]
+
+    @classmethod
+    def planned_size(cls, config: TrainConfig, family):
+        from modules.trainer.fine_tune_size import fine_tune_size
+
+        return fine_tune_size(config, family, single_file_output(config))

@@ -1,0 +1,66 @@
+"""Stepping one parameter at a time with an ordinary optimizer (any of modules/optim/optimizers.py
+whose step is per parameter), for the fused backward and for stochastic rounding.
+
+Why this way: the optimizers come from several packages (torch, bitsandbytes, lion, came), and
+none takes "step this one tensor". All of them loop over `param_groups`, so the step is the
+optimizer's own `step()` with every group but the parameter's hidden and that group holding the
+parameter alone; its state stays keyed by the parameter as in a whole step. A bfloat16 weight is
+stepped through a float32 copy (its optimizer state is then float32 too) and rounded back
+stochastically: only one parameter's float32 copy exists at a time, never the model's, which is
+the point of training in bfloat16. Optimizers whose step reads all parameters together (Prodigy,
+schedule-free) are refused by modules/methods/fine_tune_rules.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from modules.optim.stochastic_rounding import copy_stochastically_
+
+
+class SingleParameterStepper:
+    def __init__(self, optimizer: torch.optim.Optimizer, stochastic_rounding: bool):
+        self.optimizer = optimizer
+        self.stochastic_rounding = stochastic_rounding
+        self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        self.active = False  # inside one of our own steps (its step hooks must not step again)
+        # id -> whether the float32 step changed a rounded weight, until taken (the first-step guard:
+        # a tiny update may round back to every old bfloat16 value and still be a real step)
+        self.moves: dict[int, bool] | None = {}
+
+    def take_moves(self) -> dict[int, bool]:
+        moves, self.moves = self.moves or {}, None
+        return moves
+
+    def rounds(self, parameter: nn.Parameter) -> bool:
+        return self.stochastic_rounding and parameter.dtype == torch.bfloat16
+
+    @torch.no_grad()
+    def step(self, parameter: nn.Parameter) -> None:
+        """Step `parameter` by its current gradient, as the whole optimizer step would (a parameter
+        the optimizer does not hold is left as it is, as a whole step would leave it)."""
+        if id(parameter) not in self.group_of:
+            return
+        groups = self.optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        stored, gradient = parameter.data, parameter.grad
+        rounding = self.rounds(parameter)
+        try:
+            for group in groups:
+                group["params"] = []
+            groups[self.group_of[id(parameter)]]["params"] = [parameter]
+            if rounding:
+                parameter.data = stored.float()
+                parameter.grad = gradient.float()
+            self.active = True
+            self.optimizer.step()
+            if rounding and self.moves is not None:
+                self.moves[id(parameter)] = not torch.equal(parameter.data, stored.float())
+        finally:
+            self.active = False
+            for group, params in zip(groups, kept):
+                group["params"] = params
+            if rounding:
+                copy_stochastically_(stored, parameter.data)
+                parameter.data, parameter.grad = stored, gradient
