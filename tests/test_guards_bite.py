@@ -16,7 +16,7 @@ import torch
 from conftest import train_config
 from torch import nn
 
-import modules.trainer.generic_trainer as generic_trainer
+import modules.methods.adapter as adapter_method
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
 from modules.model.registry import family_names, get_family_class
@@ -108,7 +108,7 @@ def test_adapters_are_built_after_the_parts_reach_the_train_device(fake_device, 
     """DESIGN.md lifecycle 4-5: the conductor has parked half the UNet and the rest is on the train
     device when the adapters are built; each adapter is on the train device, parked layer or not."""
     seen: dict[str, str] = {}
-    real_build = generic_trainer.build_adapter_set
+    real_build = adapter_method.build_adapter_set
 
     def recording_build(family, adapter, trained_parts, device, *args, **kwargs):
         for part in trained_parts:
@@ -116,7 +116,7 @@ def test_adapters_are_built_after_the_parts_reach_the_train_device(fake_device, 
                 seen[f"{part}.{name}"] = module.weight.device.type
         return real_build(family, adapter, trained_parts, device, *args, **kwargs)
 
-    monkeypatch.setattr(generic_trainer, "build_adapter_set", recording_build)
+    monkeypatch.setattr(adapter_method, "build_adapter_set", recording_build)
     config = train_config(tiny_model, one_image, tmp_path, {
         "model": {"parts": {"unet": {"gradient_checkpointing": True, "offload_fraction": 0.5}}},
         "adapter": {"type": "lora", "dora": True},  # DoRA reads its base weight when it is built

@@ -27,7 +27,7 @@ def single_file_families() -> tuple[str, ...]:
 
 
 def unet_to_ldm(unet: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    from modules.model.sdxl import sdxl_ldm_unet_module_name  # SD1.x names plus SDXL's label_emb
+    from modules.model.keys.sdxl import sdxl_ldm_unet_module_name  # SD1.x names plus SDXL's label_emb
 
     out = {}
     for key, tensor in state.items():
