@@ -1,0 +1,174 @@
+"""SD3.5 on a tiny offline model (CLIP-L, CLIP-G, T5, an MMDiT with a dual-attention block and a
+context-pre-only last block): training learns under the flow target, diffusers-format files load
+in `StableDiffusion3Pipeline.load_lora_weights` and compute what the trainer's hooked model
+computes, a text encoder trains, and sampling runs the pipeline on the live modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fixed_loss, train_config
+from family_cross import blocks_run_in_listed_order
+
+from modules.adapters.adapter_set import build_adapter_set
+from modules.adapters.formats.files import save_adapter_file
+from modules.config.train_config import AdapterConfig
+from modules.trainer.generic_trainer import GenericTrainer
+
+
+@pytest.fixture(scope="module")
+def tiny_sd3(tiny_family_model):
+    return tiny_family_model("sd3")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, tiny_sd3, shape_images):
+    from modules.model.sd3 import SD3Family
+
+    family = SD3Family(train_config(tiny_sd3, shape_images, tmp_path_factory.mktemp("sd3"),
+                                    {"model": {"family": "sd3"}}))
+    family.load()
+    return family
+
+
+def test_sd3_trains_the_transformer_and_a_text_encoder_and_the_loss_falls(tmp_path, tiny_sd3, one_image):
+    config = train_config(tiny_sd3, one_image, tmp_path, {
+        "model": {"family": "sd3", "parts": {"transformer": {"gradient_checkpointing": True},
+                                             "text_encoder_2": {"train": True}}},
+        "adapter": {"layer_preset": "all-linear"}, "schedule": {"epochs": 30, "batch_size": 1},
+        "optimizer": {"lr": 3e-3}, "output": {"format": "diffusers"},
+    })
+    trainer = GenericTrainer(config)
+    trainer.start()
+    text_adapters = [n for n, p in trainer.adapters.part_of.items() if p == "text_encoder_2"]
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()  # the first step's guard checks every adapter (the CLIP-G ones too) learned
+    after = fixed_loss(trainer, draws=8)
+    path = trainer.end()
+    assert text_adapters and after < before * 0.8, (before, after)
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        keys = list(file.keys())
+    assert any(k.startswith("transformer.transformer_blocks.0.attn2.to_q.") for k in keys)
+    assert any(k.startswith("text_encoder_2.text_model.encoder.layers.1.") for k in keys)
+
+
+def test_sd3_predict_targets_the_flow_at_sigma_times_1000(family, monkeypatch):
+    latents = torch.randn(2, 16, 8, 12, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.tokenize(["a", "b"]))
+    assert text["hidden_states"].shape[1] == 77 + family.max_sequence_length
+    seen = {}
+    forward = family.transformer.forward
+
+    def spy(*args, **kwargs):
+        seen["timestep"] = kwargs["timestep"]
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(family.transformer, "forward", spy)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        prediction, target, *_ = family.predict(latents, text, generator)
+    assert prediction.shape == latents.shape
+    replay = torch.Generator().manual_seed(3)
+    noise = torch.randn(latents.shape, generator=replay)
+    sigmas = family.sample_sigmas(2, 0, replay)
+    assert torch.allclose(target, noise - latents)
+    assert torch.allclose(seen["timestep"], sigmas * 1000)
+
+
+def test_the_text_conditioning_is_the_pipelines(family):
+    pipe = family.pipeline()
+    with torch.no_grad():
+        ours = family.encode_text(family.tokenize(["a red circle"]))
+        embeds, _, pooled, _ = pipe.encode_prompt("a red circle", None, None, do_classifier_free_guidance=False,
+                                                  max_sequence_length=family.max_sequence_length)
+    assert torch.equal(ours["hidden_states"], embeds) and torch.equal(ours["pooled"], pooled)
+
+
+def _perturbed(family, parts, **options):
+    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
+                                 torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in adapters.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return adapters
+
+
+def _outputs(family, transformer, clip_l, clip_g):
+    tokens = family.tokenize(["a red circle on a blue background"])
+    latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+    parts = ("transformer", "text_encoder", "text_encoder_2")
+    originals = {p: family.parts[p] for p in parts}
+    family.parts.update(zip(parts, (transformer, clip_l, clip_g)))
+    try:
+        with torch.no_grad():
+            text = family.encode_text(tokens)
+            sample = family.denoise(latents, torch.tensor([0.5]), text)
+    finally:
+        family.parts.update(originals)
+    return text["pooled"], text["hidden_states"], sample
+
+
+def test_load_lora_weights_matches_the_hooked_model(family, tiny_sd3, tmp_path):
+    from diffusers import StableDiffusion3Pipeline
+    from peft.tuners.lora import LoraLayer
+
+    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="all-linear")
+    try:
+        path = tmp_path / "sd3-diffusers.safetensors"
+        save_adapter_file(path, adapters, family, "diffusers", torch.float32, {})
+        ours = _outputs(family, family.transformer, family.parts["text_encoder"], family.parts["text_encoder_2"])
+        pipe = StableDiffusion3Pipeline.from_pretrained(str(tiny_sd3), local_files_only=True)
+        pipe.load_lora_weights(str(path))
+        loaded = sum(isinstance(m, LoraLayer) for c in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2)
+                     for m in c.modules())
+        assert loaded == len(adapters.modules), "diffusers left adapters of the file unused"
+        theirs = _outputs(family, pipe.transformer, pipe.text_encoder, pipe.text_encoder_2)
+        adapters.unhook()
+        plain = _outputs(family, family.transformer, family.parts["text_encoder"], family.parts["text_encoder_2"])
+        for mine, other, base in zip(ours, theirs, plain):
+            assert (mine - base).abs().max() > 1e-3
+            assert (mine - other).abs().max() < 1e-5
+    finally:
+        adapters.unhook()
+
+
+def test_kohya_names_are_sd_scripts_mmdit_layers_and_comfy_is_kohya(family):
+    from modules.adapters.formats.files import file_state
+
+    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_3"], layer_preset="all-linear")
+    try:
+        kohya, comfy = file_state(adapters, family, "kohya"), file_state(adapters, family, "comfy")
+    finally:
+        adapters.unhook()
+    stems = {k.split(".")[0] for k in kohya}
+    last = len(family.transformer.transformer_blocks) - 1
+    for stem in ("lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn2_qkv",
+                 "lora_unet_joint_blocks_0_context_block_attn_qkv", "lora_unet_joint_blocks_0_context_block_mlp_fc2",
+                 f"lora_unet_joint_blocks_{last}_context_block_adaLN_modulation_1",
+                 "lora_unet_final_layer_adaLN_modulation_1", "lora_unet_t_embedder_mlp_0",
+                 "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"):
+        assert stem in stems, stem
+    assert any(s.startswith("lora_te3_encoder_block_0_") for s in stems)
+    assert f"lora_unet_joint_blocks_{last}_context_block_attn_proj" not in stems  # pre-only: no such layer
+    assert comfy.keys() == kohya.keys()
+
+
+def test_checkpoint_blocks_are_the_joint_blocks_in_order(family):
+    assert family.checkpoint_blocks("transformer") == list(family.transformer.transformer_blocks)
+    assert len(family.checkpoint_blocks("text_encoder_3")) == 2
+    latents = torch.randn(1, 16, 8, 8)
+    text = family.encode_text(family.tokenize(["a"]))
+    blocks_run_in_listed_order(family, "transformer", lambda: family.denoise(latents, torch.tensor([0.5]), text))
+
+
+def test_sample_draws_an_image_from_the_live_modules(family):
+    from modules.config.train_config import SamplePromptConfig
+
+    prompt = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=4.0, width=64,
+                                height=64, seed=3)
+    image = family.sample(prompt, torch.device("cpu"))
+    assert image.size == (64, 64)
+    assert image.getextrema() != ((0, 0), (0, 0), (0, 0))
