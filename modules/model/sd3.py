@@ -64,9 +64,9 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         "all": ([_TEXT_PARTS], True),
     }
     denoiser_part = "transformer"
-    # SD3.5 Large (8.1 B transformer); Medium's is 2.5 B
+    # SD3.5 Large (8.1 B transformer; Medium's is 2.2 B)
     nominal_part_parameters = {"text_encoder": 123_650_304, "text_encoder_2": 694_659_840,
-                               "text_encoder_3": 4_762_310_656, "transformer": 8_056_227_904, "vae": 83_653_863}
+                               "text_encoder_3": 4_893_906_944, "transformer": 8_056_627_520, "vae": 83_819_683}
     text_parts = ("text_encoder", "text_encoder_2", "text_encoder_3")
     image_parts = ("vae",)
     embedding_slots = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "clip_g")}
