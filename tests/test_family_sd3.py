@@ -172,3 +172,66 @@ def test_sample_draws_an_image_from_the_live_modules(family):
     image = family.sample(prompt, torch.device("cpu"))
     assert image.size == (64, 64)
     assert image.getextrema() != ((0, 0), (0, 0), (0, 0))
+
+
+# --- single files ---------------------------------------------------------------------------
+
+
+def _mmdit_name(stem: str) -> str:
+    """sd-scripts' stem of an MMDiT layer (lora_unet_joint_blocks_0_x_block_attn_qkv) -> its
+    weight name in Stability's file (joint_blocks.0.x_block.attn.qkv)."""
+    import re
+
+    name = re.sub(r"^joint_blocks_(\d+)_(x_block|context_block)_", r"joint_blocks.\1.\2.", stem.removeprefix("lora_unet_"))
+    for flat, dotted in (("adaLN_modulation_1", "adaLN_modulation.1"), ("attn2_", "attn2."), ("attn_", "attn."),
+                         ("embedder_mlp_", "embedder.mlp."), ("mlp_", "mlp."), ("final_layer_", "final_layer.")):
+        name = name.replace(flat, dotted)
+    return name
+
+
+def _transformer_to_stability(transformer) -> dict[str, torch.Tensor]:
+    """The tiny transformer in Stability's MMDiT layout, written through the kohya key layout's
+    original layers (keys/sd3.py): diffusers' converter then reading it back is the check that
+    those names and their fused/swapped rows are MMDiT's."""
+    from modules.model.keys.sd3 import SD3_TRANSFORMER_LAYERS
+
+    state, out = transformer.state_dict(), {}
+    for layer in SD3_TRANSFORMER_LAYERS.layers(transformer):
+        for attr in ("weight", "bias"):
+            tensor = torch.cat([state.pop(f"{m}.{attr}") for m in layer.members])
+            out[f"{_mmdit_name(layer.stem)}.{attr}"] = torch.cat(tensor.chunk(2)[::-1]) if layer.swap_halves else tensor
+    out["pos_embed"] = state.pop("pos_embed.pos_embed")
+    for attr in ("weight", "bias"):
+        out[f"x_embedder.proj.{attr}"] = state.pop(f"pos_embed.proj.{attr}")
+    for key in list(state):  # the q/k RMS norms
+        block, rest = key.split(".attn", 1) if ".attn" in key else (None, None)
+        index = block.split(".")[1]
+        attention, norm = rest.split(".")[0], rest.split(".")[1]
+        side = "context_block" if norm.startswith("norm_added") else "x_block"
+        out[f"joint_blocks.{index}.{side}.attn{attention}.ln_{norm[-1]}.weight"] = state.pop(key)
+    assert not state, state.keys()
+    return out
+
+
+def test_a_stability_single_file_loads_the_same_tensors(tmp_path, tiny_sd3, shape_images, family):
+    from diffusers import AutoencoderKL
+    from safetensors.torch import load_file, save_file
+    from test_single_file import _vae_to_ldm
+
+    from modules.model.sd3 import SD3Family
+
+    def folder_state(part):
+        return load_file(str(next((tiny_sd3 / part).glob("*.safetensors"))))
+
+    tensors = {"model.diffusion_model." + k: v for k, v in _transformer_to_stability(family.transformer).items()}
+    tensors.update(_vae_to_ldm(AutoencoderKL.from_pretrained(str(tiny_sd3 / "vae")), folder_state("vae")))
+    for part, name in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g"), ("text_encoder_3", "t5xxl")):
+        tensors.update({f"text_encoders.{name}.transformer.{k}": v for k, v in folder_state(part).items()})
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "sd3.safetensors"))
+    from_file = SD3Family(train_config(tmp_path / "sd3.safetensors", shape_images, tmp_path, {"model": {"family": "sd3"}}))
+    from_file.model_configs_dir = tiny_sd3
+    from_file.load()
+    for part, module in family.parts.items():
+        ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
+        assert set(ours) == set(theirs), part
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), part

@@ -87,6 +87,31 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
                                                          local_files_only=True)
         self.load_flow_scheduler()
 
+    def single_file_part(self, part: str):
+        # Stability's files: the MMDiT under model.diffusion_model. (bare in some re-exports), the
+        # VAE under first_stage_model.; SD3 Medium's "incl_clips" files also carry the text
+        # encoders under text_encoders.clip_l/clip_g/t5xxl.transformer. (SD3.5 ships them apart:
+        # model.parts.<part>.path)
+        from diffusers.loaders import single_file_utils as convert
+
+        from modules.loading.single_file import SingleFilePart
+        from modules.model.components.clip import ldm_clip_single_file
+        from modules.model.components.vae import ldm_vae_single_file
+
+        return {
+            "transformer": SingleFilePart(
+                ("model.diffusion_model.", "joint_blocks.", "x_embedder.", "pos_embed", "t_embedder.", "y_embedder.",
+                 "context_embedder.", "final_layer."),
+                lambda sd, model: convert.convert_sd3_transformer_checkpoint_to_diffusers(sd)),
+            "vae": ldm_vae_single_file("first_stage_model."),
+            "text_encoder": ldm_clip_single_file("text_encoders.clip_l.transformer.",
+                                                 remove_prefix="text_encoders.clip_l.transformer."),
+            "text_encoder_2": ldm_clip_single_file("text_encoders.clip_g.transformer.",
+                                                   remove_prefix="text_encoders.clip_g.transformer."),
+            "text_encoder_3": SingleFilePart(("text_encoders.t5xxl.transformer.",),
+                                             lambda sd, model: convert.convert_sd3_t5_checkpoint_to_diffusers(sd)),
+        }.get(part)
+
     @property
     def transformer(self):
         return self.parts["transformer"]
