@@ -5,6 +5,8 @@ computes, a text encoder trains, and sampling runs the pipeline on the live modu
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import fixed_loss, train_config
@@ -235,3 +237,23 @@ def test_a_stability_single_file_loads_the_same_tensors(tmp_path, tiny_sd3, shap
         ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
         assert set(ours) == set(theirs), part
         assert all(torch.equal(ours[k], theirs[k]) for k in ours), part
+
+
+@pytest.mark.parametrize("keys, variant", [
+    (["joint_blocks.37.x_block.attn.ln_q.weight"], "transformer"),
+    (["joint_blocks.23.x_block.attn.ln_q.weight", "joint_blocks.12.x_block.attn2.qkv.weight"], "transformer_sd35_medium"),
+    (["joint_blocks.23.x_block.attn.qkv.weight"], "transformer_sd3_medium"),
+], ids=["sd3.5-large", "sd3.5-medium", "sd3-medium"])
+def test_a_single_file_builds_the_transformer_of_its_variant(tmp_path, tiny_sd3, shape_images, keys, variant):
+    from safetensors.torch import save_file
+
+    from modules.model.sd3 import SD3Family
+
+    path = tmp_path / "sd3.safetensors"
+    save_file({f"model.diffusion_model.{k}": torch.zeros(1) for k in keys}, str(path))
+    apart = {part: {"path": str(tiny_sd3 / part)} for part in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
+    family = SD3Family(train_config(path, shape_images, tmp_path, {"model": {"family": "sd3", "parts": apart}}))
+    folder = family.part_folder("transformer")
+    assert folder.name == variant
+    config = json.loads((folder / "config.json").read_text())
+    assert config["num_layers"] == int(keys[0].split(".")[1]) + 1

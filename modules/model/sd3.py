@@ -14,6 +14,9 @@ diffusers: `transformer.<module>`) are declared, with their sources, in modules/
 
 from __future__ import annotations
 
+import json
+import re
+
 import torch
 
 from modules.model.base import ModelFamily, PartSpec
@@ -86,6 +89,22 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         self.tokenizer_3 = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer_3")),
                                                          local_files_only=True)
         self.load_flow_scheduler()
+
+    def part_folder(self, part: str):
+        # a single file's MMDiT is built from the shipped config of the variant it holds: SD3.5
+        # Large (`transformer/`), SD3.5 Medium or SD3 Medium, told apart by the file's block
+        # count, dual-attention (attn2) blocks and q/k norms (ln_q)
+        folder = super().part_folder(part)
+        if part != "transformer" or not self.from_single_file(part):
+            return folder
+        keys = self.single_file_stream().keys()
+        blocks = {int(m.group(1)) for k in keys if (m := re.search(r"joint_blocks\.(\d+)\.", k))}
+        holds = (max(blocks, default=-1) + 1, any(".attn2." in k for k in keys), any(".ln_q." in k for k in keys))
+        for candidate in sorted(folder.parent.glob("transformer*/config.json")):
+            config = json.loads(candidate.read_text(encoding="utf-8"))
+            if (config["num_layers"], bool(config.get("dual_attention_layers")), bool(config.get("qk_norm"))) == holds:
+                return candidate.parent
+        return folder
 
     def single_file_part(self, part: str):
         # Stability's files: the MMDiT under model.diffusion_model. (bare in some re-exports), the
