@@ -261,3 +261,26 @@ def test_a_single_file_builds_the_transformer_of_its_variant(tmp_path, tiny_sd3,
     assert folder.name == variant
     config = json.loads((folder / "config.json").read_text())
     assert config["num_layers"] == int(keys[0].split(".")[1]) + 1
+
+
+def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, shape_images):
+    """SD3's CLIP-L and CLIP-G take textual-inversion vectors (the A1111/ComfyUI SDXL file keys
+    clip_l / clip_g); T5 reads the placeholder as plain text."""
+    from safetensors.torch import load_file
+
+    placeholder = "<shape>"
+    config = train_config(tiny_sd3, shape_images, tmp_path, {
+        "model": {"family": "sd3"}, "schedule": {"max_steps": 2}, "optimizer": {"lr": 5e-2},
+        "embeddings": [{"placeholder": placeholder, "init_text": "a", "vectors": 1}],
+        "concepts": [{"path": str(shape_images), "captions": {"prefix": f"{placeholder} "}}]})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert [m.name for m in trainer.methods] == ["adapter", "embedding"]
+    trainer.train()
+    path = trainer.end()
+    saved = load_file(str(path.with_name(f"{path.stem}.shape.safetensors")))
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {"clip_l": (1, 32), "clip_g": (1, 32)}
+    family = trainer.family
+    for part, key, tokenizer in (("text_encoder", "clip_l", family.tokenizer), ("text_encoder_2", "clip_g", family.tokenizer_2)):
+        initial = family.parts[part].get_input_embeddings().weight[tokenizer("a", add_special_tokens=False).input_ids]
+        assert not torch.allclose(saved[key], initial.to(saved[key].dtype)), key
