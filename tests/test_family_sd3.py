@@ -188,7 +188,8 @@ def _mmdit_name(stem: str) -> str:
     weight name in Stability's file (joint_blocks.0.x_block.attn.qkv)."""
     import re
 
-    name = re.sub(r"^joint_blocks_(\d+)_(x_block|context_block)_", r"joint_blocks.\1.\2.", stem.removeprefix("lora_unet_"))
+    name = re.sub(r"^joint_blocks_(\d+)_(x_block|context_block)_", r"joint_blocks.\1.\2.",
+                  stem.removeprefix("lora_unet_"))
     for flat, dotted in (("adaLN_modulation_1", "adaLN_modulation.1"), ("attn2_", "attn2."), ("attn_", "attn."),
                          ("embedder_mlp_", "embedder.mlp."), ("mlp_", "mlp."), ("final_layer_", "final_layer.")):
         name = name.replace(flat, dotted)
@@ -234,7 +235,8 @@ def test_a_stability_single_file_loads_the_same_tensors(tmp_path, tiny_sd3, shap
     for part, name in (("text_encoder", "clip_l"), ("text_encoder_2", "clip_g"), ("text_encoder_3", "t5xxl")):
         tensors.update({f"text_encoders.{name}.transformer.{k}": v for k, v in folder_state(part).items()})
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "sd3.safetensors"))
-    from_file = SD3Family(train_config(tmp_path / "sd3.safetensors", shape_images, tmp_path, {"model": {"family": "sd3"}}))
+    from_file = SD3Family(train_config(tmp_path / "sd3.safetensors", shape_images, tmp_path,
+                                       {"model": {"family": "sd3"}}))
     from_file.model_configs_dir = tiny_sd3
     from_file.load()
     for part, module in family.parts.items():
@@ -245,7 +247,8 @@ def test_a_stability_single_file_loads_the_same_tensors(tmp_path, tiny_sd3, shap
 
 @pytest.mark.parametrize("keys, variant", [
     (["joint_blocks.37.x_block.attn.ln_q.weight"], "transformer"),
-    (["joint_blocks.23.x_block.attn.ln_q.weight", "joint_blocks.12.x_block.attn2.qkv.weight"], "transformer_sd35_medium"),
+    (["joint_blocks.23.x_block.attn.ln_q.weight", "joint_blocks.12.x_block.attn2.qkv.weight"],
+     "transformer_sd35_medium"),
     (["joint_blocks.23.x_block.attn.qkv.weight"], "transformer_sd3_medium"),
 ], ids=["sd3.5-large", "sd3.5-medium", "sd3-medium"])
 def test_a_single_file_builds_the_transformer_of_its_variant(tmp_path, tiny_sd3, shape_images, keys, variant):
@@ -255,7 +258,8 @@ def test_a_single_file_builds_the_transformer_of_its_variant(tmp_path, tiny_sd3,
 
     path = tmp_path / "sd3.safetensors"
     save_file({f"model.diffusion_model.{k}": torch.zeros(1) for k in keys}, str(path))
-    apart = {part: {"path": str(tiny_sd3 / part)} for part in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
+    apart = {part: {"path": str(tiny_sd3 / part)}
+             for part in ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")}
     family = SD3Family(train_config(path, shape_images, tmp_path, {"model": {"family": "sd3", "parts": apart}}))
     folder = family.part_folder("transformer")
     assert folder.name == variant
@@ -281,6 +285,7 @@ def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, sha
     saved = load_file(str(path.with_name(f"{path.stem}.shape.safetensors")))
     assert {k: tuple(v.shape) for k, v in saved.items()} == {"clip_l": (1, 32), "clip_g": (1, 32)}
     family = trainer.family
-    for part, key, tokenizer in (("text_encoder", "clip_l", family.tokenizer), ("text_encoder_2", "clip_g", family.tokenizer_2)):
+    for part, key, tokenizer in (("text_encoder", "clip_l", family.tokenizer),
+                                 ("text_encoder_2", "clip_g", family.tokenizer_2)):
         initial = family.parts[part].get_input_embeddings().weight[tokenizer("a", add_special_tokens=False).input_ids]
         assert not torch.allclose(saved[key], initial.to(saved[key].dtype)), key

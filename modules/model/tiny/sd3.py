@@ -15,7 +15,12 @@ def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int 
     with projections, a T5 encoder as wide as both CLIPs side by side (the pipeline pads their
     hidden states to its width), an MMDiT with one dual-attention block (SD3.5 Medium's `attn2`),
     RMS q/k norms and a context-pre-only last block, and a 16-channel VAE with shift and scale."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from diffusers import (
+        AutoencoderKL,
+        FlowMatchEulerDiscreteScheduler,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+    )
     from transformers import AutoTokenizer, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     out = Path(out)
