@@ -19,6 +19,7 @@ import re
 
 import torch
 
+from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.components.clip import (
     clip_encoder_layers,
@@ -97,7 +98,10 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         folder = super().part_folder(part)
         if part != "transformer" or not self.from_single_file(part):
             return folder
-        keys = self.single_file_stream().keys()
+        try:
+            keys = self.single_file_stream().keys()
+        except ModelLoadError:  # an unreadable file: the load itself says so, naming it
+            return folder
         blocks = {int(m.group(1)) for k in keys if (m := re.search(r"joint_blocks\.(\d+)\.", k))}
         holds = (max(blocks, default=-1) + 1, any(".attn2." in k for k in keys), any(".ln_q." in k for k in keys))
         for candidate in sorted(folder.parent.glob("transformer*/config.json")):
