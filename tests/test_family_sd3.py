@@ -138,13 +138,22 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sd3, tmp_path):
 
 
 def test_kohya_names_are_sd_scripts_mmdit_layers_and_comfy_is_kohya(family):
-    from modules.adapters.formats.files import file_state
+    from modules.adapters.formats.files import file_state, format_warnings
 
     adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_3"], layer_preset="all-linear")
     try:
         kohya, comfy = file_state(adapters, family, "kohya"), file_state(adapters, family, "comfy")
+        warned = {fmt: [w for w in format_warnings(fmt, adapters, family) if "diffusers' load_lora_weights" in w]
+                  for fmt in ("kohya", "diffusers")}
+        t5 = sum(part == "text_encoder_3" for part in adapters.part_of.values())
     finally:
         adapters.unhook()
+    # diffusers' SD3 loader has no converter for these names: the run says so (and of T5 for diffusers files)
+    others = len(adapters.modules) - t5
+    counts = sorted(int(w.split(" will not load ")[1].split(" of")[0]) for w in warned["kohya"])
+    assert counts == sorted([others, t5])
+    assert any("reads only diffusers-format files" in w for w in warned["kohya"])
+    assert len(warned["diffusers"]) == 1 and f"will not load {t5} of these" in warned["diffusers"][0]
     stems = {k.split(".")[0] for k in kohya}
     last = len(family.transformer.transformer_blocks) - 1
     for stem in ("lora_unet_joint_blocks_0_x_block_attn_qkv", "lora_unet_joint_blocks_0_x_block_attn2_qkv",
