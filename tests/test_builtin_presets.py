@@ -113,6 +113,10 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         # (3072/12288, hard-coded), so a tiny model's file cannot be split there; the same layer
         # sets load exactly at real width in tests/test_flux_kohya_files.py.
         return
+    if config.model.family == "sd3" and config.output.format != "diffusers":
+        # StableDiffusion3Pipeline.load_lora_weights reads diffusers-format files only (no converter
+        # for sd-scripts' or OneTrainer's SD3 names); the SD3 presets save that format
+        return
     from diffusers import DiffusionPipeline
 
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True)

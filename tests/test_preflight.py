@@ -183,7 +183,7 @@ def test_run_preflight_raises_one_error_with_every_problem(tmp_path, tiny_model,
 
 # --- family detection -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl", "flux", "z_image"])
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "flux", "z_image", "sd3"])
 def test_each_family_folder_is_detected(family, tmp_path):
     configs = ROOT / "resources" / "model_configs" / family
     assert detect_family(configs) == family
@@ -208,6 +208,7 @@ def _single_file(path: Path, *keys: str) -> Path:
     ("flux", ["double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"]),
     ("flux", ["model.diffusion_model.double_blocks.0.img_attn.qkv.weight"]),
     ("z_image", ["noise_refiner.0.attention.qkv.weight", "layers.0.attention.qkv.weight"]),
+    ("sd3", ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "first_stage_model.encoder.conv_in.weight"]),
 ])
 def test_each_family_single_file_is_detected_from_its_keys(family, keys, tmp_path):
     assert detect_family(_single_file(tmp_path / "model.safetensors", *keys)) == family
@@ -217,10 +218,10 @@ def test_a_model_no_family_trains_is_named_not_guessed(tmp_path):
     video = detect_model(_single_file(tmp_path / "video.safetensors", "model.diffusion_model.patchify_proj.weight"))
     assert video.family is None and "ltx-video" in video.kind
     assert detect_model(_single_file(tmp_path / "vae.safetensors", "first_stage_model.encoder.conv_in.weight")) is None
-    index = tmp_path / "sd3" / "model_index.json"
+    index = tmp_path / "hunyuan" / "model_index.json"
     index.parent.mkdir()
-    index.write_text(json.dumps({"_class_name": "StableDiffusion3Pipeline"}))
-    assert detect_model(index.parent).family is None and detect_model(index.parent).kind == "StableDiffusion3Pipeline"
+    index.write_text(json.dumps({"_class_name": "HunyuanDiTPipeline"}))
+    assert detect_model(index.parent).family is None and detect_model(index.parent).kind == "HunyuanDiTPipeline"
     assert detect_model(tmp_path / "nothing-here") is None
 
 

@@ -226,6 +226,9 @@ _CLASSES = {
              "text_encoder": "transformers.CLIPTextModel", "text_encoder_2": "transformers.T5EncoderModel"},
     "z_image": {"transformer": "diffusers.ZImageTransformer2DModel", "vae": "diffusers.AutoencoderKL",
                 "text_encoder": "transformers.Qwen3Model"},
+    "sd3": {"transformer": "diffusers.SD3Transformer2DModel", "vae": "diffusers.AutoencoderKL",
+            "text_encoder": "transformers.CLIPTextModelWithProjection",
+            "text_encoder_2": "transformers.CLIPTextModelWithProjection", "text_encoder_3": "transformers.T5EncoderModel"},
 }
 
 
