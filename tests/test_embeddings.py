@@ -259,3 +259,17 @@ def test_an_embedding_its_first_step_did_not_look_up_passes_the_first_step_guard
     assert trainer.step == 1
     assert trainer.methods[0].guarded_parameters() == []  # nothing looked up, nothing held to the guard
     trainer.release()
+
+
+def test_an_embedding_beside_a_fused_fine_tune_is_stepped_too(tmp_path, tiny_model, one_image):
+    """The fine-tune steps its weights inside the backward pass; the trainer still steps the rest."""
+    config = train_config(tiny_model, one_image, tmp_path, {"method": {"type": "fine_tune", "fused_backward": True},
+                                                            "schedule": {"max_steps": 1}}, embedding_overlay(one_image))
+    trainer = GenericTrainer(config)
+    trainer.start()
+    embedding = next(m for m in trainer.methods if m.name == "embedding")
+    before = {name: p.detach().clone() for name, p in embedding.named_parameters()}
+    trainer.train()  # the first-step guard also holds both methods' weights to having moved
+    assert trainer.step == 1
+    assert all(not torch.equal(p, before[name]) for name, p in embedding.named_parameters())
+    trainer.release()

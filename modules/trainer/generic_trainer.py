@@ -321,8 +321,9 @@ class GenericTrainer:
             return
         config, schedule = self.config, self.config.schedule
         accumulation = schedule.gradient_accumulation
-        params = self.trained_parameters()
-        steps_in_backward = any(method.steps_in_backward() for method in self.methods)
+        # what the trainer steps after the backward pass: all but the weights a method steps inside it
+        # (a fused backward), e.g. embeddings trained beside a fused fine-tune
+        params = [p for method in self.methods if not method.steps_in_backward() for p in method.parameters()]
         compute_dtype = dtype_of(config.train_dtype)
         scaler = self.scaler
         first_step_snapshot = snapshot(self.named_trained_parameters())
@@ -348,7 +349,7 @@ class GenericTrainer:
                 self.last_loss = float(loss_sum) / group
                 check_finite(self.last_loss, self.step + 1)
                 scale = scaler.get_scale()
-                if not steps_in_backward:  # else each parameter was stepped in its gradient hook
+                if params:  # (a fused backward's weights have no .grad left: the step skips them)
                     scaler.unscale_(self.optimizer)
                     if schedule.max_grad_norm:
                         torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
