@@ -16,6 +16,7 @@ _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
     "sdxl": ("modules.model.sdxl", "SDXLFamily"),
     "flux": ("modules.model.flux", "FluxFamily"),
     "z_image": ("modules.model.z_image", "ZImageFamily"),
+    "chroma": ("modules.model.chroma", "ChromaFamily"),
 }
 
 
