@@ -15,7 +15,9 @@ changes nothing (tests/test_family_chroma.py).
 Adapter key names (modules/model/keys/chroma.py): kohya files on the original layers as for
 FLUX.1 (`lora_unet_double_blocks_0_img_attn_qkv`, ...), the T5 encoder as `lora_te1_` (ComfyUI's
 number for a T5 with no CLIP beside it); diffusers files as `transformer.<module>` /
-`text_encoder.<module>`, which ChromaPipeline (FluxLoraLoaderMixin) loads for every layer.
+`text_encoder.<module>`; ChromaPipeline (FluxLoraLoaderMixin) loads the transformer's for every
+layer and refuses T5 adapters (its text-encoder loader knows CLIP's names only), which the run
+says before training.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
-from modules.model.flux import image_ids, pack_latents, unpack_latents
+from modules.model.flux import flux_transformer_to_diffusers, image_ids, pack_latents, unpack_latents
 from modules.model.keys.chroma import CHROMA_KEYS
 from modules.util.torch_utils import make_generator
 
@@ -42,6 +44,21 @@ def transformer_text_mask(tokenizer_mask: torch.Tensor) -> torch.Tensor:
     ChromaPipeline._get_t5_prompt_embeds (`mask_indices <= seq_lengths`)."""
     lengths = tokenizer_mask.sum(dim=1, keepdim=True)
     return torch.arange(tokenizer_mask.shape[1], device=tokenizer_mask.device)[None, :] <= lengths
+
+
+def chroma_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The original (lodestone's / ComfyUI's) Chroma transformer layout -> diffusers' names: what
+    diffusers' convert_chroma_transformer_checkpoint_to_diffusers does, with the widths read from the
+    tensors instead of fixed at the released 3072 (tests compare the two on the released shapes).
+    The blocks and embedders are FLUX's; the distilled guidance layer renames its MLPs and norms."""
+    state = {k.removeprefix("model.diffusion_model."): v for k, v in checkpoint.items()}
+    approximator = "distilled_guidance_layer."
+    renamed = {}
+    for key in [k for k in state if k.startswith(approximator)]:
+        new = (key.replace(".in_layer.", ".linear_1.").replace(".out_layer.", ".linear_2.")
+               .removesuffix(".scale") + (".weight" if key.endswith(".scale") else ""))
+        renamed[new] = state.pop(key)
+    return {**flux_transformer_to_diffusers(state), **renamed}
 
 
 class ChromaFamily(FlowMatchingTraining, ModelFamily):
@@ -86,8 +103,6 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
     def single_file_part(self, part: str):
         # Chroma ships as one original-layout transformer file (bare or under model.diffusion_model.);
         # the T5 encoder and the FLUX.1 VAE come as folders
-        from diffusers.loaders import single_file_utils as convert
-
         from modules.loading.single_file import SingleFilePart
 
         if part != "transformer":
@@ -95,7 +110,7 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
         return SingleFilePart(
             ("model.diffusion_model.", "double_blocks.", "single_blocks.", "img_in.", "txt_in.",
              "distilled_guidance_layer.", "final_layer."),
-            lambda sd, model: convert.convert_chroma_transformer_checkpoint_to_diffusers(sd))
+            lambda sd, model: chroma_transformer_to_diffusers(sd))
 
     @property
     def transformer(self):
@@ -178,9 +193,11 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
     # --- adapters: what other tools do with the files (the key layout itself: keys/chroma.py) ----
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
-        if part == "text_encoder" and fmt != "diffusers":
-            return ("its kohya-FLUX converter reads `lora_te1_` keys as CLIP's (output.format 'diffusers' loads "
-                    "the T5 adapters)")
+        if part == "text_encoder":
+            # diffusers 0.42: its text-encoder LoRA loader converts CLIP's layer names only and raises
+            # ("Could not automatically infer state dict type") on T5's, kohya or diffusers names alike
+            return ("ChromaPipeline.load_lora_weights reads CLIP text-encoder adapters only and refuses a file "
+                    "with T5 ones (model.parts.text_encoder.train)")
         if stacked and module_name.startswith("distilled_guidance_layer."):
             return ("its kohya-FLUX converter knows no distilled guidance layer and refuses the file "
                     "(adapter.layer_preset 'attn' or 'attn-mlp' avoids it; output.format 'diffusers' keeps it)")

@@ -12,7 +12,9 @@
   `lora_te{1 + clip_g + clip_l}`, 1 for Chroma's lone T5.
 - comfy: ComfyUI reads the kohya layout above for every layer (ChromaFamily.file_layout).
 - diffusers: `transformer.<module>`, `text_encoder.<module>`: ChromaPipeline's FluxLoraLoaderMixin
-  loads both into the Chroma transformer and the T5 encoder.
+  loads the transformer's (its T5 adapters it refuses: ChromaFamily.diffusers_skips_key). ComfyUI
+  reads a diffusers file's transformer keys through `flux_to_diffusers`, which has no distilled
+  guidance layer, and T5 keys only under `lora_te1_` (comfyui_skips below).
 """
 
 from __future__ import annotations
@@ -40,4 +42,10 @@ CHROMA_TRANSFORMER_LAYERS = OriginalLayout(
     blocks=FLUX_TRANSFORMER_LAYERS.blocks,
 )
 
-CHROMA_KEYS = KeyLayout(original_layers={"transformer": CHROMA_TRANSFORMER_LAYERS})
+CHROMA_KEYS = KeyLayout(
+    comfyui_skips={
+        "transformer": (r"^distilled_guidance_layer\.", "its FLUX diffusers-name map has no distilled guidance layer"),
+        "text_encoder": (None, "it reads T5 adapters only under kohya's lora_te1_ names"),
+    },
+    original_layers={"transformer": CHROMA_TRANSFORMER_LAYERS},
+)
