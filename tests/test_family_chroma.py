@@ -193,9 +193,12 @@ def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_ch
     assert "model.diffusion_model.distilled_guidance_layer.norms.0.scale" in original
     save_file(original, str(tmp_path / "chroma.safetensors"))
     assert detect_family(tmp_path / "chroma.safetensors") == "chroma"
-    config = train_config(tmp_path / "chroma.safetensors", shape_images, tmp_path, {"model": {"family": "chroma"}})
+    # as Chroma ships: the transformer file, the T5 encoder and the VAE as folders
+    config = train_config(tmp_path / "chroma.safetensors", shape_images, tmp_path, {"model": {
+        "family": "chroma", "parts": {"text_encoder": {"path": str(tiny_chroma / "text_encoder")},
+                                      "vae": {"path": str(tiny_chroma / "vae")}}}})
     from_file = ChromaFamily(config)
-    from_file.model_configs_dir = tiny_chroma  # the tiny model's part configs, T5 and VAE beside them
+    from_file.model_configs_dir = tiny_chroma  # the tiny model's part configs
     from_file.load()
     for part, module in family.parts.items():
         ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
