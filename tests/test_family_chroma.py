@@ -192,7 +192,8 @@ def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_ch
     original = {"model.diffusion_model." + k: v.contiguous() for k, v in _transformer_to_original(folder).items()}
     assert "model.diffusion_model.distilled_guidance_layer.norms.0.scale" in original
     save_file(original, str(tmp_path / "chroma.safetensors"))
-    assert detect_family(tmp_path / "chroma.safetensors") == "chroma"
+    assert detect_family(tmp_path / "chroma.safetensors") == "chroma"  # not FLUX, whose blocks it shares
+    assert detect_family(tiny_chroma) == "chroma"
     # as Chroma ships: the transformer file, the T5 encoder and the VAE as folders
     config = train_config(tmp_path / "chroma.safetensors", shape_images, tmp_path, {"model": {
         "family": "chroma", "parts": {"text_encoder": {"path": str(tiny_chroma / "text_encoder")},
