@@ -243,3 +243,16 @@ def test_sample_draws_an_image_from_the_live_modules(family):
     image = family.sample(prompt, torch.device("cpu"))
     assert image.size == (64, 64)
     assert image.getextrema() != ((0, 0), (0, 0), (0, 0))
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_a_quantized_transformer_trains(tmp_path, tiny_chroma, one_image, mode):
+    from family_cross import initializes_and_steps
+
+    initializes_and_steps(tiny_chroma, one_image, tmp_path, "chroma", "transformer", mode, dora=False)
+
+
+def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_chroma, one_image):
+    from family_cross import offloaded_training_matches
+
+    offloaded_training_matches(tiny_chroma, one_image, tmp_path, "chroma", "transformer", fake_device)
