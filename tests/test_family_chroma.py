@@ -256,3 +256,57 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
     from family_cross import offloaded_training_matches
 
     offloaded_training_matches(tiny_chroma, one_image, tmp_path, "chroma", "transformer", fake_device)
+
+
+def test_a_kohya_file_loads_in_diffusers_and_back(tmp_path, shape_images):
+    """sd-scripts' names on the original layers (q/k/v stacked): ChromaPipeline's kohya-FLUX
+    converter loads every layer of attn-mlp and computes what the trainer computes; our loader reads
+    the file back into the per-module adapters. A double block at tiny width (diffusers splits
+    single blocks' linear1 at the released width only, FLUX's names: tests/test_flux_kohya_files.py)."""
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel
+
+    from modules.adapters.formats.files import load_adapter_file
+    from modules.model.chroma import ChromaFamily
+
+    torch.manual_seed(0)
+    transformer = ChromaTransformer2DModel(
+        num_layers=1, num_single_layers=0, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6), approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=1).eval()
+    family = ChromaFamily(train_config(tmp_path / "unused", shape_images, tmp_path, {"model": {"family": "chroma"}}))
+    family.parts["transformer"] = transformer
+    generator = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(1, 4, 64, generator=generator),
+                  encoder_hidden_states=torch.randn(1, 3, 32, generator=generator), timestep=torch.tensor([0.5]),
+                  img_ids=torch.zeros(4, 3), txt_ids=torch.zeros(3, 3), return_dict=False)
+
+    def output():
+        with torch.no_grad():
+            return transformer(**inputs)[0]
+
+    plain = output()
+    adapters = _perturbed(family, ["transformer"], layer_preset="attn-mlp")
+    try:
+        ours, state = output(), adapters.state_dict()
+        path = tmp_path / "chroma-kohya.safetensors"
+        save_adapter_file(path, adapters, family, "kohya", torch.float32, {})
+        modules = {adapters.module_name_of[n] for n in adapters.modules}
+    finally:
+        adapters.unhook()
+    pipe = ChromaPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None, transformer=transformer)
+    pipe.load_lora_weights(str(path))
+    try:
+        theirs = output()
+        with_lora = {name for name, module in transformer.named_modules() if hasattr(module, "lora_A")}
+    finally:
+        pipe.unload_lora_weights()
+    assert modules <= with_lora
+    assert (ours - plain).abs().max() > 1e-3
+    assert (ours - theirs).abs().max() < 1e-5
+    again = _perturbed(family, ["transformer"], layer_preset="attn-mlp")
+    try:
+        load_adapter_file(path, again, family)
+        for key, tensor in again.state_dict().items():
+            assert torch.allclose(tensor, state[key], atol=1e-7), key
+    finally:
+        again.unhook()
