@@ -28,9 +28,10 @@ def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int 
                               num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
                               approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=2)
     transformer_config.update(transformer or {})
-    # Chroma's released scheduler config: FLUX.1-schnell's (fixed shift 1.0, dynamic shifting on)
+    # as resources/model_configs/chroma/scheduler: shifted by the image's sequence length (ChromaPipeline
+    # always computes that shift, `mu`, from these fields)
     scheduler = FlowMatchEulerDiscreteScheduler(
-        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )
     pipe = ChromaPipeline(scheduler=scheduler, vae=tiny_flux_vae(), text_encoder=t5, tokenizer=tokenizer,
