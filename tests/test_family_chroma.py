@@ -310,3 +310,57 @@ def test_a_kohya_file_loads_in_diffusers_and_back(tmp_path, shape_images):
             assert torch.allclose(tensor, state[key], atol=1e-7), key
     finally:
         again.unhook()
+
+
+# ComfyUI's key map for Chroma (comfy/lora.py, a fact reproduced independently): its Chroma model
+# is a Flux one (comfy/model_base.py `class Chroma(Flux)`), so per weight `diffusion_model.<X>` of
+# the original layout it maps `lora_unet_<X with _>` and `diffusion_model.<X>`, and per diffusers
+# module D that comfy/utils.py `flux_to_diffusers` knows (no distilled guidance layer)
+# `transformer.<D>`, `lycoris_<D with _>`, `lora_transformer_<D with _>`; the lone T5's weights
+# `t5xxl.transformer.<k>` as `lora_te1_<k with _>` and `text_encoders.t5xxl.transformer.<k>`.
+def _comfyui_chroma_map(family) -> set[str]:
+    original = [k.removesuffix(".weight") for k in _transformer_to_original(family.transformer.state_dict())
+                if k.endswith(".weight")]
+    stems = {f"lora_unet_{x.replace('.', '_')}" for x in original} | {f"diffusion_model.{x}" for x in original}
+    for name, module in family.transformer.named_modules():
+        if isinstance(module, torch.nn.Linear) and not name.startswith("distilled_guidance_layer."):
+            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
+                      f"lora_transformer_{name.replace('.', '_')}"}
+    t5 = [k.removesuffix(".weight") for k in family.parts["text_encoder"].state_dict() if k.endswith(".weight")]
+    return stems | {f"lora_te1_{k.replace('.', '_')}" for k in t5} | {f"text_encoders.t5xxl.transformer.{k}" for k in t5}
+
+
+@pytest.mark.parametrize("adapter", [{"type": "lora"}, {"type": "loha"}, {"type": "lokr"}], ids=["lora", "loha", "lokr"])
+def test_every_kohya_stem_is_one_comfyui_maps_and_diffusers_files_say_what_it_skips(family, adapter, tmp_path):
+    import re
+
+    from modules.adapters.formats.files import file_state, format_warnings, load_adapter_file
+
+    adapters = build_adapter_set(family, AdapterConfig(rank=2, layer_preset="all-linear", **adapter),
+                                 ["transformer", "text_encoder"], torch.device("cpu"))
+    try:
+        comfyui = _comfyui_chroma_map(family)
+
+        def stems(fmt):
+            return {re.sub(r"\.(lora_down\.weight|lora_up\.weight|lora_A\.weight|lora_B\.weight|alpha|hada_\w+"
+                           r"|lokr_\w+)$", "", k) for k in file_state(adapters, family, fmt)}
+
+        for fmt in ("kohya", "comfy"):
+            assert not stems(fmt) - comfyui, sorted(stems(fmt) - comfyui)[:5]
+        if adapter["type"] == "lora":
+            unread = stems("diffusers") - comfyui
+            warned = [w for w in format_warnings("diffusers", adapters, family) if "ComfyUI" in w]
+            assert unread and sum(int(re.search(r"will not load (\d+)", w).group(1)) for w in warned) == len(unread)
+        with torch.no_grad():  # and the kohya file reads back into the same adapters
+            for parameter in adapters.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(4)) * 0.05)
+        state = {k: v.clone() for k, v in adapters.state_dict().items()}
+        save_adapter_file(tmp_path / "kohya.safetensors", adapters, family, "kohya", torch.float32, {})
+        with torch.no_grad():
+            for parameter in adapters.parameters():
+                parameter.zero_()
+        load_adapter_file(tmp_path / "kohya.safetensors", adapters, family)
+        for key, tensor in adapters.state_dict().items():
+            assert torch.allclose(tensor, state[key], atol=1e-6), key
+    finally:
+        adapters.unhook()
