@@ -8,6 +8,9 @@
   Chroma model subclasses Flux (comfy/model_base.py `class Chroma(Flux)`), so the FLUX branch's
   diffusers names load too; the original names themselves are those of diffusers'
   `convert_chroma_transformer_checkpoint_to_diffusers` (single_file_utils).
+- other algorithms (no stacking): a module that is a whole original layer keeps that layer's name
+  (ChromaFamily.unstacked_kohya_stem), q/k/v and linear1's members `lora_transformer_<module>`
+  (ComfyUI's FLUX diffusers-name map).
 - T5: `lora_te1_<module>`: comfy/lora.py `model_lora_keys_clip` numbers the t5xxl encoder
   `lora_te{1 + clip_g + clip_l}`, 1 for Chroma's lone T5.
 - comfy: ComfyUI reads the kohya layout above for every layer (ChromaFamily.file_layout).
