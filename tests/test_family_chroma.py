@@ -252,6 +252,19 @@ def test_a_quantized_transformer_trains(tmp_path, tiny_chroma, one_image, mode):
     initializes_and_steps(tiny_chroma, one_image, tmp_path, "chroma", "transformer", mode, dora=False)
 
 
+def test_the_distilled_guidance_layer_stays_dense(tmp_path, tiny_chroma, shape_images):
+    from modules.model.chroma import ChromaFamily
+
+    family = ChromaFamily(train_config(tiny_chroma, shape_images, tmp_path, {"model": {
+        "family": "chroma", "parts": {"transformer": {"weight_dtype": "float8"}}}}), {"transformer": "float8"})
+    family.load()
+    report = family.quantization_reports["transformer"]
+    approximator = [n for n, m in family.transformer.named_modules()
+                    if n.startswith("distilled_guidance_layer.") and isinstance(m, torch.nn.Linear)]
+    assert approximator and all(n in report.skipped for n in approximator)
+    assert any(n.startswith("transformer_blocks.") for n in report.quantized)
+
+
 def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_chroma, one_image):
     from family_cross import offloaded_training_matches
 

@@ -84,6 +84,9 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
         "all": ([r"^(transformer|text_encoder)\."], True),
     }
     denoiser_part = "transformer"
+    # the distilled guidance layer makes every block's modulation (FLUX's per-block `norm*.linear`,
+    # which the default skip list keeps dense); ~0.28B of 8.9B parameters
+    quantize_skip_patterns = {"transformer": (r"^distilled_guidance_layer\.",)}
     # Chroma1-HD: 19 double and 38 single blocks at 3072 wide, the 5-layer 5120-wide approximator
     nominal_part_parameters = {"text_encoder": 4_893_906_944, "transformer": 8_899_983_424, "vae": 83_819_683}
     text_parts = ("text_encoder",)
