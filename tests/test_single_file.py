@@ -226,6 +226,8 @@ _CLASSES = {
              "text_encoder": "transformers.CLIPTextModel", "text_encoder_2": "transformers.T5EncoderModel"},
     "z_image": {"transformer": "diffusers.ZImageTransformer2DModel", "vae": "diffusers.AutoencoderKL",
                 "text_encoder": "transformers.Qwen3Model"},
+    "chroma": {"transformer": "diffusers.ChromaTransformer2DModel", "vae": "diffusers.AutoencoderKL",
+               "text_encoder": "transformers.T5EncoderModel"},
 }
 
 
