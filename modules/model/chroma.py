@@ -179,8 +179,9 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
 
     def _prompt_conditioning(self, prompt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(T5 hidden states, the transformer's bool text mask) as training computes them."""
-        text = self.encode_text({k: v.to(device) for k, v in self.tokenize([prompt]).items()})
-        return text["hidden_states"], transformer_text_mask(text["attention_mask"])
+        text = self.encode_text(self.tokenize([prompt]))
+        # on the sampling device: the pipeline moves prompts it encodes itself, not given embeddings
+        return text["hidden_states"].to(device), transformer_text_mask(text["attention_mask"]).to(device)
 
     def run_sampling_pipeline(self, prompt, device):
         # the pipeline's own prompt encoding would hand the mask on as floats (module docstring)
@@ -212,10 +213,11 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
         # (comfy/utils.py flux_to_diffusers) has no distilled guidance layer
         if part != "transformer":
             return None
-        if getattr(self, "_whole_layers", (None,))[0] is not self.transformer:
-            self._whole_layers = (self.transformer, {layer.members[0]: layer.stem for layer in self.original_layers(part)
-                                                     if len(layer.members) == 1})
-        return self._whole_layers[1].get(module_name)
+        cached = getattr(self, "_whole_layers", None)  # (the transformer it was built for, member -> stem)
+        if cached is None or cached[0] is not self.transformer:
+            cached = self._whole_layers = (self.transformer, {
+                layer.members[0]: layer.stem for layer in self.original_layers(part) if len(layer.members) == 1})
+        return cached[1].get(module_name)
 
     def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
         # read back what unstacked_kohya_stem writes (the loader looks stems up here)
