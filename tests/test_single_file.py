@@ -229,6 +229,8 @@ _CLASSES = {
     "sd3": {"transformer": "diffusers.SD3Transformer2DModel", "vae": "diffusers.AutoencoderKL",
             "text_encoder": "transformers.CLIPTextModelWithProjection",
             "text_encoder_2": "transformers.CLIPTextModelWithProjection", "text_encoder_3": "transformers.T5EncoderModel"},
+    "chroma": {"transformer": "diffusers.ChromaTransformer2DModel", "vae": "diffusers.AutoencoderKL",
+               "text_encoder": "transformers.T5EncoderModel"},
 }
 
 

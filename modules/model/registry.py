@@ -17,6 +17,7 @@ _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
     "flux": ("modules.model.flux", "FluxFamily"),
     "z_image": ("modules.model.z_image", "ZImageFamily"),
     "sd3": ("modules.model.sd3", "SD3Family"),
+    "chroma": ("modules.model.chroma", "ChromaFamily"),
 }
 
 
