@@ -1,7 +1,8 @@
 """Guards that used to survive their own deletion, each pinned by a test that fails without it:
 the first-step guard's "did not change at all" branch; compute dtypes from the config, never from a
 parameter; the lifecycle order (train device before adapters); no block deep-copied per forward;
-the mallopt call of the streamed load; the trainer's one malloc_trim after its first step. (Compile and SDPA: tests/test_compile.py, tests/test_sdpa.py.)"""
+the mallopt call of the streamed load; the trainer's one malloc_trim after its first step.
+(Compile and SDPA: tests/test_compile.py, tests/test_sdpa.py.)"""
 
 from __future__ import annotations
 
