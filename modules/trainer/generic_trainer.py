@@ -61,6 +61,7 @@ from modules.trainer.training_state import (
     restore_training_state,
     training_state,
 )
+from modules.util.memory import return_free_heap_to_os
 from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
 
@@ -370,6 +371,8 @@ class GenericTrainer:
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._report(started, steps_at_start)
                 self._on_boundary(epoch_finished)
+                if self.step == steps_at_start + 1:
+                    return_free_heap_to_os()  # once: the first step's freed activations (issue 19)
                 if self.commands.stop_requested or epoch_finished:
                     break
         if self.commands.stop_requested and self.step > self.steps_at_start:
