@@ -18,6 +18,7 @@ from conftest import train_config
 from torch import nn
 
 import modules.methods.adapter as adapter_method
+import modules.trainer.generic_trainer as generic_trainer
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
 from modules.model.registry import family_names, get_family_class
