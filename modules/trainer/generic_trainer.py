@@ -61,6 +61,7 @@ from modules.trainer.training_state import (
     restore_training_state,
     training_state,
 )
+from modules.trainer.validation import validation_loss
 from modules.util.memory import return_free_heap_to_os
 from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
 
@@ -440,32 +441,12 @@ class GenericTrainer:
             self.callbacks.on_sample(str(path))
         return paths
 
-    # the validation draws' seed: the same noise and timesteps at every validation of every run
-    VALIDATION_SEED = 20_231_129
-
-    @torch.no_grad()
     def validate(self) -> float | None:
-        """Mean loss over the validation concepts at fixed noise and timesteps (the loss options
-        apply), with the weights samples use; logged and reported as a `validation` event."""
+        """The validation loss (validation.py), logged and reported as a `validation` event."""
         if self.validation_set is None:
             self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
             return None
-        generator = make_generator(self.device, self.VALIDATION_SEED)
-        trained = {part: self.family.parts[part].training for part in self.trained_parts}
-        losses, batches = [], self.validation_set.epoch_batches(0)
-        try:
-            for part in trained:
-                self.family.parts[part].eval()  # no dropout: the same number for the same weights
-            with self.evaluation_weights(), autocast(self.device, dtype_of(self.config.train_dtype)):
-                for indices in batches:
-                    batch = self.validation_set.collate(indices, self.device)
-                    out = self.family.predict(batch.latents, self.conditioning(batch), generator)
-                    losses.append(training_loss(out, self.config.loss, batch.loss_weights, batch.masks).item()
-                                  * len(indices))
-        finally:
-            for part, mode in trained.items():
-                self.family.parts[part].train(mode)
-        loss = sum(losses) / sum(len(b) for b in batches)
+        loss = validation_loss(self)
         self.scalars.add(self.step, validation_loss=loss)
         self.callbacks.on_validation(self.step, loss)
         return loss
