@@ -140,8 +140,12 @@ class Field(ctk.CTkFrame):
                               command=lambda m=mode: self._browse(m)).pack(side="left", padx=(4, 0))
         elif widget == "lines":
             self.input = ctk.CTkTextbox(self, height=64, width=width)
-            self.input.bind("<KeyRelease>", lambda _e: self._text_to_var())
-            self.input.bind("<FocusOut>", lambda _e: self._text_to_var())
+            # A named method that takes no event, not a lambda: tkinter names Tcl commands
+            # id + __name__, and CTkTextbox's scrollbar loop (after(..., lambda: ...)) left
+            # pending by a destroyed textbox fires a "<id><lambda>" name that a new lambda
+            # at the freed address would answer, with no event.
+            self.input.bind("<KeyRelease>", self._text_to_var)
+            self.input.bind("<FocusOut>", self._text_to_var)
             self.var.trace_add("write", lambda *_: self._var_to_text())
         else:
             raise ValueError(f"unknown widget {widget!r}")
@@ -265,7 +269,7 @@ class Field(ctk.CTkFrame):
         if chosen:
             self.var.set(chosen)
 
-    def _text_to_var(self) -> None:
+    def _text_to_var(self, _event=None) -> None:
         text = self.input.get("1.0", "end-1c")
         if text != self.var.get():
             self.var.set(text)
