@@ -277,9 +277,11 @@ def test_a_single_file_builds_the_transformer_of_its_variant(tmp_path, tiny_sd3,
 
 
 def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, shape_images):
-    """SD3's CLIP-L and CLIP-G take textual-inversion vectors (the A1111/ComfyUI SDXL file keys
-    clip_l / clip_g); T5 reads the placeholder as plain text."""
+    """SD3's CLIP-L, CLIP-G and T5 take textual-inversion vectors (ComfyUI's SD3 file keys clip_l,
+    clip_g, t5xxl)."""
     from safetensors.torch import load_file
+
+    from modules.methods.embedding_tokens import init_vectors, token_embedding
 
     placeholder = "<shape>"
     config = train_config(tiny_sd3, shape_images, tmp_path, {
@@ -292,9 +294,12 @@ def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, sha
     trainer.train()
     path = trainer.end()
     saved = load_file(str(path.with_name(f"{path.stem}.shape.safetensors")))
-    assert {k: tuple(v.shape) for k, v in saved.items()} == {"clip_l": (1, 32), "clip_g": (1, 32)}
     family = trainer.family
+    t5_width = family.parts["text_encoder_3"].config.d_model
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {"clip_l": (1, 32), "clip_g": (1, 32),
+                                                             "t5xxl": (1, t5_width)}
     for part, key, tokenizer in (("text_encoder", "clip_l", family.tokenizer),
-                                 ("text_encoder_2", "clip_g", family.tokenizer_2)):
-        initial = family.parts[part].get_input_embeddings().weight[tokenizer("a", add_special_tokens=False).input_ids]
+                                 ("text_encoder_2", "clip_g", family.tokenizer_2),
+                                 ("text_encoder_3", "t5xxl", family.tokenizer_3)):
+        initial = init_vectors(tokenizer, token_embedding(family.parts[part]).weight, "a", 1, key)
         assert not torch.allclose(saved[key], initial.to(saved[key].dtype)), key

@@ -1,6 +1,7 @@
 """The embedding method: textual inversion. Each entry of `embeddings` becomes new tokens in every
-text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G), initialised from its init
-text or read from its file; only those vectors train, the model stays frozen.
+text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G; SD3: CLIP-L, CLIP-G and T5;
+FLUX.1: CLIP-L and T5; Chroma: T5; Z-Image: Qwen3; the family's `embedding_slots`), initialised
+from its init text or read from its file; only those vectors train, the model stays frozen.
 
 It is the main method with `method.type: embedding`, and a companion of the adapter or fine-tune
 method whenever `embeddings` is not empty (build_methods adds it): trained embeddings train beside
@@ -25,6 +26,7 @@ from modules.methods.embedding_tokens import (
     expand_placeholders,
     init_vectors,
     placeholder_tokens,
+    token_embedding,
 )
 
 
@@ -65,7 +67,7 @@ class EmbeddingMethod(TrainingMethod):
     def _setup(self) -> None:
         family = self.family
         tokenizers = {part: getattr(family, attribute) for part, (attribute, _key) in self.slots.items()}
-        tables = {part: family.parts[part].get_input_embeddings() for part in self.slots}
+        tables = {part: token_embedding(family.parts[part]) for part in self.slots}
         keys = {part: key for part, (_attribute, key) in self.slots.items()}
         starts = []
         for index, embedding in enumerate(self.embeddings):

@@ -8,13 +8,25 @@ vectors, and the text encoder's state dict (what a fine-tune saves) keeps its or
 
 The multi-vector convention is diffusers': a placeholder of N vectors is the tokens `<p>`, `<p>_1`,
 ..., `<p>_{N-1}`, and a prompt's `<p>` is written out as all N before tokenizing (diffusers'
-pipelines do this in `maybe_convert_prompt`; `expand_placeholders` does it for captions).
+pipelines with TextualInversionLoaderMixin do this in `maybe_convert_prompt`; `expand_placeholders`
+does it for captions, `write_out_added_tokens` for sample prompts of pipelines that do not).
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
+
+
+def token_embedding(text_encoder: nn.Module) -> nn.Embedding:
+    """The token embedding module the text encoder's forward runs. transformers 5's T5EncoderModel
+    answers get_input_embeddings() with `shared`, a module of its own that only shares its weight with
+    `encoder.embed_tokens`, the one the forward calls: a hook on `shared` would never fire."""
+    stack = getattr(text_encoder, "encoder", None)
+    embed = getattr(stack, "embed_tokens", None)
+    return embed if isinstance(embed, nn.Embedding) else text_encoder.get_input_embeddings()
 
 
 def placeholder_tokens(placeholder: str, vectors: int) -> list[str]:
@@ -26,6 +38,21 @@ def expand_placeholders(text: str, placeholders: dict[str, int]) -> str:
     for placeholder, vectors in placeholders.items():
         if vectors > 1:
             text = text.replace(placeholder, " ".join(placeholder_tokens(placeholder, vectors)))
+    return text
+
+
+def write_out_added_tokens(text: str, tokenizer) -> str:
+    """`text` with each multi-vector placeholder the tokenizer was given (`<p>` with `<p>_1`, ...)
+    written out as its tokens; a placeholder already written out is left as it is."""
+    added = set(tokenizer.get_added_vocab())
+    for token in sorted(added, key=len, reverse=True):
+        count = 1
+        while f"{token}_{count}" in added:
+            count += 1
+        if count > 1:
+            tokens = placeholder_tokens(token, count)
+            rest = re.escape(" " + " ".join(tokens[1:]))
+            text = re.sub(rf"{re.escape(token)}(?:{rest})?(?!_\d)", lambda _: " ".join(tokens), text)
     return text
 
 
@@ -46,8 +73,9 @@ def add_tokens(tokenizer, tokens: list[str], where: str) -> list[int]:
 
 def init_vectors(tokenizer, table: torch.Tensor, init_text: str, vectors: int, where: str) -> torch.Tensor:
     """[vectors, dim] rows of `table` for the init text's tokens, repeated when it has fewer tokens
-    than vectors (kohya's init_word)."""
-    ids = tokenizer(init_text, add_special_tokens=False).input_ids
+    than vectors (kohya's init_word). Tokens that are only a word boundary (T5's lone `▁`, byte-level
+    BPE's `Ġ`) carry no meaning and are left out."""
+    ids = [i for i in tokenizer(init_text, add_special_tokens=False).input_ids if tokenizer.decode([i]).strip()]
     if not ids:
         raise ValueError(f"{where}: {init_text!r} gives no tokens")
     if len(ids) > vectors:

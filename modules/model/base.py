@@ -70,7 +70,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
     # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
-    # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file; empty: none taken
+    # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file (ComfyUI's
+    # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b); empty: none taken
     embedding_slots: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
@@ -162,6 +163,16 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
 
         with parts_in_compute_dtypes(self):
             return self.run_sampling_pipeline(prompt, device)
+
+    def written_out_prompt(self, text: str | None) -> str | None:
+        """A sample prompt with each multi-vector embedding placeholder written out as its tokens,
+        for the families whose pipeline does not do it (TextualInversionLoaderMixin's
+        maybe_convert_prompt, which SD1.5's, SDXL's and FLUX.1's pipelines run, would do it twice)."""
+        from modules.methods.embedding_tokens import write_out_added_tokens
+
+        if not text or not self.embedding_slots:
+            return text
+        return write_out_added_tokens(text, getattr(self, next(iter(self.embedding_slots.values()))[0]))
 
     @abstractmethod
     def run_sampling_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:

@@ -91,6 +91,7 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 4_893_906_944, "transformer": 8_899_983_424, "vae": 83_819_683}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    embedding_slots = {"text_encoder": ("tokenizer", "t5xxl")}  # ComfyUI's T5-XXL embedding key
 
     def load(self) -> None:
         from diffusers import ChromaTransformer2DModel
@@ -179,7 +180,7 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
 
     def _prompt_conditioning(self, prompt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(T5 hidden states, the transformer's bool text mask) as training computes them."""
-        text = self.encode_text(self.tokenize([prompt]))
+        text = self.encode_text(self.tokenize([self.written_out_prompt(prompt)]))
         # on the sampling device: the pipeline moves prompts it encodes itself, not given embeddings
         return text["hidden_states"].to(device), transformer_text_mask(text["attention_mask"]).to(device)
 

@@ -158,6 +158,8 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
                                "transformer": 11_901_408_320, "vae": 83_819_683}
     text_parts = ("text_encoder", "text_encoder_2")
     image_parts = ("vae",)
+    # ComfyUI's FLUX tokenizers read embedding files under these keys (its flux.py / sd1_clip.py)
+    embedding_slots = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "t5xxl")}
 
     def load(self) -> None:
         from diffusers import FluxTransformer2DModel

@@ -73,7 +73,9 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
                                "text_encoder_3": 4_893_906_944, "transformer": 8_056_627_520, "vae": 83_819_683}
     text_parts = ("text_encoder", "text_encoder_2", "text_encoder_3")
     image_parts = ("vae",)
-    embedding_slots = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "clip_g")}
+    # ComfyUI's SD3 tokenizers' embedding keys (its sd3_clip.py)
+    embedding_slots = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "clip_g"),
+                       "text_encoder_3": ("tokenizer_3", "t5xxl")}
 
     def load(self) -> None:
         from diffusers import SD3Transformer2DModel
@@ -208,7 +210,8 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
     def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(
-            prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
+            prompt=self.written_out_prompt(prompt.prompt),
+            negative_prompt=self.written_out_prompt(prompt.negative_prompt) or None,
             num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
             generator=generator, max_sequence_length=self.max_sequence_length,
         ).images[0]

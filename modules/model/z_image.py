@@ -56,6 +56,7 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 6_154_908_736, "vae": 83_819_683}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen3_4b")}  # ComfyUI's Z-Image embedding key
     # the final projection (and its modulation) stays dense, as `final_layer` does in other DiTs
     quantize_skip_patterns = {"transformer": (r"^all_final_layer\.",)}
 
@@ -144,7 +145,8 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
     def run_sampling_pipeline(self, prompt, device):
         generator = make_generator(device, prompt.seed)
         return self.pipeline()(
-            prompt=prompt.prompt, negative_prompt=prompt.negative_prompt or None,
+            prompt=self.written_out_prompt(prompt.prompt),
+            negative_prompt=self.written_out_prompt(prompt.negative_prompt) or None,
             num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
             generator=generator, max_sequence_length=self.max_sequence_length,
         ).images[0]

@@ -1,0 +1,141 @@
+"""Textual-inversion embeddings on T5 (FLUX.1's CLIP-L + T5; Chroma's and SD3's T5 the same way):
+the T5 vectors train through a hook on the token embedding T5's forward runs, its table stays
+bit-identical, the file holds ComfyUI's keys (`clip_l`, `t5xxl`), reloads to the same encodings, and
+the placeholder works in sample prompts (FluxPipeline writes it out itself; Chroma's sampling
+encodes through the family, which writes it out)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import train_config
+from safetensors.torch import load_file
+
+from modules.methods.embedding import EmbeddingMethod
+from modules.trainer.generic_trainer import GenericTrainer
+
+PLACEHOLDER = "<shape>"
+PROMPT = f"a {PLACEHOLDER} circle"
+
+
+def overlay(images, **embedding) -> dict:
+    return {"embeddings": [{"placeholder": PLACEHOLDER, "init_text": "ab", "vectors": 2, **embedding}],
+            "concepts": [{"path": str(images), "captions": {"prefix": f"{PLACEHOLDER} "}}],
+            "optimizer": {"lr": 5e-2}}
+
+
+@torch.no_grad()
+def encoded(family, method, prompt: str) -> dict[str, torch.Tensor]:
+    for part in family.text_parts:
+        family.parts[part].eval()  # T5 has dropout: the same prompt must give the same encoding
+    return family.encode_text(family.tokenize(method.expand_captions([prompt])))
+
+
+@pytest.fixture(scope="module")
+def flux_run(tmp_path_factory, tiny_family_model, shape_images):
+    """A FLUX.1 embedding trained alone for 2 steps; the T5 table and encodings from before."""
+    model = tiny_family_model("flux")
+    workspace = tmp_path_factory.mktemp("flux-embedding")
+    config = train_config(model, shape_images, workspace, {"model": {"family": "flux"}, "method": {"type": "embedding"},
+                                                           "schedule": {"max_steps": 2}}, overlay(shape_images))
+    trainer = GenericTrainer(config)
+    trainer.start()
+    method = trainer.methods[0]
+    t5 = trainer.family.parts["text_encoder_2"]
+    before = SimpleNamespace(table=t5.encoder.embed_tokens.weight.detach().clone(),
+                             with_token=encoded(trainer.family, method, PROMPT),
+                             without=encoded(trainer.family, method, "a red circle"))
+    trainer.train()
+    path = trainer.end()
+    return SimpleNamespace(trainer=trainer, method=method, path=path, before=before, model=model, config=config)
+
+
+def test_a_flux_embedding_trains_in_clip_and_t5_and_saves_comfyui_keys(flux_run):
+    trainer, method = flux_run.trainer, flux_run.method
+    family = trainer.family
+    t5 = family.parts["text_encoder_2"]
+    assert trainer.dataset.cache_stats["text"] == (0, 0)  # no text cached while an embedding trains
+    assert torch.equal(t5.encoder.embed_tokens.weight, flux_run.before.table)  # bit-identical, never trained
+    assert not t5.encoder.embed_tokens.weight.requires_grad
+    after = encoded(family, method, PROMPT)
+    for key in ("hidden_states", "pooled"):  # T5's and CLIP's outputs both moved
+        assert not torch.allclose(after[key], flux_run.before.with_token[key]), key
+    without = encoded(family, method, "a red circle")
+    assert all(torch.equal(without[k], flux_run.before.without[k]) for k in without)
+
+    saved = load_file(str(flux_run.path))
+    clip_width = family.parts["text_encoder"].get_input_embeddings().embedding_dim
+    assert {k: tuple(v.shape) for k, v in saved.items()} == {"clip_l": (2, clip_width), "t5xxl": (2, 32)}
+
+
+def test_the_t5_lookup_is_the_hook_on_the_embedding_the_forward_runs(flux_run):
+    """T5 on the placeholder's ids equals T5 on embeddings whose placeholder rows are the trained
+    vectors: without the hook on encoder.embed_tokens (transformers 5's `shared` is another module
+    that never runs) the new ids would index past the table, or read untrained rows."""
+    family, method = flux_run.trainer.family, flux_run.method
+    t5 = family.parts["text_encoder_2"]
+    ids = family.tokenize(method.expand_captions([PROMPT]))["input_ids_2"]
+    first = family.tokenizer_2.convert_tokens_to_ids(PLACEHOLDER)
+    vectors = load_file(str(flux_run.path))["t5xxl"]
+    assert (ids >= first).sum() == 2  # both vectors of the placeholder are in the prompt
+    table = t5.encoder.embed_tokens.weight.detach()
+    rows = table[ids.clamp(max=table.shape[0] - 1)]
+    rows[ids >= first] = vectors[(ids[ids >= first] - first)]
+    with torch.no_grad():
+        t5.eval()
+        by_hook = t5(input_ids=ids)[0]
+        by_hand = t5(inputs_embeds=rows)[0]
+    torch.testing.assert_close(by_hook, by_hand, atol=1e-6, rtol=0)
+
+
+def test_the_flux_file_reloads_to_the_same_encodings_and_samples_read_it(flux_run, shape_images, tmp_path):
+    from modules.model.flux import FluxFamily
+
+    config = train_config(flux_run.model, shape_images, tmp_path, {"model": {"family": "flux"}},
+                          overlay(shape_images, train=False, path=str(flux_run.path)))
+    family = FluxFamily(config)
+    family.load()
+    method = EmbeddingMethod(SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0))
+    method.setup()
+    ours = encoded(flux_run.trainer.family, flux_run.method, PROMPT)
+    reloaded = encoded(family, method, PROMPT)
+    for key in ours:
+        torch.testing.assert_close(reloaded[key], ours[key], atol=1e-6, rtol=0)
+    # sample prompts: FluxPipeline writes the placeholder out for both tokenizers (maybe_convert_prompt)
+    with torch.no_grad():
+        hidden, pooled, _ = family.pipeline().encode_prompt(PROMPT, None, device="cpu",
+                                                            max_sequence_length=family.max_sequence_length)
+    torch.testing.assert_close(hidden, ours["hidden_states"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(pooled, ours["pooled"], atol=1e-6, rtol=0)
+
+
+def test_a_chroma_t5_embedding_from_a_file_works_in_captions_and_sample_prompts(tiny_family_model, shape_images,
+                                                                                tmp_path):
+    """Chroma (T5 alone): a single-key `t5xxl` file stands for its vectors, and sampling (which
+    encodes through the family, not the pipeline) writes the placeholder out as training does."""
+    from modules.methods.embedding_files import write_embedding_file
+    from modules.methods.embedding_tokens import init_vectors, token_embedding
+    from modules.model.chroma import ChromaFamily
+
+    model = tiny_family_model("chroma")
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": "chroma"}})
+    family = ChromaFamily(config)
+    family.load()
+    table = token_embedding(family.parts["text_encoder"]).weight
+    vectors = init_vectors(family.tokenizer, table, "xy", 2, "test")
+    path = write_embedding_file(tmp_path / "xy.safetensors", {"text_encoder": vectors}, {"text_encoder": "t5xxl"},
+                                torch.float32, {})
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": "chroma"}},
+                          overlay(shape_images, train=False, path=str(path)))
+    method = EmbeddingMethod(SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0))
+    method.setup()
+    assert family.written_out_prompt(PROMPT) == f"a {PLACEHOLDER} {PLACEHOLDER}_1 circle"
+    assert family.written_out_prompt(family.written_out_prompt(PROMPT)) == family.written_out_prompt(PROMPT)
+    trained = encoded(family, method, PROMPT)
+    with torch.no_grad():
+        sampled, _mask = family._prompt_conditioning(PROMPT, torch.device("cpu"))
+    torch.testing.assert_close(sampled, trained["hidden_states"], atol=1e-6, rtol=0)
+    unexpanded = family.encode_text(family.tokenize([PROMPT]))["hidden_states"]  # one vector, not both
+    assert not torch.allclose(unexpanded, trained["hidden_states"])
