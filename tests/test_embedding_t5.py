@@ -1,8 +1,9 @@
-"""Textual-inversion embeddings on T5 (FLUX.1's CLIP-L + T5; Chroma's and SD3's T5 the same way):
+"""Textual-inversion embeddings on T5 (FLUX.1's CLIP-L + T5; Chroma's and SD3's T5 the same way)
+and Z-Image's Qwen3:
 the T5 vectors train through a hook on the token embedding T5's forward runs, its table stays
 bit-identical, the file holds ComfyUI's keys (`clip_l`, `t5xxl`), reloads to the same encodings, and
-the placeholder works in sample prompts (FluxPipeline writes it out itself; Chroma's sampling
-encodes through the family, which writes it out)."""
+the placeholder works in sample prompts (FluxPipeline writes it out itself; for Chroma and
+Z-Image the family writes it out)."""
 
 from __future__ import annotations
 
@@ -111,31 +112,56 @@ def test_the_flux_file_reloads_to_the_same_encodings_and_samples_read_it(flux_ru
     torch.testing.assert_close(pooled, ours["pooled"], atol=1e-6, rtol=0)
 
 
-def test_a_chroma_t5_embedding_from_a_file_works_in_captions_and_sample_prompts(tiny_family_model, shape_images,
-                                                                                tmp_path):
-    """Chroma (T5 alone): a single-key `t5xxl` file stands for its vectors, and sampling (which
-    encodes through the family, not the pipeline) writes the placeholder out as training does."""
+def test_diffusers_loads_the_flux_file_per_text_encoder_to_the_same_encodings(flux_run):
+    """load_textual_inversion once per text encoder, as for SDXL: `clip_l` into CLIP, `t5xxl` into T5."""
+    from diffusers import FluxPipeline
+
+    saved = load_file(str(flux_run.path))
+    pipe = FluxPipeline.from_pretrained(str(flux_run.model), local_files_only=True)
+    pipe.load_textual_inversion(saved["clip_l"], token=PLACEHOLDER, text_encoder=pipe.text_encoder,
+                                tokenizer=pipe.tokenizer)
+    pipe.load_textual_inversion(saved["t5xxl"], token=PLACEHOLDER, text_encoder=pipe.text_encoder_2,
+                                tokenizer=pipe.tokenizer_2)
+    family = flux_run.trainer.family
+    with torch.no_grad():
+        hidden, pooled, _ = pipe.encode_prompt(PROMPT, None, device="cpu", max_sequence_length=family.max_sequence_length)
+    ours = encoded(family, flux_run.method, PROMPT)
+    torch.testing.assert_close(hidden, ours["hidden_states"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(pooled, ours["pooled"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family_name, key", [("chroma", "t5xxl"), ("z_image", "qwen3_4b")])
+def test_a_single_encoder_embedding_from_a_file_works_in_captions_and_sample_prompts(
+        family_name, key, tiny_family_model, shape_images, tmp_path):
+    """Chroma (T5 alone) and Z-Image (Qwen3): a file under ComfyUI's key stands for its vectors, and
+    the sample prompt is written out as training writes captions out (Chroma's sampling encodes
+    through the family, ZImagePipeline does not write placeholders out)."""
     from modules.methods.embedding_files import write_embedding_file
     from modules.methods.embedding_tokens import init_vectors, token_embedding
-    from modules.model.chroma import ChromaFamily
+    from modules.model.registry import get_family_class
 
-    model = tiny_family_model("chroma")
-    config = train_config(model, shape_images, tmp_path, {"model": {"family": "chroma"}})
-    family = ChromaFamily(config)
+    model = tiny_family_model(family_name)
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": family_name}})
+    family = get_family_class(family_name)(config)
     family.load()
     table = token_embedding(family.parts["text_encoder"]).weight
     vectors = init_vectors(family.tokenizer, table, "xy", 2, "test")
-    path = write_embedding_file(tmp_path / "xy.safetensors", {"text_encoder": vectors}, {"text_encoder": "t5xxl"},
+    path = write_embedding_file(tmp_path / "xy.safetensors", {"text_encoder": vectors}, {"text_encoder": key},
                                 torch.float32, {})
-    config = train_config(model, shape_images, tmp_path, {"model": {"family": "chroma"}},
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": family_name}},
                           overlay(shape_images, train=False, path=str(path)))
     method = EmbeddingMethod(SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0))
     method.setup()
     assert family.written_out_prompt(PROMPT) == f"a {PLACEHOLDER} {PLACEHOLDER}_1 circle"
     assert family.written_out_prompt(family.written_out_prompt(PROMPT)) == family.written_out_prompt(PROMPT)
     trained = encoded(family, method, PROMPT)
-    with torch.no_grad():
-        sampled, _mask = family._prompt_conditioning(PROMPT, torch.device("cpu"))
-    torch.testing.assert_close(sampled, trained["hidden_states"], atol=1e-6, rtol=0)
     unexpanded = family.encode_text(family.tokenize([PROMPT]))["hidden_states"]  # one vector, not both
     assert not torch.allclose(unexpanded, trained["hidden_states"])
+    with torch.no_grad():  # what run_sampling_pipeline hands the transformer for the prompt
+        if family_name == "chroma":
+            sampled, expected = family._prompt_conditioning(PROMPT, torch.device("cpu"))[0], trained["hidden_states"]
+        else:
+            sampled = family.pipeline().encode_prompt(family.written_out_prompt(PROMPT), "cpu", False,
+                                                      max_sequence_length=family.max_sequence_length)[0][0]
+            expected = trained["hidden_states"][0][trained["attention_mask"][0].bool()]
+    torch.testing.assert_close(sampled, expected, atol=1e-6, rtol=0)
