@@ -29,9 +29,15 @@ def overlay(images, **embedding) -> dict:
 
 @torch.no_grad()
 def encoded(family, method, prompt: str) -> dict[str, torch.Tensor]:
+    """The prompt's conditioning in eval mode (T5 has dropout), leaving each part's mode as it was."""
+    modes = {part: family.parts[part].training for part in family.text_parts}
     for part in family.text_parts:
-        family.parts[part].eval()  # T5 has dropout: the same prompt must give the same encoding
-    return family.encode_text(family.tokenize(method.expand_captions([prompt])))
+        family.parts[part].eval()
+    try:
+        return family.encode_text(family.tokenize(method.expand_captions([prompt])))
+    finally:
+        for part, mode in modes.items():
+            family.parts[part].train(mode)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +130,8 @@ def test_diffusers_loads_the_flux_file_per_text_encoder_to_the_same_encodings(fl
                                 tokenizer=pipe.tokenizer_2)
     family = flux_run.trainer.family
     with torch.no_grad():
-        hidden, pooled, _ = pipe.encode_prompt(PROMPT, None, device="cpu", max_sequence_length=family.max_sequence_length)
+        hidden, pooled, _ = pipe.encode_prompt(PROMPT, None, device="cpu",
+                                               max_sequence_length=family.max_sequence_length)
     ours = encoded(family, flux_run.method, PROMPT)
     torch.testing.assert_close(hidden, ours["hidden_states"], atol=1e-5, rtol=0)
     torch.testing.assert_close(pooled, ours["pooled"], atol=1e-5, rtol=0)

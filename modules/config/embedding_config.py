@@ -25,8 +25,9 @@ class EmbeddingConfig(StrictModel):
     train: bool = Field(True, description="Train this embedding; off: use it frozen from `path` (its "
                         "placeholder still works in captions and sample prompts).")
     path: str | None = Field(None, description="An embedding file (.safetensors, A1111/ComfyUI layout: "
-                             "emb_params, or clip_l/clip_g for SDXL) to start from, or to use frozen when "
-                             "train is off.")
+                             "emb_params for SD1.5; clip_l/clip_g for SDXL; clip_l/t5xxl for FLUX.1, plus "
+                             "clip_g for SD3; t5xxl for Chroma; qwen3_4b for Z-Image) to start from, or to use "
+                             "frozen when train is off.")
     learning_rate: float | None = Field(None, gt=0, description="This embedding's learning rate; empty: "
                                         "optimizer.lr.")
 
