@@ -214,8 +214,9 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return pipe
 
     def _prompt_embeds(self, prompt: str, device) -> torch.Tensor:
-        # encoded as training encodes (the pipeline's own encoding asks for Qwen3ForCausalLM's 28+ layers);
-        # on the sampling device: the pipeline moves only prompts it encodes itself
+        # encoded as training encodes (the same facts as the pipeline's _get_qwen3_prompt_embeds, tested),
+        # so the live Qwen3 with its adapters conditions the sample; on the sampling device: the
+        # pipeline moves only prompts it encodes itself
         return self.encode_text(self.tokenize([prompt]))["hidden_states"].to(device)
 
     def run_sampling_pipeline(self, prompt, device):
