@@ -283,3 +283,32 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
     from family_cross import offloaded_training_matches
 
     offloaded_training_matches(tiny_flux2, one_image, tmp_path, "flux2", "transformer", fake_device)
+
+
+def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
+    """klein 4B and 9B transformer files pick their shipped config by the double-block count (the 9B
+    one builds the released 9.08 B parameters); a FLUX.2 [dev] file (guidance embedder) is not claimed."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    from modules.model.detect import detect_model
+    from modules.model.flux2 import Flux2Family
+
+    def file(name, double, *more):
+        keys = [f"model.diffusion_model.double_blocks.{i}.img_attn.qkv.weight" for i in range(double)]
+        keys += ["model.diffusion_model.single_stream_modulation.lin.weight", *more]
+        save_file({key: torch.zeros(1) for key in keys}, str(tmp_path / name))
+        return tmp_path / name
+
+    folders = {}
+    for name, double in (("klein-4b.safetensors", 5), ("klein-9b.safetensors", 8)):
+        family = Flux2Family(train_config(file(name, double), shape_images, tmp_path, {"model": {
+            "family": "flux2", "parts": {"text_encoder": {"path": str(tmp_path)}, "vae": {"path": str(tmp_path)}}}}))
+        folders[double] = family.part_folder("transformer")
+    assert (folders[5].name, folders[8].name) == ("transformer", "transformer_klein_9b")
+    with init_empty_weights():
+        model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folders[8])))
+    assert sum(p.numel() for p in model.parameters()) == 9_078_581_248
+    dev = detect_model(file("dev.safetensors", 8, "model.diffusion_model.guidance_in.in_layer.weight"))
+    assert dev.family is None and "flux-2-dev" in dev.kind  # diffusers names it

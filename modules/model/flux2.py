@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import torch
 
+from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.base import ModelFamily, PartSpec
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
@@ -62,8 +64,10 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     label = "FLUX.2 [klein]"
     pipeline_classes = ("Flux2KleinPipeline",)
     denoiser_config = {"_class_name": "Flux2Transformer2DModel"}
-    # BFL's transformer file: the shared modulations (diffusers' own FLUX.2 key, single_file_utils)
-    single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.", None)
+    # BFL's transformer file: the shared modulations (diffusers' own FLUX.2 key, single_file_utils);
+    # FLUX.2 [dev]'s has a guidance embedder too, and is not this family's
+    single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.",
+                             r"^(model\.diffusion_model\.)?guidance_in\.")
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te"),
         PartSpec("transformer", "transformer", "lora_unet", default_train=True),
@@ -106,6 +110,22 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         if not index.is_file():
             return False
         return bool(json.loads(index.read_text(encoding="utf-8")).get("is_distilled", False))
+
+    def part_folder(self, part: str):
+        # a single transformer file is built from the shipped config of the size it holds: klein 4B
+        # (`transformer/`) or 9B (`transformer_klein_9b/`), told apart by the file's double-block count
+        folder = super().part_folder(part)
+        if part != "transformer" or not self.from_single_file(part):
+            return folder
+        try:
+            keys = self.single_file_stream().keys()
+        except ModelLoadError:  # an unreadable file: the load itself says so, naming it
+            return folder
+        double = {int(m.group(1)) for k in keys if (m := re.search(r"double_blocks\.(\d+)\.", k))}
+        for candidate in sorted(folder.parent.glob("transformer*/config.json")):
+            if json.loads(candidate.read_text(encoding="utf-8"))["num_layers"] == max(double, default=-1) + 1:
+                return candidate.parent
+        return folder
 
     def single_file_part(self, part: str):
         # BFL ships the transformer as one original-layout file (ComfyUI's under model.diffusion_model.)
