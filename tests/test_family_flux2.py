@@ -59,6 +59,7 @@ def test_flux2_trains_the_transformer_and_qwen3_and_the_loss_falls(tmp_path, tin
     with safe_open(str(path), "pt") as file:
         keys = list(file.keys())
         assert file.metadata()["ss_base_model_version"] == "flux2"
+        assert file.metadata()["modelspec.architecture"] == "flux-2-klein-4b/lora"
     for stem in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_mlp_0",
                  "lora_unet_single_blocks_1_linear1", "lora_unet_single_blocks_1_linear2",
                  "lora_unet_double_stream_modulation_img_lin", "lora_te_layers_26_self_attn_q_proj"):

@@ -75,7 +75,6 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     )
     bucket_quantum = 64
     kohya_base_version = "flux2"
-    modelspec_architecture = "flux-2-klein/lora"
     key_layout = FLUX2_KEYS
     layer_presets = {
         "attn": ([*_DIT_ATTN, _TE_ATTN], False),
@@ -141,6 +140,10 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
              "single_stream_modulation.", "final_layer."),
             lambda sd, model: convert.convert_flux2_transformer_checkpoint_to_diffusers(
                 {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}))
+
+    @property
+    def modelspec_architecture(self) -> str:  # the size named, as musubi-tuner's Flux.2-klein-4b / -9b
+        return f"flux-2-klein-{'9b' if self.transformer.config.num_layers == 8 else '4b'}/lora"
 
     @property
     def transformer(self):
