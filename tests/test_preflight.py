@@ -183,7 +183,7 @@ def test_run_preflight_raises_one_error_with_every_problem(tmp_path, tiny_model,
 
 # --- family detection -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["sd15", "sdxl", "flux", "z_image", "sd3", "chroma"])
+@pytest.mark.parametrize("family", ["sd15", "sdxl", "flux", "z_image", "sd3", "chroma", "flux2"])
 def test_each_family_folder_is_detected(family, tmp_path):
     configs = ROOT / "resources" / "model_configs" / family
     assert detect_family(configs) == family
@@ -211,6 +211,9 @@ def _single_file(path: Path, *keys: str) -> Path:
     ("sd3", ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "first_stage_model.encoder.conv_in.weight"]),
     # FLUX's blocks and the distilled guidance layer
     ("chroma", ["double_blocks.0.img_attn.qkv.weight", "distilled_guidance_layer.in_proj.weight"]),
+    # FLUX's block names and the shared modulations
+    ("flux2", ["model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
+               "model.diffusion_model.single_stream_modulation.lin.weight"]),
 ])
 def test_each_family_single_file_is_detected_from_its_keys(family, keys, tmp_path):
     assert detect_family(_single_file(tmp_path / "model.safetensors", *keys)) == family

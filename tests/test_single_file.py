@@ -231,6 +231,8 @@ _CLASSES = {
             "text_encoder_2": "transformers.CLIPTextModelWithProjection", "text_encoder_3": "transformers.T5EncoderModel"},
     "chroma": {"transformer": "diffusers.ChromaTransformer2DModel", "vae": "diffusers.AutoencoderKL",
                "text_encoder": "transformers.T5EncoderModel"},
+    "flux2": {"transformer": "diffusers.Flux2Transformer2DModel", "vae": "diffusers.AutoencoderKLFlux2",
+              "text_encoder": "transformers.Qwen3Model"},
 }
 
 

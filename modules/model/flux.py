@@ -134,9 +134,10 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
     label = "FLUX.1"
     pipeline_classes = ("FluxPipeline",)
     denoiser_config = {"_class_name": "FluxTransformer2DModel"}
-    # a Chroma file has the same blocks, and its distilled guidance layer (chroma.py)
+    # a Chroma file has the same blocks, and its distilled guidance layer (chroma.py); a FLUX.2 file
+    # its shared modulations (flux2.py)
     single_file_signature = (r"^(model\.diffusion_model\.)?double_blocks\.",
-                             r"^(model\.diffusion_model\.)?distilled_guidance_layer\.")
+                             r"^(model\.diffusion_model\.)?(distilled_guidance_layer|single_stream_modulation)\.")
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te1"),
         PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),

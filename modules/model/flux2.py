@@ -1,0 +1,284 @@
+"""FLUX.2 [klein] (black-forest-labs/FLUX.2-klein-4B, -9B and their -base models), as diffusers'
+Flux2KleinPipeline runs it:
+
+- text: a Qwen3 encoder reads the caption as a chat user turn (generation prompt, thinking off),
+  padded to 512 tokens; the hidden states after layers 9, 18 and 27 are stacked per token into one
+  3x-wide vector (`_get_qwen3_prompt_embeds`). The transformer sees every token, padding included
+  (the pipeline hands it no mask), so training does the same. Layers from the 28th on never reach
+  the output: they get no adapters (unreachable_prefixes).
+- latents: AutoencoderKLFlux2 (32 channels, 8x down) -> 2x2 patches as 128 channels
+  (`_patchify_latents`) -> normalised by the VAE's batch-norm running mean and variance (`bn`,
+  eps from the config). Each 128-channel position is one token (`_pack_latents`), with 4-axis
+  position ids (t, h, w, l): images (0, h, w, 0), text (0, 0, 0, l).
+- rectified flow: noisy = (1 - s) x + s noise, the transformer predicts noise - x from the
+  timestep s (the pipeline passes t / 1000). The sampler shifts its schedule by
+  `compute_empirical_mu(image tokens, steps)`; training draws logit-normal times shifted by that
+  mu at the pipeline's default 50 steps (loss.flow_shift sets a fixed shift instead).
+- guidance: [klein] has no guidance embedding; the base models sample with true CFG against the
+  empty prompt, the step-distilled ones (model_index `is_distilled`) without.
+
+FLUX.2 [dev] (Mistral-3 encoder, guidance embedding, Flux2Pipeline) is not covered here.
+Adapter key names: modules/model/keys/flux2.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import torch
+
+from modules.loading.diffusers_folder import ModelLoadError
+from modules.model.base import ModelFamily, PartSpec
+from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
+from modules.model.keys.flux2 import FLUX2_KEYS
+from modules.util.torch_utils import make_generator
+
+_DIT_ATTN = (r"^transformer\.transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|"
+             r"add_v_proj|to_add_out)$",
+             r"^transformer\.single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$")
+_DIT_MLP = (r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)$",
+            r"^transformer\.single_transformer_blocks\.\d+\.attn\.to_out$")
+_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"
+_TE_MLP = r"^text_encoder\..*\.mlp\.(gate_proj|up_proj|down_proj)$"
+
+# Flux2KleinPipeline's defaults: the Qwen3 hidden states it stacks, the steps its mu is computed for
+TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
+DEFAULT_SAMPLING_STEPS = 50
+
+
+def _text_encoder_key(key: str) -> str:
+    # the released encoder is a Qwen3ForCausalLM (`model.` level, lm_head); the Qwen3Model inside is enough
+    return key.removeprefix("model.")
+
+
+def _pipeline_class():
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline
+
+
+class Flux2Family(FlowMatchingTraining, ModelFamily):
+    name = "flux2"
+    label = "FLUX.2 [klein]"
+    pipeline_classes = ("Flux2KleinPipeline",)
+    denoiser_config = {"_class_name": "Flux2Transformer2DModel"}
+    # BFL's transformer file: the shared modulations (diffusers' own FLUX.2 key, single_file_utils);
+    # FLUX.2 [dev]'s has a guidance embedder too, and is not this family's
+    single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.",
+                             r"^(model\.diffusion_model\.)?guidance_in\.")
+    part_specs = (
+        PartSpec("text_encoder", "text_encoder", "lora_te"),
+        PartSpec("transformer", "transformer", "lora_unet", default_train=True),
+        PartSpec("vae", "vae", None),
+    )
+    bucket_quantum = 64
+    kohya_base_version = "flux2"
+    key_layout = FLUX2_KEYS
+    layer_presets = {
+        "attn": ([*_DIT_ATTN, _TE_ATTN], False),
+        "attn-mlp": ([*_DIT_ATTN, *_DIT_MLP, _TE_ATTN, _TE_MLP], False),
+        "all-linear": ([r"^(transformer|text_encoder)\."], False),
+        "all": ([r"^(transformer|text_encoder)\."], True),
+    }
+    denoiser_part = "transformer"
+    # FLUX.2-klein-4B: Qwen3-4B without lm_head, 5 double and 20 single blocks at 3072 wide, the 32-channel VAE
+    nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 3_875_544_576, "vae": 84_046_115}
+    text_parts = ("text_encoder",)
+    image_parts = ("vae",)
+    # the shared modulations make every block's shift/scale/gate (FLUX.1 keeps its per-block ones dense)
+    quantize_skip_patterns = {"transformer": (r"^(double_stream_modulation_img|double_stream_modulation_txt|"
+                                              r"single_stream_modulation)\.",)}
+
+    def load(self) -> None:
+        from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+        from transformers import AutoTokenizer, Qwen3Model
+
+        self.parts["text_encoder"] = self.load_part("text_encoder", Qwen3Model, rename=_text_encoder_key,
+                                                    ignore_unexpected=[r"^lm_head\."])
+        self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
+        self.parts["vae"] = self.load_part("vae", AutoencoderKLFlux2)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
+        self.load_flow_scheduler()
+        self.is_distilled = self._read_is_distilled()
+
+    def _read_is_distilled(self) -> bool:
+        # model_index.json says whether the model is step-distilled (no CFG); a single file: base
+        index = self.support_folder("scheduler").parent / "model_index.json"
+        if not index.is_file():
+            return False
+        return bool(json.loads(index.read_text(encoding="utf-8")).get("is_distilled", False))
+
+    def part_folder(self, part: str):
+        # a single transformer file is built from the shipped config of the size it holds: klein 4B
+        # (`transformer/`) or 9B (`transformer_klein_9b/`), told apart by the file's double-block count
+        folder = super().part_folder(part)
+        if part != "transformer" or not self.from_single_file(part):
+            return folder
+        try:
+            keys = self.single_file_stream().keys()
+        except ModelLoadError:  # an unreadable file: the load itself says so, naming it
+            return folder
+        double = {int(m.group(1)) for k in keys if (m := re.search(r"double_blocks\.(\d+)\.", k))}
+        for candidate in sorted(folder.parent.glob("transformer*/config.json")):
+            if json.loads(candidate.read_text(encoding="utf-8"))["num_layers"] == max(double, default=-1) + 1:
+                return candidate.parent
+        return folder
+
+    def single_file_part(self, part: str):
+        # BFL ships the transformer as one original-layout file (ComfyUI's under model.diffusion_model.)
+        from diffusers.loaders import single_file_utils as convert
+
+        from modules.loading.single_file import SingleFilePart
+
+        if part != "transformer":
+            return None
+        return SingleFilePart(
+            ("model.diffusion_model.", "double_blocks.", "single_blocks.", "img_in.", "txt_in.", "time_in.",
+             "guidance_in.", "double_stream_modulation_img.", "double_stream_modulation_txt.",
+             "single_stream_modulation.", "final_layer."),
+            lambda sd, model: convert.convert_flux2_transformer_checkpoint_to_diffusers(
+                {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}))
+
+    @property
+    def modelspec_architecture(self) -> str:  # the size named, as musubi-tuner's Flux.2-klein-4b / -9b
+        return f"flux-2-klein-{'9b' if self.transformer.config.num_layers == 8 else '4b'}/lora"
+
+    @property
+    def transformer(self):
+        return self.parts["transformer"]
+
+    @property
+    def max_sequence_length(self) -> int:
+        return min(self.tokenizer.model_max_length, 512)
+
+    def checkpoint_blocks(self, part: str) -> list[torch.nn.Module]:
+        if part == "transformer":
+            return [*self.transformer.transformer_blocks, *self.transformer.single_transformer_blocks]
+        if part == "text_encoder":
+            return list(self.parts[part].layers)
+        return []
+
+    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+        # hidden_states[k] is what layer k-1 outputs: layers from max(out layers) on are never read
+        if part != "text_encoder":
+            return ()
+        return tuple(f"layers.{i}." for i in range(max(TEXT_ENCODER_OUT_LAYERS), len(self.parts[part].layers)))
+
+    # --- data --------------------------------------------------------------------------------
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """(B, 3, H, W) -> the (B, 128, H/16, W/16) patchified, batch-norm-normalised latents
+        (Flux2KleinPipeline._encode_vae_image, with the distribution's mean so a cache is stable)."""
+        vae = self.parts["vae"]
+        latents = vae.encode(pixels.to(self.compute_dtype("vae"))).latent_dist.mean
+        latents = _pipeline_class()._patchify_latents(latents)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(latents)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(latents)
+        return (latents - mean) / std
+
+    def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        # as Flux2KleinPipeline._get_qwen3_prompt_embeds: a user turn, generation prompt, thinking off
+        prompts = [self.tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                                      add_generation_prompt=True, enable_thinking=False)
+                   for caption in captions]
+        tokens = self.tokenizer(prompts, padding="max_length", max_length=self.max_sequence_length,
+                                truncation=True, return_tensors="pt")
+        return {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
+
+    def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        encoder = self.parts["text_encoder"]
+        output = encoder(input_ids=tokens["input_ids"].to(encoder.device),
+                         attention_mask=tokens["attention_mask"].to(encoder.device),
+                         output_hidden_states=True, use_cache=False)
+        stacked = torch.stack([output.hidden_states[k] for k in TEXT_ENCODER_OUT_LAYERS], dim=2)  # (B, L, 3, D)
+        return {"hidden_states": stacked.flatten(2)}
+
+    # --- training ----------------------------------------------------------------------------
+
+    def sequence_length(self, latents: torch.Tensor) -> int:
+        return latents.shape[-2] * latents.shape[-1]  # already 2x2 patches: one token per position
+
+    def sample_sigmas(self, batch: int, sequence_length: int, generator: torch.Generator) -> torch.Tensor:
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        unit = self.training_times(batch, generator)
+        if self.config.loss.flow_shift is not None:
+            return flow_sigmas({}, unit, sequence_length, self.config.loss.flow_shift)
+        # the scheduler's exponential time shift by the pipeline's mu (FlowMatchEulerDiscreteScheduler.time_shift)
+        mu = compute_empirical_mu(sequence_length, DEFAULT_SAMPLING_STEPS)
+        return math.exp(mu) / (math.exp(mu) + (1 / unit - 1))
+
+    def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer's velocity prediction for (B, 128, h, w) latents at `sigmas`."""
+        pipeline = _pipeline_class()
+        dtype = self.compute_dtype("transformer")
+        batch, channels, height, width = noisy.shape
+        hidden = text["hidden_states"].to(noisy.device, dtype)
+        out = self.transformer(
+            hidden_states=pipeline._pack_latents(noisy).to(dtype), encoder_hidden_states=hidden,
+            timestep=sigmas.to(noisy.device, dtype), img_ids=pipeline._prepare_latent_ids(noisy).to(noisy.device),
+            txt_ids=pipeline._prepare_text_ids(hidden).to(noisy.device), guidance=None, return_dict=False,
+        )[0]
+        return out.permute(0, 2, 1).reshape(batch, channels, height, width)  # _pack_latents undone
+
+    # --- sampling ----------------------------------------------------------------------------
+
+    def pipeline(self):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        pipe = _pipeline_class()(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config),
+            vae=self.parts["vae"], text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
+            transformer=self.transformer, is_distilled=getattr(self, "is_distilled", False),
+        )
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def _prompt_embeds(self, prompt: str, device) -> torch.Tensor:
+        # encoded as training encodes (the same facts as the pipeline's _get_qwen3_prompt_embeds, tested),
+        # so the live Qwen3 with its adapters conditions the sample; on the sampling device: the
+        # pipeline moves only prompts it encodes itself
+        return self.encode_text(self.tokenize([prompt]))["hidden_states"].to(device)
+
+    def run_sampling_pipeline(self, prompt, device):
+        return self.pipeline()(
+            prompt_embeds=self._prompt_embeds(prompt.prompt, device),
+            negative_prompt_embeds=self._prompt_embeds(prompt.negative_prompt or "", device),
+            num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
+            generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length,
+        ).images[0]
+
+    # --- adapters: what other tools do with the files (the key layout itself: keys/flux2.py) -----
+
+    # original layers diffusers' kohya-FLUX.2 converter has no rule for (it warns and drops them)
+    _KOHYA_UNREAD = ("double_stream_modulation_", "single_stream_modulation.", "time_guidance_embed.guidance_embedder.",
+                     "norm_out.linear")
+
+    def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        if part == "text_encoder":
+            return ("Flux2KleinPipeline.load_lora_weights loads the transformer's adapters only "
+                    "(model.parts.text_encoder.train)")
+        if stacked and module_name.startswith(self._KOHYA_UNREAD):
+            return ("its kohya FLUX.2 converter has no rule for the modulation, guidance and final adaLN layers "
+                    "(adapter.layer_preset 'attn' or 'attn-mlp' avoids them; output.format 'diffusers' keeps them)")
+        return None
+
+    def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
+        # LoHa/LoKr/OFT/DoRA do not stack q/k/v; a module that is a whole original layer keeps its name
+        if part != "transformer":
+            return None
+        cached = getattr(self, "_whole_layers", None)  # (the transformer it was built for, member -> stem)
+        if cached is None or cached[0] is not self.transformer:
+            cached = self._whole_layers = (self.transformer, {
+                layer.members[0]: layer.stem for layer in self.original_layers(part) if len(layer.members) == 1})
+        return cached[1].get(module_name)
+
+    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
+        whole = self.unstacked_kohya_stem(part, module_name)
+        return (*super().other_stems(part, module_name), *((whole,) if whole else ()))
+
+    def file_layout(self, fmt: str) -> str:
+        # ComfyUI maps `lora_unet_<original name>` for every weight: a `comfy` file is the kohya one
+        return "kohya" if fmt == "comfy" else fmt

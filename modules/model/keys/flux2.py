@@ -1,0 +1,60 @@
+"""FLUX.2 adapter keys (the whole story: modules/model/flux2.py's docstring).
+
+- kohya: the transformer's LoRA on the original (BFL) layers, `lora_unet_<original layer with _>`:
+  `lora_unet_double_blocks_0_img_attn_qkv` (q/k/v stacked, formats/fused.py), `..._img_mlp_0`,
+  `lora_unet_single_blocks_0_linear1` (one diffusers module there: to_qkv_mlp_proj), the shared
+  modulations `lora_unet_double_stream_modulation_img_lin`, ... Sources: the original names are
+  those diffusers' `convert_flux2_transformer_checkpoint_to_diffusers` (single_file_utils) renames;
+  diffusers' `_convert_kohya_flux2_lora_to_diffusers` (lora_conversion_utils) reads these stems for
+  the blocks, img_in, txt_in, time_in and final_layer_linear (not the modulations, guidance_in or
+  the final adaLN: Flux2Family.diffusers_skips_key); ComfyUI's comfy/lora.py `model_lora_keys_unet`
+  maps `lora_unet_<original weight name with _>` for every weight of the diffusion model.
+- other algorithms (no stacking): a module that is a whole original layer keeps that layer's name
+  (Flux2Family.unstacked_kohya_stem); q/k/v members `lora_transformer_<module>`.
+- the Qwen3 encoder: `lora_te_<module>` (as Z-Image's Qwen3, keys/z_image.py: ComfyUI maps a single
+  llama-style encoder under lora_te_); diffusers' Flux2 loader reads transformer adapters only.
+- comfy: the kohya layout (Flux2Family.file_layout).
+- diffusers: `transformer.<module>`, `text_encoder.<module>` (Flux2LoraLoaderMixin).
+"""
+
+from __future__ import annotations
+
+from modules.model.keys.layout import FusedLayer, KeyLayout, OriginalLayout
+
+FLUX2_TRANSFORMER_LAYERS = OriginalLayout(
+    prefix="lora_unet",
+    top=(
+        FusedLayer("img_in", ("x_embedder",)),
+        FusedLayer("txt_in", ("context_embedder",)),
+        FusedLayer("final_layer_linear", ("proj_out",)),
+        # the original stores (shift, scale), diffusers (scale, shift): the converter swaps them
+        FusedLayer("final_layer_adaLN_modulation_1", ("norm_out.linear",), swap_halves=True),
+        *(FusedLayer(f"{source}_{layer}", (f"time_guidance_embed.{target}.{linear}",))
+          for source, target in (("time_in", "timestep_embedder"), ("guidance_in", "guidance_embedder"))
+          for layer, linear in (("in_layer", "linear_1"), ("out_layer", "linear_2"))),
+        *(FusedLayer(f"{name}_lin", (f"{name}.linear",))
+          for name in ("double_stream_modulation_img", "double_stream_modulation_txt", "single_stream_modulation")),
+    ),
+    blocks={
+        "transformer_blocks": (
+            FusedLayer("double_blocks_{i}_img_attn_qkv", ("{block}.attn.to_q", "{block}.attn.to_k", "{block}.attn.to_v")),
+            FusedLayer("double_blocks_{i}_txt_attn_qkv",
+                       ("{block}.attn.add_q_proj", "{block}.attn.add_k_proj", "{block}.attn.add_v_proj")),
+            FusedLayer("double_blocks_{i}_img_attn_proj", ("{block}.attn.to_out.0",)),
+            FusedLayer("double_blocks_{i}_txt_attn_proj", ("{block}.attn.to_add_out",)),
+            FusedLayer("double_blocks_{i}_img_mlp_0", ("{block}.ff.linear_in",)),
+            FusedLayer("double_blocks_{i}_img_mlp_2", ("{block}.ff.linear_out",)),
+            FusedLayer("double_blocks_{i}_txt_mlp_0", ("{block}.ff_context.linear_in",)),
+            FusedLayer("double_blocks_{i}_txt_mlp_2", ("{block}.ff_context.linear_out",)),
+        ),
+        "single_transformer_blocks": (
+            FusedLayer("single_blocks_{i}_linear1", ("{block}.attn.to_qkv_mlp_proj",)),
+            FusedLayer("single_blocks_{i}_linear2", ("{block}.attn.to_out",)),
+        ),
+    },
+)
+
+FLUX2_KEYS = KeyLayout(
+    comfyui_skips={"text_encoder": (None, "it reads Qwen3 adapters only under lora_te_ or text_encoders. names")},
+    original_layers={"transformer": FLUX2_TRANSFORMER_LAYERS},
+)

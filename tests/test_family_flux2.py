@@ -1,0 +1,315 @@
+"""FLUX.2 [klein] on a tiny offline model: the family's text and latent encodings equal
+Flux2KleinPipeline's own, training learns (transformer and Qwen3), the saved files load in
+`Flux2KleinPipeline.load_lora_weights` with every adapter used and compute what the trainer's
+hooked model computes, blocks run in the listed order, the single original-layout transformer
+file loads the folder's tensors, quantized and offloaded training work, and sampling draws an image."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import fixed_loss, train_config
+
+from modules.adapters.adapter_set import build_adapter_set
+from modules.adapters.formats.files import save_adapter_file
+from modules.config.train_config import AdapterConfig
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2(tiny_family_model):
+    return tiny_family_model("flux2")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, tiny_flux2, shape_images):
+    from modules.model.flux2 import Flux2Family
+
+    family = Flux2Family(train_config(tiny_flux2, shape_images, tmp_path_factory.mktemp("flux2"),
+                                      {"model": {"family": "flux2"}}))
+    family.load()
+    return family
+
+
+@pytest.fixture(scope="module")
+def pipe(tiny_flux2):
+    from diffusers import Flux2KleinPipeline
+
+    return Flux2KleinPipeline.from_pretrained(str(tiny_flux2), local_files_only=True)
+
+
+def test_flux2_trains_the_transformer_and_qwen3_and_the_loss_falls(tmp_path, tiny_flux2, one_image):
+    from safetensors import safe_open
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_flux2, one_image, tmp_path, {
+        "model": {"family": "flux2", "parts": {"transformer": {"gradient_checkpointing": True},
+                                               "text_encoder": {"train": True}}},
+        "adapter": {"layer_preset": "all-linear"}, "schedule": {"epochs": 20, "batch_size": 1},
+        "optimizer": {"lr": 1.5e-2},
+    })
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert "text_encoder.layers.27.self_attn.q_proj" in trainer.adapters.left_out  # never read: no adapter
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()  # the first step's guard checks every adapter, Qwen3's too, learned
+    after = fixed_loss(trainer, draws=8)
+    path = trainer.end()
+    assert after < before * 0.8, (before, after)
+    with safe_open(str(path), "pt") as file:
+        keys = list(file.keys())
+        assert file.metadata()["ss_base_model_version"] == "flux2"
+        assert file.metadata()["modelspec.architecture"] == "flux-2-klein-4b/lora"
+    for stem in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_mlp_0",
+                 "lora_unet_single_blocks_1_linear1", "lora_unet_single_blocks_1_linear2",
+                 "lora_unet_double_stream_modulation_img_lin", "lora_te_layers_26_self_attn_q_proj"):
+        assert f"{stem}.lora_down.weight" in keys, stem
+
+
+def test_encodings_are_the_pipelines(family, pipe):
+    """Stacked Qwen3 layers 9/18/27 of the chat-templated prompt, and the patchified latents
+    normalised by the VAE's batch-norm statistics, as Flux2KleinPipeline computes them."""
+    captions = ["a red circle", "a blue square on green"]
+    ours = family.encode_text(family.tokenize(captions))["hidden_states"]
+    with torch.no_grad():
+        theirs = pipe._get_qwen3_prompt_embeds(pipe.text_encoder, pipe.tokenizer, captions,
+                                               max_sequence_length=family.max_sequence_length)
+    assert ours.shape == theirs.shape == (2, family.max_sequence_length, family.transformer.config.joint_attention_dim)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+    pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    with torch.no_grad():
+        latents = family.encode_images(pixels)
+        expected = pipe._encode_vae_image(pixels, generator=None)
+    assert latents.shape == (1, 32, 16, 16)
+    assert torch.allclose(latents, expected, atol=1e-6)
+
+
+def test_predict_targets_the_flow_at_the_pipelines_shift(family):
+    import math
+
+    from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+    latents = torch.randn(2, 32, 8, 12, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.tokenize(["a", "b"]))
+    with torch.no_grad():
+        prediction, target, *_ = family.predict(latents, text, torch.Generator().manual_seed(3))
+    assert prediction.shape == latents.shape
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(target, noise - latents)
+    # the median draw (logit-normal around 0.5) sits where the pipeline's mu for 8x12 tokens puts it
+    unit = torch.full((1,), 0.5)
+    mu = compute_empirical_mu(96, 50)
+    family.training_times = lambda batch, generator: unit
+    try:
+        sigma = family.sample_sigmas(1, family.sequence_length(latents), torch.Generator())
+    finally:
+        del family.training_times
+    assert math.isclose(sigma.item(), math.exp(mu) / (math.exp(mu) + 1), rel_tol=1e-6)
+
+
+def _perturbed(family, parts, **options):
+    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
+                                 torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in adapters.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return adapters
+
+
+def _prediction(family, transformer):
+    latents = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
+    original = family.parts["transformer"]
+    family.parts["transformer"] = transformer
+    try:
+        with torch.no_grad():
+            text = family.encode_text(family.tokenize(["a red circle on a blue background"]))
+            return family.denoise(latents, torch.tensor([0.5]), text)
+    finally:
+        family.parts["transformer"] = original
+
+
+@pytest.mark.parametrize(("fmt", "preset"), [("diffusers", "all-linear"), ("kohya", "attn-mlp")])
+def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt, preset):
+    """The saved file loads in Flux2KleinPipeline with no adapter left out (the diffusers file on
+    every Linear layer, the kohya one with q/k/v stacked on the original layers) and computes what
+    the trainer computes."""
+    from peft.tuners.lora import LoraLayer
+
+    from modules.adapters.formats.files import format_warnings
+
+    adapters = _perturbed(family, ["transformer"], layer_preset=preset)
+    try:
+        path = tmp_path / f"flux2-{fmt}.safetensors"
+        save_adapter_file(path, adapters, family, fmt, torch.float32, {})
+        ours, count = _prediction(family, family.transformer), len(adapters)
+        assert not format_warnings(fmt, adapters, family)
+    finally:
+        adapters.unhook()
+    plain = _prediction(family, family.transformer)
+    pipe.load_lora_weights(str(path))
+    try:
+        assert sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules()) == count
+        theirs = _prediction(family, pipe.transformer)
+    finally:
+        pipe.unload_lora_weights()
+    assert (ours - plain).abs().max() > 1e-3
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_run_says_which_adapters_diffusers_drops(family):
+    from modules.adapters.formats.files import format_warnings
+
+    adapters = _perturbed(family, ["transformer", "text_encoder"], layer_preset="all-linear")
+    try:
+        said = [w for w in format_warnings("kohya", adapters, family) if "diffusers' load_lora_weights" in w]
+    finally:
+        adapters.unhook()
+    assert len(said) == 2, said
+    assert any("model.parts.text_encoder.train" in w for w in said)
+    assert any("modulation" in w and "will not load 4 " in w for w in said), said  # 3 modulations, final adaLN
+
+
+def test_the_blocks_run_in_the_listed_order(family):
+    from family_cross import blocks_run_in_listed_order
+
+    transformer = family.transformer
+    assert family.checkpoint_blocks("transformer") == [*transformer.transformer_blocks,
+                                                       *transformer.single_transformer_blocks]
+    latents = torch.randn(1, 32, 8, 8)
+    text = family.encode_text(family.tokenize(["a"]))
+    blocks_run_in_listed_order(family, "transformer", lambda: family.denoise(latents, torch.tensor([0.5]), text))
+    blocks_run_in_listed_order(family, "text_encoder", lambda: family.encode_text(family.tokenize(["a"])))
+
+
+def _transformer_to_original(state: dict) -> dict:
+    """diffusers Flux2Transformer2DModel keys -> BFL's layout (the inverse of diffusers'
+    convert_flux2_transformer_checkpoint_to_diffusers, written from its rename tables)."""
+    top = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+           "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
+           "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+           "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
+           "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
+           "single_stream_modulation.linear": "single_stream_modulation.lin"}
+    double = {"attn.norm_q": "img_attn.norm.query_norm", "attn.norm_k": "img_attn.norm.key_norm",
+              "attn.to_out.0": "img_attn.proj", "ff.linear_in": "img_mlp.0", "ff.linear_out": "img_mlp.2",
+              "attn.norm_added_q": "txt_attn.norm.query_norm", "attn.norm_added_k": "txt_attn.norm.key_norm",
+              "attn.to_add_out": "txt_attn.proj", "ff_context.linear_in": "txt_mlp.0",
+              "ff_context.linear_out": "txt_mlp.2"}
+    single = {"attn.to_qkv_mlp_proj": "linear1", "attn.to_out": "linear2", "attn.norm_q": "norm.query_norm",
+              "attn.norm_k": "norm.key_norm"}
+    out = {}
+    for key, tensor in state.items():
+        module, _, kind = key.rpartition(".")
+        if module == "norm_out.linear":  # diffusers (scale, shift), BFL (shift, scale)
+            out[f"final_layer.adaLN_modulation.1.{kind}"] = torch.cat(tensor.chunk(2)[::-1])
+        elif module in top:
+            out[f"{top[module]}.{kind}"] = tensor
+        elif module.startswith(("transformer_blocks.", "single_transformer_blocks.")):
+            stack, index, inner = module.split(".", 2)
+            if inner in ("attn.to_k", "attn.to_v", "attn.add_k_proj", "attn.add_v_proj"):
+                continue  # stacked with their q below
+            is_double = stack == "transformer_blocks"
+            prefix = f"{'double' if is_double else 'single'}_blocks.{index}"
+            kind = "scale" if "norm" in inner else kind
+            if inner in ("attn.to_q", "attn.add_q_proj"):
+                names = (("attn.to_q", "attn.to_k", "attn.to_v") if inner == "attn.to_q"
+                         else ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"))
+                stream = "img" if inner == "attn.to_q" else "txt"
+                out[f"{prefix}.{stream}_attn.qkv.{kind}"] = torch.cat([state[f"{module.rsplit('.', 1)[0]}.{n.split('.')[-1]}.{kind}"]
+                                                                       for n in names])
+            else:
+                out[f"{prefix}.{(double if is_double else single)[inner]}.{kind}"] = tensor
+        else:
+            raise KeyError(key)
+    return out
+
+
+def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family):
+    from safetensors.torch import load_file, save_file
+
+    from modules.model.detect import detect_family
+    from modules.model.flux2 import Flux2Family
+
+    folder = load_file(str(next((tiny_flux2 / "transformer").glob("*.safetensors"))))
+    original = {"model.diffusion_model." + k: v.contiguous() for k, v in _transformer_to_original(folder).items()}
+    assert "model.diffusion_model.double_blocks.0.img_attn.qkv.weight" in original
+    save_file(original, str(tmp_path / "flux2.safetensors"))
+    assert detect_family(tmp_path / "flux2.safetensors") == "flux2"  # not FLUX.1, whose block names it shares
+    assert detect_family(tiny_flux2) == "flux2"
+    # as BFL ships klein: the transformer file; the Qwen3 encoder and the VAE as folders
+    config = train_config(tmp_path / "flux2.safetensors", shape_images, tmp_path, {"model": {
+        "family": "flux2", "parts": {"text_encoder": {"path": str(tiny_flux2 / "text_encoder")},
+                                     "vae": {"path": str(tiny_flux2 / "vae")}}}})
+    from_file = Flux2Family(config)
+    from_file.model_configs_dir = tiny_flux2  # the tiny model's part configs
+    from_file.load()
+    for part, module in family.parts.items():
+        ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
+        assert set(ours) == set(theirs), part
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), part
+
+
+def test_sample_draws_an_image_from_the_live_modules(family):
+    from modules.config.train_config import SamplePromptConfig
+
+    prompt = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=2.0, width=64,
+                                height=64, seed=3)
+    image = family.sample(prompt, torch.device("cpu"))
+    assert image.size == (64, 64)
+    assert image.getextrema() != ((0, 0), (0, 0), (0, 0))
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_a_quantized_transformer_trains(tmp_path, tiny_flux2, one_image, mode):
+    from family_cross import initializes_and_steps
+
+    initializes_and_steps(tiny_flux2, one_image, tmp_path, "flux2", "transformer", mode, dora=False)
+
+
+def test_the_shared_modulations_stay_dense(tmp_path, tiny_flux2, shape_images):
+    from modules.model.flux2 import Flux2Family
+
+    family = Flux2Family(train_config(tiny_flux2, shape_images, tmp_path, {"model": {
+        "family": "flux2", "parts": {"transformer": {"weight_dtype": "float8"}}}}), {"transformer": "float8"})
+    family.load()
+    report = family.quantization_reports["transformer"]
+    modulations = [n for n, m in family.transformer.named_modules()
+                   if "stream_modulation" in n and isinstance(m, torch.nn.Linear)]
+    assert len(modulations) == 3 and all(n in report.skipped for n in modulations)
+    assert any(n.startswith("transformer_blocks.") for n in report.quantized)
+
+
+def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_flux2, one_image):
+    from family_cross import offloaded_training_matches
+
+    offloaded_training_matches(tiny_flux2, one_image, tmp_path, "flux2", "transformer", fake_device)
+
+
+def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
+    """klein 4B and 9B transformer files pick their shipped config by the double-block count (the 9B
+    one builds the released 9.08 B parameters); a FLUX.2 [dev] file (guidance embedder) is not claimed."""
+    from accelerate import init_empty_weights
+    from diffusers import Flux2Transformer2DModel
+    from safetensors.torch import save_file
+
+    from modules.model.detect import detect_model
+    from modules.model.flux2 import Flux2Family
+
+    def file(name, double, *more):
+        keys = [f"model.diffusion_model.double_blocks.{i}.img_attn.qkv.weight" for i in range(double)]
+        keys += ["model.diffusion_model.single_stream_modulation.lin.weight", *more]
+        save_file({key: torch.zeros(1) for key in keys}, str(tmp_path / name))
+        return tmp_path / name
+
+    folders = {}
+    for name, double in (("klein-4b.safetensors", 5), ("klein-9b.safetensors", 8)):
+        family = Flux2Family(train_config(file(name, double), shape_images, tmp_path, {"model": {
+            "family": "flux2", "parts": {"text_encoder": {"path": str(tmp_path)}, "vae": {"path": str(tmp_path)}}}}))
+        folders[double] = family.part_folder("transformer")
+    assert (folders[5].name, folders[8].name) == ("transformer", "transformer_klein_9b")
+    with init_empty_weights():
+        model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folders[8])))
+    assert sum(p.numel() for p in model.parameters()) == 9_078_581_248
+    dev = detect_model(file("dev.safetensors", 8, "model.diffusion_model.guidance_in.in_layer.weight"))
+    assert dev.family is None and "flux-2-dev" in dev.kind  # diffusers names it
