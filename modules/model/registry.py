@@ -18,6 +18,7 @@ _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
     "z_image": ("modules.model.z_image", "ZImageFamily"),
     "sd3": ("modules.model.sd3", "SD3Family"),
     "chroma": ("modules.model.chroma", "ChromaFamily"),
+    "qwen_image": ("modules.model.qwen_image", "QwenImageFamily"),
 }
 
 
