@@ -154,6 +154,14 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
             return list(self.parts[part].layers)
         return []
 
+    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+        # the last block's text stream feeds nothing after it (only the image tokens reach proj_out):
+        # its text queries, text attention output and text MLP never reach the loss
+        if part != "transformer":
+            return super().unreachable_prefixes(part)
+        last = f"transformer_blocks.{len(self.transformer.transformer_blocks) - 1}."
+        return tuple(last + name for name in ("attn.add_q_proj", "attn.norm_added_q", "attn.to_add_out", "txt_mlp."))
+
     # --- data --------------------------------------------------------------------------------
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
