@@ -211,6 +211,9 @@ def _single_file(path: Path, *keys: str) -> Path:
     ("sd3", ["model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight", "first_stage_model.encoder.conv_in.weight"]),
     # FLUX's blocks and the distilled guidance layer
     ("chroma", ["double_blocks.0.img_attn.qkv.weight", "distilled_guidance_layer.in_proj.weight"]),
+    # diffusers' names (ComfyUI's qwen_image_*.safetensors), bare or under model.diffusion_model.
+    ("qwen_image", ["transformer_blocks.0.img_mod.1.weight", "txt_in.weight"]),
+    ("qwen_image", ["model.diffusion_model.transformer_blocks.0.img_mod.1.weight"]),
 ])
 def test_each_family_single_file_is_detected_from_its_keys(family, keys, tmp_path):
     assert detect_family(_single_file(tmp_path / "model.safetensors", *keys)) == family

@@ -231,6 +231,8 @@ _CLASSES = {
             "text_encoder_2": "transformers.CLIPTextModelWithProjection", "text_encoder_3": "transformers.T5EncoderModel"},
     "chroma": {"transformer": "diffusers.ChromaTransformer2DModel", "vae": "diffusers.AutoencoderKL",
                "text_encoder": "transformers.T5EncoderModel"},
+    "qwen_image": {"transformer": "diffusers.QwenImageTransformer2DModel", "vae": "diffusers.AutoencoderKLQwenImage",
+                   "text_encoder": "transformers.Qwen2_5_VLTextModel"},
 }
 
 
