@@ -280,3 +280,21 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
                           atol=1e-6)
     monkeypatch.setattr(qwen, "apply_rotary_emb_qwen", _rope_in_real_arithmetic)
     offloaded_training_matches(tiny_qwen_image, one_image, tmp_path, "qwen_image", "transformer", fake_device)
+
+
+def test_a_fine_tune_freezes_the_last_blocks_text_stream_and_trains(tmp_path, tiny_qwen_image, one_image):
+    """The last block's text queries, text attention output and text MLP reach no loss: a fine-tune
+    leaves them frozen (the first-step guard would stop the run otherwise) and trains the rest."""
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_qwen_image, one_image, tmp_path, {
+        "model": {"family": "qwen_image", "parts": {"transformer": {"weight_dtype": "float32"}}},
+        "method": {"type": "fine_tune", "save_format": "diffusers"}, "optimizer": {"lr": 1e-4},
+        "schedule": {"max_steps": 1, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()  # the guard checks every trainable weight moved
+    blocks = trainer.family.transformer.transformer_blocks
+    assert trainer.step == 1
+    assert not blocks[-1].txt_mlp.net[2].weight.requires_grad and not blocks[-1].attn.add_q_proj.weight.requires_grad
+    assert blocks[-1].attn.add_k_proj.weight.requires_grad and blocks[0].txt_mlp.net[2].weight.requires_grad
