@@ -70,7 +70,7 @@ def test_predict_targets_the_flow_and_the_embeddings_are_the_pipelines(family, t
     text = family.encode_text(family.tokenize(captions))
     pipe = QwenImagePipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=family.tokenizer,
                              transformer=None)
-    pipe.text_encoder = _as_vl_model(family, tiny_qwen_image)
+    pipe.text_encoder = _as_vl_model(tiny_qwen_image)
     with torch.no_grad():
         embeds, mask = pipe.encode_prompt(captions, device=torch.device("cpu"),
                                           max_sequence_length=family.max_sequence_length)
@@ -87,7 +87,7 @@ def test_predict_targets_the_flow_and_the_embeddings_are_the_pipelines(family, t
     assert torch.allclose(target, noise - latents)
 
 
-def _as_vl_model(family, folder):
+def _as_vl_model(folder):
     """The released text encoder class read from the tiny folder (what the pipeline itself runs)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
