@@ -142,14 +142,23 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_qwen_image, tmp
     from diffusers import QwenImagePipeline
     from peft.tuners.lora import LoraLayer
 
+    from modules.adapters.formats.files import load_adapter_file
+
     adapters = _perturbed(family, ["transformer"], layer_preset="all-linear")
     try:
         path = tmp_path / f"qwen-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
-        ours, count = _prediction(family, family.transformer), len(adapters)
+        ours, count, state = _prediction(family, family.transformer), len(adapters), adapters.state_dict()
         assert not format_warnings(fmt, adapters, family)
     finally:
         adapters.unhook()
+    again = build_adapter_set(family, AdapterConfig(rank=4, alpha=2, layer_preset="all-linear"), ["transformer"],
+                              torch.device("cpu"))
+    try:  # and the file reads back into the trainer's adapters
+        load_adapter_file(path, again, family)
+        assert all(torch.allclose(tensor, state[key], atol=1e-7) for key, tensor in again.state_dict().items())
+    finally:
+        again.unhook()
     plain = _prediction(family, family.transformer)
     pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image), local_files_only=True)
     pipe.load_lora_weights(str(path))
