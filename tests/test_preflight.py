@@ -214,6 +214,9 @@ def _single_file(path: Path, *keys: str) -> Path:
     # FLUX's block names and the shared modulations
     ("flux2", ["model.diffusion_model.double_blocks.0.img_attn.qkv.weight",
                "model.diffusion_model.single_stream_modulation.lin.weight"]),
+    # diffusers' names (ComfyUI's qwen_image_*.safetensors), bare or under model.diffusion_model.
+    ("qwen_image", ["transformer_blocks.0.img_mod.1.weight", "txt_in.weight"]),
+    ("qwen_image", ["model.diffusion_model.transformer_blocks.0.img_mod.1.weight"]),
 ])
 def test_each_family_single_file_is_detected_from_its_keys(family, keys, tmp_path):
     assert detect_family(_single_file(tmp_path / "model.safetensors", *keys)) == family

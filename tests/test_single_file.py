@@ -233,6 +233,8 @@ _CLASSES = {
                "text_encoder": "transformers.T5EncoderModel"},
     "flux2": {"transformer": "diffusers.Flux2Transformer2DModel", "vae": "diffusers.AutoencoderKLFlux2",
               "text_encoder": "transformers.Qwen3Model"},
+    "qwen_image": {"transformer": "diffusers.QwenImageTransformer2DModel", "vae": "diffusers.AutoencoderKLQwenImage",
+                   "text_encoder": "transformers.Qwen2_5_VLTextModel"},
 }
 
 

@@ -59,9 +59,11 @@ class FineTuneMethod(TrainingMethod):
         for part in self.trained_parts():
             # a text encoder's weights after the hidden state the family reads never get a gradient
             reachable = reachable_text_weights(self.family, part) if part in self.family.text_parts else None
+            unreachable = self.family.unreachable_prefixes(part)  # e.g. a denoiser's last text-stream layers
             left_out = []
             for name, parameter in self.family.parts[part].named_parameters():
-                trains = reachable is None or id(parameter) in reachable
+                trains = (reachable is None or id(parameter) in reachable) and not (
+                    unreachable and name.startswith(unreachable))
                 parameter.requires_grad_(trains)
                 if trains:
                     self.named.append((f"{part}.{name}", parameter))

@@ -19,6 +19,7 @@ _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
     "sd3": ("modules.model.sd3", "SD3Family"),
     "chroma": ("modules.model.chroma", "ChromaFamily"),
     "flux2": ("modules.model.flux2", "Flux2Family"),
+    "qwen_image": ("modules.model.qwen_image", "QwenImageFamily"),
 }
 
 
