@@ -170,3 +170,20 @@ def test_a_fused_backward_is_refused_with_several_gpus(tiny_model, tmp_path):
 
     with pytest.raises(ConfigError, match=r"method\.fused_backward.*false"):
         train_config(tiny_model, tmp_path, tmp_path, {"method": {"type": "fine_tune"}, "distributed": {"gpus": 2}})
+
+
+def test_train_with_gpus_starts_itself_under_torchrun(tmp_path, tiny_model, shape_images, monkeypatch):
+    import launch
+    from modules.cli import multi_process
+
+    calls = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(multi_process.subprocess, "call", lambda command: calls.append(command) or 0)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(train_config(tiny_model, shape_images, tmp_path).model_dump_json())
+    argv = ["train", "--config", str(config_file), "--gpus", "2"]
+    assert launch.main(argv) == 0
+    [command] = calls
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert command[5].endswith("launch.py") and command[6:] == argv
+    assert not (tmp_path / "ws").exists()  # this process only waited for torchrun's
