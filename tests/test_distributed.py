@@ -187,3 +187,11 @@ def test_train_with_gpus_starts_itself_under_torchrun(tmp_path, tiny_model, shap
     assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert command[5].endswith("launch.py") and command[6:] == argv
     assert not (tmp_path / "ws").exists()  # this process only waited for torchrun's
+
+
+def test_gradient_buckets_keep_one_dtype_and_a_size_limit(monkeypatch):
+    from modules.trainer import distributed
+
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 40)
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(20)]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(tensors)] == [[4, 4], [4], [2], [20]]

@@ -62,15 +62,20 @@ class Ranks:
             dist.barrier()
 
     def average_gradients(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> float:
-        """Sum the ranks' share-weighted gradients and losses (one all-reduce per tensor, all in flight
-        together); the global loss back. A parameter without a gradient on this rank gets zeros, so
-        every rank reduces the same tensors in the same order."""
+        """Sum the ranks' share-weighted gradients and losses; the global loss back. The tensors go
+        in flat buckets of one dtype and device (one collective per bucket, not per tensor; at most
+        BUCKET_BYTES extra memory). A parameter without a gradient on this rank gets zeros, so every
+        rank reduces the same tensors in the same order."""
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-        tensors = [param.grad for param in params] + [loss_sum]
-        for handle in [dist.all_reduce(t, op=dist.ReduceOp.SUM, async_op=True) for t in tensors]:
-            handle.wait()
+        for bucket in _buckets([param.grad for param in params] + [loss_sum]):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            if flat.device.type != "cuda" and dist.get_backend() == "nccl":
+                flat = flat.to(self.flag_device)  # a gradient parked off the GPU (layer offloading)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for tensor, reduced in zip(bucket, flat.split([t.numel() for t in bucket])):
+                tensor.copy_(reduced.view_as(tensor))
         return float(loss_sum)
 
     def agree(self, stop: bool, actions: list[bool]) -> tuple[bool, list[bool]]:
@@ -94,6 +99,24 @@ class Ranks:
     def flag_device(self) -> torch.device:
         # NCCL reduces only CUDA tensors
         return torch.device("cuda", self.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def _buckets(tensors: list[torch.Tensor]):
+    """Consecutive runs of tensors of one dtype and device, each up to BUCKET_BYTES (or one tensor)."""
+    bucket, size = [], 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (tensor.dtype != bucket[0].dtype or tensor.device != bucket[0].device
+                       or size + nbytes > BUCKET_BYTES):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
 
 
 def join_process_group(train_device: str) -> Ranks:
