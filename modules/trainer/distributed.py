@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -102,6 +103,11 @@ class Ranks:
 
 
 BUCKET_BYTES = 64 * 1024 * 1024
+# how long a rank waits in a collective: the others wait at a barrier while rank 0 fills the caches
+# (hours for a large data set and model) and at the next step while it samples; torch's default
+# (10 minutes for NCCL, 30 for gloo) would end such a run. A crashed rank ends the run sooner:
+# torchrun stops the others when one exits.
+COLLECTIVE_TIMEOUT = timedelta(hours=6)
 
 
 def _buckets(tensors: list[torch.Tensor]):
@@ -129,7 +135,7 @@ def join_process_group(train_device: str) -> Ranks:
         cuda = _uses_cuda(train_device)
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
     return Ranks(rank, world, int(os.environ.get("LOCAL_RANK", str(rank))))
 
