@@ -2,7 +2,7 @@
 """difftrainer: one entry point for the desktop GUI (no arguments) and the CLI.
 
   python launch.py                      the desktop GUI (ui/app.py)
-  python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--protocol jsonl]
+  python launch.py train --config my.json [--preset NAME] [--set key=value ...] [--resume] [--gpus N] [--protocol jsonl]
   python launch.py cache --config my.json [--preset NAME] [--set key=value ...]
   python launch.py demo [--workspace DIR]
   python launch.py presets [list] | presets show NAME | presets save NAME [--preset P] [--config FILE]
@@ -61,6 +61,7 @@ def _usage_error(message: str):
 
 def cmd_train(args) -> int:
     from modules.cli.console import ConsoleCallbacks
+    from modules.cli.multi_process import OtherRankCallbacks, process_rank, run_under_torchrun, under_torchrun
     from modules.cli.train_command import (
         install_stop_signals,
         resolve_config,
@@ -72,16 +73,23 @@ def cmd_train(args) -> int:
 
     commands = TrainCommands()
     console = ConsoleCallbacks()
-    if args.protocol == "jsonl":
+    events = None
+    if under_torchrun() and process_rank() > 0:  # rank 0 reports and reads the commands (multi_process.py)
+        callbacks = OtherRankCallbacks(process_rank())
+    elif args.protocol == "jsonl":
         events = JsonlEvents(sys.stdout)
         callbacks = FanOut(events, console)
-        read_commands(sys.stdin, commands, events)
     else:
         callbacks = console
     try:
         if not args.config and not args.preset:
             raise _usage_error("train needs --config FILE or --preset NAME")
-        config = resolve_config(args.config, args.preset, args.set, args.resume)
+        gpus = ["distributed.gpus=" + str(args.gpus)] if args.gpus else []
+        config = resolve_config(args.config, args.preset, args.set + gpus, args.resume)
+        if config.distributed.gpus > 1 and not under_torchrun():
+            return run_under_torchrun(config.distributed.gpus, args.argv)  # (stdin left for rank 0 to read)
+        if events is not None:
+            read_commands(sys.stdin, commands, events)
         install_stop_signals(commands)
         path = run_training(config, callbacks, commands)
     except Exception as error:  # noqa: BLE001  (a user error becomes an error event; a bug is re-raised)
@@ -89,6 +97,10 @@ def cmd_train(args) -> int:
             raise
         report_user_error(error, args.debug, callbacks.on_error)
         return 1
+    finally:
+        from modules.trainer.distributed import leave_process_group
+
+        leave_process_group()  # (a torchrun rank; nothing in a one-process run)
     if args.protocol != "jsonl" and path is not None:  # None: stopped before the first step, nothing saved
         print(path)
     return 0
@@ -194,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--preset", help="a preset name, applied under the config files")
     train.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. schedule.epochs=5")
     train.add_argument("--resume", action="store_true", help="continue from the newest backup in the workspace")
+    train.add_argument("--gpus", type=int, metavar="N", help="train on N GPUs of this machine (one process each, "
+                       "through torchrun); the same as --set distributed.gpus=N")
     train.add_argument("--protocol", choices=["text", "jsonl"], default="text",
                        help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see README)")
     train.set_defaults(run=cmd_train)
@@ -266,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return start_gui()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv)  # what a multi-GPU train passes on to torchrun
     if not getattr(args, "run", None):
         parser.print_help()
         return 0

@@ -76,10 +76,10 @@ def test_auto_resolves_before_loading_and_says_what_it_chose(tmp_path, tiny_mode
 def test_a_mode_this_machine_cannot_run_is_refused_naming_the_part(tmp_path, tiny_model, shape_images, monkeypatch):
     from dataclasses import replace
 
-    import modules.trainer.generic_trainer as generic_trainer
+    import modules.trainer.weight_modes as weight_modes
 
     without_torchao = replace(detect_capabilities("cpu"), torchao_int8=False)
-    monkeypatch.setattr(generic_trainer, "detect_capabilities", lambda device: without_torchao)
+    monkeypatch.setattr(weight_modes, "detect_capabilities", lambda device: without_torchao)
     config = train_config(tiny_model, shape_images, tmp_path, {"model": {"parts": {"unet": {"weight_dtype": "int8"}}}})
     with pytest.raises(ConfigError, match=r"model\.parts\.unet\.weight_dtype: int8 does not work on this machine.*torchao"):
         GenericTrainer(config, Log()).start()

@@ -376,6 +376,13 @@ class BackupConfig(StrictModel):
                          "setting, never saved into presets).")
 
 
+class DistributedConfig(StrictModel):
+    gpus: int = Field(1, ge=1, le=64, description="Processes on this machine, one per GPU (data parallel "
+                      "through torchrun; the CPU with gloo where there is no GPU): each trains its share of "
+                      "every step's batches, schedule.batch_size each, and the gradients are averaged. "
+                      "1: one process.")
+
+
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -402,7 +409,9 @@ class TrainConfig(StrictModel):
     workspace_dir: str = Field("workspace", description="Where the run keeps its cache, samples, backups, "
                                "saves and logs.")
     cache_dir: str | None = Field(None, description="None: <workspace_dir>/cache.")
-    train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device)")
+    train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device; with "
+                              "distributed.gpus > 1, auto or cuda means each process's own GPU)")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     temp_device: str = Field("cpu", description="Where offloaded layers and activations wait (any torch device).")
     train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
     seed: int = Field(42, description="Seed of everything random in the run (noise, timesteps, order, "
@@ -430,6 +439,16 @@ class TrainConfig(StrictModel):
                 raise located_error("layer offloading of a trained part needs gradient_checkpointing: true "
                                     "(the backward pass recomputes each block while its layers are on the "
                                     "train device)", "model", "parts", name, "offload_fraction")
+        return self
+
+    @model_validator(mode="after")
+    def _fused_step_alone(self) -> "TrainConfig":
+        # a fused backward steps each weight inside the backward pass, before any all-reduce could
+        # average its gradient with the other processes'
+        if self.distributed.gpus > 1 and getattr(self.method, "fused_backward", False):
+            raise located_error("a fused backward steps each weight before the processes' gradients are "
+                                "averaged: set method.fused_backward to false to train on several GPUs",
+                                "method", "fused_backward")
         return self
 
     @model_validator(mode="after")

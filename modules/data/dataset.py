@@ -31,6 +31,7 @@ from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_c
 from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
+from modules.data.shares import batch_share
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -145,6 +146,13 @@ class TrainDataset:
         self.batch_size = batch_size
         self.seed = seed
         self.cache_stats: dict[str, tuple[int, int]] = {}  # cache name -> (hits, misses)
+        self.rank, self.world = 0, 1  # this process's place among the data-parallel ones (split_among)
+
+    def split_among(self, rank: int, world: int) -> None:
+        """Data parallel: epoch batches become global batches (batch_size x world), of which this
+        dataset assembles rank's share (shares.py)."""
+        self.batch_size *= world
+        self.rank, self.world = rank, world
 
     def epoch_batches(self, epoch: int) -> list[list[int]]:
         """Indices into entries, grouped so each batch shares one bucket; repeats expanded, and
@@ -183,10 +191,11 @@ class TrainDataset:
         return self.finish(self.assemble(indices, epoch, batch_index, pin=device.type == "cuda"), device)
 
     def assemble(self, indices: list[int], epoch: int = 0, batch_index: int = 0, pin: bool = False) -> HostBatch:
-        """The CPU half of a batch: cache reads, pixel augmentations, stacking. Thread-safe, and a
-        pure function of its arguments."""
-        entries = [self.entries[i] for i in indices]
-        rngs = [caption_rng(self.seed, epoch, batch_index, position) for position in range(len(entries))]
+        """The CPU half of a batch (of this rank's share of it): cache reads, pixel augmentations,
+        stacking. Thread-safe, and a pure function of its arguments."""
+        share = batch_share(indices, self.rank, self.world)
+        entries = [self.entries[i] for i in share.indices]
+        rngs = [caption_rng(self.seed, epoch, batch_index, share.first + position) for position in range(len(entries))]
         # each sample's stream draws its flip first, then (fresh latents) its crop and colour, then its caption
         flipped = [e.flip and rng.random() < 0.5 for e, rng in zip(entries, rngs)]
         latents = pixels = None

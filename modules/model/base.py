@@ -74,6 +74,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b); empty: none taken
     embedding_slots: ClassVar[dict[str, tuple[str, str]]] = {}
 
+    # data parallel: (first, total) while a rank trains samples first.. of a global batch of total;
+    # the training draws are then made for the global batch and sliced (modules/trainer/distributed.py)
+    draw_share: tuple[int, int] | None = None
+
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config
         self.parts: dict[str, nn.Module] = {}
@@ -136,7 +140,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
 
     def training_noise(self, latents: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """The step's noise, with the config's loss.noise_offset."""
-        return draw_noise(latents, generator, self.config.loss.noise_offset)
+        return draw_noise(latents, generator, self.config.loss.noise_offset, self.draw_share)
 
     def training_times(self, batch: int, generator: torch.Generator) -> torch.Tensor:
         """`batch` draws in (0, 1) from loss.timesteps (default: uniform, logit-normal for flow
@@ -144,7 +148,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         loss = self.config.loss
         distribution = loss.timesteps if loss.timesteps != "default" else (
             "logit_normal" if self.flow_matching else "uniform")
-        return draw_unit_times(batch, generator, distribution, loss.logit_mean, loss.logit_std)
+        return draw_unit_times(batch, generator, distribution, loss.logit_mean, loss.logit_std, self.draw_share)
 
     @abstractmethod
     def predict(

@@ -22,19 +22,15 @@ from modules.config.train_config import SamplePromptConfig, TrainConfig
 from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, caches_text, prepare_dataset
 from modules.data.prefetch import BatchPrefetcher
+from modules.data.shares import batch_share
 from modules.methods.base import TrainingMethod, build_methods, joined_state
 from modules.model.registry import get_family_class
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
-from modules.offload.layer_tensors import block_bytes
-from modules.offload.planning import auto_offload_fraction
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler
-from modules.quantization.capabilities import detect_capabilities
 from modules.quantization.compile_gate import compile_blocker
-from modules.quantization.policy import plan_base_precision
-from modules.quantization.replace import DENSE_MODES
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
@@ -43,6 +39,7 @@ from modules.saving.workspace_lock import WorkspaceLock
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 from modules.trainer.cpu_notice import cpu_notice
+from modules.trainer.distributed import join_process_group, rank_device
 from modules.trainer.guards import (
     TrainingError,
     check_finite,
@@ -50,6 +47,7 @@ from modules.trainer.guards import (
     snapshot,
 )
 from modules.trainer.loss import snr_weighting_requested, training_loss
+from modules.trainer.offload_fraction import offload_fraction
 from modules.trainer.preflight import run_preflight
 from modules.trainer.regional_compile import compile_regions_
 from modules.trainer.scalar_log import ScalarLog
@@ -62,8 +60,9 @@ from modules.trainer.training_state import (
     training_state,
 )
 from modules.trainer.validation import validation_loss
+from modules.trainer.weight_modes import resolve_weight_modes
 from modules.util.memory import return_free_heap_to_os
-from modules.util.torch_utils import autocast, dtype_of, make_generator, resolve_device
+from modules.util.torch_utils import autocast, dtype_of, make_generator
 
 
 class GenericTrainer:
@@ -74,7 +73,9 @@ class GenericTrainer:
         self.commands = commands or TrainCommands()
         self.workspace = Path(config.workspace_dir)
         self.cache_dir = Path(config.cache_dir) if config.cache_dir else self.workspace / "cache"
-        self.device = resolve_device(config.train_device)
+        self.ranks = join_process_group(config.train_device)  # one process: rank 0 of 1 (distributed.py)
+        self.device = rank_device(config.train_device, self.ranks)
+        self._stop_agreed = False  # several processes: the stop they agreed on at the last step
         self.step = 0  # optimizer steps done
         self.steps_at_start = 0  # of them, those done before this process (a resume)
         self.lock = WorkspaceLock(self.workspace, self.callbacks.on_warning)
@@ -97,16 +98,18 @@ class GenericTrainer:
         config = self.config
         run_preflight(config)  # every problem the config alone shows, together, before the slow model load
         check_concepts(config.concepts)  # before the slow model load
-        self.lock.acquire()  # before anything is written into the workspace
-        removed = remove_unfinished_backups(self.workspace)
-        if removed:
-            self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
-        self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
-                                          config.backup.resume, self.callbacks.on_warning)
+        if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)
+            self.lock.acquire()  # before anything is written into the workspace
+            removed = remove_unfinished_backups(self.workspace)
+            if removed:
+                self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
+            self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
+                                              config.backup.resume, self.callbacks.on_warning)
         if config.backup.resume:
             check_resume_early(self)
         self.callbacks.on_status("loading model")
-        write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
+        if self.ranks.main:
+            write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)
         self.family = get_family_class(config.model.family)(config)
         try:
@@ -123,14 +126,14 @@ class GenericTrainer:
                                f"{config.model.family} trains with flow matching"])
         self.family.weight_modes = self.resolve_weight_modes()
         self.family.load()
-        if self.commands.stop_requested:
+        if self.stopping:
             return self._stopped_while_loading()
         for part, report in self.family.quantization_reports.items():
             self.callbacks.on_status(report.summary(part))
         self.setup_optimizations()
         self.setup_train_device()
         self.setup_model()
-        if self.commands.stop_requested:
+        if self.stopping:
             return self._stopped_while_loading()
         self.callbacks.on_status("caching latents and text")
         self.setup_data()
@@ -138,7 +141,7 @@ class GenericTrainer:
         self.backup_action = TimedAction(config.schedule.backup_every)
         self.save_action = TimedAction(config.schedule.save_every)
         self.validate_action = TimedAction(config.schedule.validate_every)
-        self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard)
+        self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard and self.ranks.main)
 
     def _stopped_while_loading(self) -> None:
         """A stop (Ctrl-C, the GUI) before training: nothing more is loaded; train() and end() then do
@@ -146,21 +149,7 @@ class GenericTrainer:
         self.callbacks.on_status("stopped before the first step: nothing is saved")
 
     def resolve_weight_modes(self) -> dict[str, str]:
-        """Each part's storage mode for this machine: "auto" resolved, and a mode that cannot work
-        here refused before anything is loaded (policy.py has the table)."""
-        requested = {name: part.weight_dtype for name, part in self.config.model.parts.items()}
-        if all(mode in DENSE_MODES for mode in requested.values()):
-            return requested  # nothing to probe: dense storage works everywhere torch runs
-        capabilities = detect_capabilities(self.device)
-        sizes = self.family.part_parameters() if "auto" in requested.values() else {}
-        try:
-            plan = plan_base_precision(requested, self.family.name, sizes, capabilities.free_memory, capabilities)
-        except ValueError as error:
-            raise ConfigError(str(error).splitlines()) from None
-        for warning in plan.warnings:
-            self.callbacks.on_warning(warning)
-        self.callbacks.on_status("base weights: " + ", ".join(f"{part} {mode}" for part, mode in plan.modes.items()))
-        return plan.modes
+        return resolve_weight_modes(self)
 
     def setup_optimizations(self) -> None:
         """Per part: weight modes are applied at load (quantized layers replace Linear there);
@@ -194,7 +183,7 @@ class GenericTrainer:
         LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
         self.conductors: dict[str, LayerOffloadConductor] = {}
         for name, module in self.family.parts.items():
-            fraction = self._offload_fraction(name)
+            fraction = offload_fraction(self, name)
             if fraction > 0:
                 conductor = LayerOffloadConductor(self.family.checkpoint_blocks(name), fraction, self.device,
                                                   torch.device(self.config.temp_device), name)
@@ -207,23 +196,6 @@ class GenericTrainer:
                 self.callbacks.on_status(conductor.describe())
             else:
                 module.to(self.device)
-
-    def _offload_fraction(self, part: str) -> float:
-        requested = self.config.model.parts[part].offload_fraction
-        if requested == 0:
-            return 0.0
-        blocks = self.family.checkpoint_blocks(part)
-        if not blocks:
-            raise ConfigError([f"model.parts.{part}.offload_fraction: the {self.family.name} family has no "
-                               f"blocks to offload in {part}"])
-        if requested != "auto":
-            return requested
-        part_bytes = block_bytes(self.family.parts[part])
-        other = sum(block_bytes(m) for n, m in self.family.parts.items() if n != part)
-        free = detect_capabilities(self.device).free_memory
-        fraction = auto_offload_fraction(part_bytes, sum(block_bytes(b) for b in blocks), other, free)
-        self.callbacks.on_status(f"model.parts.{part}.offload_fraction: auto -> {fraction:g}")
-        return fraction
 
     @contextlib.contextmanager
     def evaluation_weights(self):
@@ -267,6 +239,9 @@ class GenericTrainer:
         config = self.config
         for method in self.methods:
             method.setup()
+        if self.ranks.active and any(m.steps_in_backward() for m in self.methods):  # (config.py refuses it too)
+            raise ConfigError(["method.fused_backward: steps each weight before the processes' gradients are "
+                               "averaged; set it to false to train with several processes"])
         for part in self.trained_parts:
             self.family.parts[part].train()
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
@@ -281,7 +256,7 @@ class GenericTrainer:
 
     def _param_groups(self, config: TrainConfig) -> list[dict]:
         # kohya's scale_lr: the same per-sample step size whatever the effective batch
-        lr_scale = (config.schedule.batch_size * config.schedule.gradient_accumulation
+        lr_scale = (config.schedule.batch_size * config.schedule.gradient_accumulation * self.ranks.world
                     if config.lr_scheduler.scale_by_batch_size else 1)
         groups = [group for method in self.methods for group in method.parameter_groups(config)]
         for group in groups:
@@ -292,13 +267,15 @@ class GenericTrainer:
         # each method says whether cached text stays valid while it trains (trained text encoders,
         # embeddings), the data whether captions are fixed
         cache_text = caches_text(self.config, self.family) and all(m.text_cache_allowed() for m in self.methods)
-        self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
-                                       self.callbacks.on_warning, cache_text)
-        self.batches = BatchPrefetcher(self.dataset, self.config.data.prefetch_batches)
         self.validation_set = None
-        if any(c.enabled and c.validation for c in self.config.concepts):
-            self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
-                                                  self.callbacks.on_warning, cache_text, validation=True)
+        with self.ranks.main_first():  # rank 0 fills the caches, then the other ranks read them
+            self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
+                                           self.callbacks.on_warning, cache_text)
+            if self.ranks.main and any(c.enabled and c.validation for c in self.config.concepts):
+                self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
+                                                      self.callbacks.on_warning, cache_text, validation=True)
+        self.dataset.split_among(self.ranks.rank, self.ranks.world)
+        self.batches = BatchPrefetcher(self.dataset, self.config.data.prefetch_batches)
         (latent_hits, latent_misses), (text_hits, text_misses) = (
             self.dataset.cache_stats["latents"], self.dataset.cache_stats["text"])
         self.callbacks.on_status(f"{len(self.dataset.entries)} images; cache: {latent_misses} latents and "
@@ -335,7 +312,7 @@ class GenericTrainer:
         self.callbacks.on_started(self.total_steps)
         self.callbacks.on_status("training")
         started, steps_at_start = time.monotonic(), self.steps_at_start
-        while self.step < self.total_steps and self.epoch < schedule.epochs and not self.commands.stop_requested:
+        while self.step < self.total_steps and self.epoch < schedule.epochs and not self.stopping:
             batches = self.dataset.epoch_batches(self.epoch)
             if self.batch_in_epoch >= len(batches):  # resumed into a data set that has shrunk since
                 self.epoch, self.batch_in_epoch = self.epoch + 1, 0
@@ -348,7 +325,9 @@ class GenericTrainer:
                     scaler.scale(loss / group).backward()
                     loss_sum += loss.detach()
                     self.batch_in_epoch += 1
-                self.last_loss = float(loss_sum) / group
+                # several processes: gradients and loss averaged over them (distributed.py)
+                self.last_loss = (self.ranks.average_gradients(params, loss_sum) if self.ranks.active
+                                  else float(loss_sum)) / group
                 check_finite(self.last_loss, self.step + 1)
                 scale = scaler.get_scale()
                 if params:  # (a fused backward's weights have no .grad left: the step skips them)
@@ -374,17 +353,24 @@ class GenericTrainer:
                 self._on_boundary(epoch_finished)
                 if self.step == steps_at_start + 1:
                     return_free_heap_to_os()  # once: the first step's freed activations (issue 19)
-                if self.commands.stop_requested or epoch_finished:
+                if self.stopping or epoch_finished:
                     break
-        if self.commands.stop_requested and self.step > self.steps_at_start:
+        if self.stopping and self.step > self.steps_at_start:
             self.callbacks.on_status("stopping: writing a backup")
             self.backup()
 
     def _forward(self, indices: list[int], compute_dtype: torch.dtype, batch_index: int = 0) -> torch.Tensor:
+        """The loss of this process's share of the batch, weighted by the share's size (shares.py)."""
         batch = self.batches.collate(indices, self.device, self.epoch, batch_index)
-        with autocast(self.device, compute_dtype):
-            out = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
-        return training_loss(out, self.config.loss, batch.loss_weights, batch.masks)
+        share = batch_share(indices, self.ranks.rank, self.ranks.world)
+        self.family.draw_share = (share.first, len(indices)) if self.ranks.active else None
+        try:
+            with autocast(self.device, compute_dtype):
+                out = self.family.predict(batch.latents, self.conditioning(batch), self.generator)
+        finally:
+            self.family.draw_share = None
+        loss = training_loss(out, self.config.loss, batch.loss_weights, batch.masks)
+        return loss * share.weight if self.ranks.active else loss
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
@@ -412,13 +398,20 @@ class GenericTrainer:
         ))
         self.scalars.add(self.step, loss=self.last_loss, lr=lr)
 
+    @property
+    def stopping(self) -> bool:
+        """A stop request; with several processes the one they agreed on at the last step (a rank
+        stopping alone would leave the others waiting in a collective)."""
+        return self._stop_agreed if self.ranks.active else self.commands.stop_requested
+
     def _on_boundary(self, epoch_finished: bool) -> None:
         requested = self.commands.take()
-        for name, action, run in (("validate", self.validate_action, self.validate),
-                                  ("sample", self.sample_action, self.sample),
-                                  ("backup", self.backup_action, self.backup),
-                                  ("save", self.save_action, self.save)):
-            if name in requested or action.due(self.step, epoch_finished, self.epoch):
+        table = (("validate", self.validate_action, self.validate), ("sample", self.sample_action, self.sample),
+                 ("backup", self.backup_action, self.backup), ("save", self.save_action, self.save))
+        wanted = [name in requested or action.due(self.step, epoch_finished, self.epoch) for name, action, _ in table]
+        self._stop_agreed, wanted = self.ranks.agree(self.commands.stop_requested, wanted)
+        for (_, action, run), due in zip(table, wanted):
+            if due:  # (ranks other than 0 only join a backup's gather of random states)
                 run()
                 action.done()
         for number, prompt in enumerate(self.commands.take_prompts()):  # "sample now with this prompt"
@@ -431,6 +424,8 @@ class GenericTrainer:
         if prompts is None:
             chosen = [(str(i), p) for i, p in enumerate(self.config.sampling.prompts) if p.enabled]
             names, prompts = [n for n, _ in chosen], [p for _, p in chosen]
+        if not self.ranks.main:
+            return []
         if not prompts:
             self.callbacks.on_warning("sampling.prompts: no enabled prompt to sample")
             return []
@@ -443,6 +438,8 @@ class GenericTrainer:
 
     def validate(self) -> float | None:
         """The validation loss (validation.py), logged and reported as a `validation` event."""
+        if not self.ranks.main:
+            return None
         if self.validation_set is None:
             self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
             return None
@@ -451,13 +448,18 @@ class GenericTrainer:
         self.callbacks.on_validation(self.step, loss)
         return loss
 
-    def backup(self) -> Path:
-        folder = write_backup(self.workspace, self.step, joined_state(self.methods), training_state(self),
+    def backup(self) -> Path | None:
+        state = training_state(self)  # (several processes: every rank joins the gather of random states)
+        if not self.ranks.main:
+            return None
+        folder = write_backup(self.workspace, self.step, joined_state(self.methods), state,
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
         return folder
 
-    def save(self, path: Path | None = None) -> Path:
+    def save(self, path: Path | None = None) -> Path | None:
+        if not self.ranks.main:
+            return None
         output = self.config.output
         if path is None:
             target = self.output_path
@@ -478,10 +480,10 @@ class GenericTrainer:
         path = None
         # step 0: nothing trained (stopped while loading, or before step 1). A resumed run that
         # stops at once still saves: its adapter is the backup's trained one.
-        if self.step > 0:
+        if self.step > 0 and self.ranks.main:
             path = self.save(self.output_path)
             record_output(self.workspace, self.config.output_path, path)
-        else:
+        elif self.step == 0:
             self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
                                       f"({self.output_path} is left as it was)")
         if self.scalars is not None:

@@ -24,8 +24,20 @@ if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
 
 
-def training_state(trainer: GenericTrainer) -> dict:
+def _random_states(trainer: GenericTrainer) -> dict:
     return {
+        "generator": trainer.generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state(trainer.device) if trainer.device.type == "cuda" else None,
+    }
+
+
+def training_state(trainer: GenericTrainer) -> dict:
+    """Rank 0's random states at the top level (what a one-process run reads), and with several
+    processes every rank's under "ranks" (a collective: all ranks call this together)."""
+    ranks = trainer.ranks.gather(_random_states(trainer)) if trainer.ranks.active else None
+    return {
+        "ranks": ranks,
         "optimizer": trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
@@ -79,10 +91,13 @@ def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
     follow_current_schedule(trainer.scheduler)
     if state.get("scaler"):
         trainer.scaler.load_state_dict(state["scaler"])
-    trainer.generator.set_state(state["generator"])
-    torch.set_rng_state(state["torch_rng"])
-    if trainer.device.type == "cuda" and state.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(state["cuda_rng"], trainer.device)
+    # this rank's own states where the backup has them (a run of as many processes), else rank 0's
+    own = state.get("ranks") or []
+    randoms = own[trainer.ranks.rank] if trainer.ranks.rank < len(own) else state
+    trainer.generator.set_state(randoms["generator"])
+    torch.set_rng_state(randoms["torch_rng"])
+    if trainer.device.type == "cuda" and randoms.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(randoms["cuda_rng"], trainer.device)
     trainer.step, trainer.epoch, trainer.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
     if trainer.ema is not None:
         if state.get("ema") is None:

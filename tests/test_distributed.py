@@ -1,0 +1,197 @@
+"""Data parallel (modules/trainer/distributed.py) on the CPU with gloo: two processes.
+
+Two processes are spawned (not forked: autograd refuses a fork once its device threads run, and
+the test session's fake device starts them) and run three trainings in a row with batch 1 each
+(imports and the process group paid once): A, uninterrupted; B1, the same stopped at step 4 (a
+backup); B2, B1 resumed to the end. The one-process reference (batch 2) trains in the test process. The data has a bucket whose last global
+batch holds one image, so rank 1 sometimes trains nothing (weight 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import train_config
+from modules.data.shares import batch_share
+
+JOIN_TIMEOUT_S = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _concepts(tmp_path: Path) -> None:
+    """3 square images and 2 wide ones: two buckets; global batch 2 leaves one square batch of 1."""
+    from modules.data.synthetic_images import write_shape_images
+
+    write_shape_images(tmp_path / "square", count=3, width=64, height=64)
+    write_shape_images(tmp_path / "wide", count=2, width=96, height=48)
+
+
+def _config(tiny_model: Path, tmp_path: Path, name: str, batch_size: int, cache: str = "cache"):
+    """Run `name`'s config; all runs share the concepts, the two-process ones their cache."""
+    return train_config(tiny_model, tmp_path, tmp_path / name, {
+        "concepts": [{"path": str(tmp_path / "square")}, {"path": str(tmp_path / "wide")}],
+        "schedule": {"epochs": 2, "batch_size": batch_size},
+        "cache_dir": str(tmp_path / cache),
+        "seed": 7,
+    })
+
+
+def _dumped(config) -> dict:
+    return json.loads(config.model_dump_json())
+
+
+class _StopAt:
+    """Rank 0's callbacks: ask for a stop after step `step` (the ranks then agree on it)."""
+
+    def __init__(self, commands, step):
+        self.commands, self.step = commands, step
+
+    def __getattr__(self, name):
+        return lambda *args: None
+
+    def on_progress(self, progress):
+        if progress.step == self.step:
+            self.commands.stop()
+
+
+def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int | None]], report: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from modules.config.loading import build_config
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.commands import TrainCommands
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    misses = []
+    try:
+        for per_rank, stop_at in runs:
+            commands = TrainCommands()
+            callbacks = _StopAt(commands, stop_at) if rank == 0 and stop_at else TrainCallbacks()
+            trainer = GenericTrainer(build_config([per_rank[rank]]), callbacks, commands)
+            try:
+                trainer.start()
+                misses.append(trainer.dataset.cache_stats["latents"][1] + trainer.dataset.cache_stats["text"][1])
+                trainer.train()
+                trainer.end()
+            finally:
+                trainer.release()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(report, f"rank{rank}.json").write_text(json.dumps({"misses": misses}))
+
+
+def _fork_two(runs, report: Path) -> None:
+    import torch.multiprocessing as mp
+
+    report.mkdir(parents=True, exist_ok=True)
+    context = mp.spawn(_worker, args=(2, _free_port(), runs, str(report)), nprocs=2, join=False)
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail("the two training processes did not finish (a rank waiting in a collective?)")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory, tiny_model):
+    """(the folder, A's and B's configs as dumped, the one-process reference adapter)."""
+    from modules.cli.train_command import run_training
+
+    tmp = tmp_path_factory.mktemp("ddp")
+    _concepts(tmp)
+    reference = load_file(str(run_training(_config(tiny_model, tmp, "single", 2, cache="single-cache"), None)))
+    a = _dumped(_config(tiny_model, tmp, "a", 1))
+    # rank 1 of run A is given a workspace and output of its own: they must never appear
+    a_rank1 = {**a, "workspace_dir": str(tmp / "rank1-ws"), "output": {**a["output"], "path": str(tmp / "rank1-out.safetensors")}}
+    b = _dumped(_config(tiny_model, tmp, "b", 1))
+    b_resumed = {**b, "backup": {**b["backup"], "resume": True}}
+    _fork_two([([a, a_rank1], None), ([b, b], 4), ([b_resumed, b_resumed], None)], tmp / "report")
+    return tmp, a, b, reference
+
+
+def test_two_processes_equal_one_with_twice_the_batch(two_process_runs):
+    _, a, _, reference = two_process_runs
+    parallel = load_file(a["output"]["path"])
+    assert reference.keys() == parallel.keys()
+    for key in reference:
+        # an all-reduce left out leaves rank 0 with the gradient of its half of each batch only: this fails
+        torch.testing.assert_close(parallel[key], reference[key], rtol=1e-4, atol=2e-6, msg=key)
+
+
+def test_only_rank_0_writes_and_the_cache_is_built_once(two_process_runs):
+    tmp, a, _, _ = two_process_runs
+    assert Path(a["output"]["path"]).is_file()
+    assert not (tmp / "rank1-ws").exists() and not (tmp / "rank1-out.safetensors").exists()
+    ranks = [json.loads((tmp / "report" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["misses"][0] > 0  # rank 0 encoded the images and captions of run A
+    assert ranks[1]["misses"] == [0, 0, 0]  # rank 1 only ever read what rank 0 had cached
+
+
+def test_a_resumed_two_process_run_equals_an_uninterrupted_one(two_process_runs):
+    _, a, b, _ = two_process_runs
+    backups = sorted((Path(b["workspace_dir"]) / "backup").iterdir())
+    assert any("step0000004" in folder.name for folder in backups)
+    state = torch.load(next(f for f in backups if "step0000004" in f.name) / "state.pt", weights_only=True)
+    assert len(state["ranks"]) == 2 and state["step"] == 4 and state["batch_in_epoch"] == 1
+    uninterrupted, resumed = load_file(a["output"]["path"]), load_file(b["output"]["path"])
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize("size, world, expected", [
+    (4, 2, [([0, 1], 0, 0.5), ([2, 3], 2, 0.5)]),
+    (3, 2, [([0, 1], 0, 2 / 3), ([2], 2, 1 / 3)]),
+    (1, 2, [([0], 0, 1.0), ([0], 0, 0.0)]),  # nothing left for rank 1: the first sample, weight 0
+])
+def test_batch_shares_cover_the_global_batch_once(size, world, expected):
+    assert [tuple(batch_share(list(range(size)), rank, world)) for rank in range(world)] == expected
+
+
+def test_a_fused_backward_is_refused_with_several_gpus(tiny_model, tmp_path):
+    from modules.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"method\.fused_backward.*false"):
+        train_config(tiny_model, tmp_path, tmp_path, {"method": {"type": "fine_tune"}, "distributed": {"gpus": 2}})
+
+
+def test_train_with_gpus_starts_itself_under_torchrun(tmp_path, tiny_model, shape_images, monkeypatch):
+    import launch
+    from modules.cli import multi_process
+
+    calls = []
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(multi_process.subprocess, "call", lambda command: calls.append(command) or 0)
+    config_file = tmp_path / "config.json"
+    config_file.write_text(train_config(tiny_model, shape_images, tmp_path).model_dump_json())
+    argv = ["train", "--config", str(config_file), "--gpus", "2"]
+    assert launch.main(argv) == 0
+    [command] = calls
+    assert command[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    assert command[5].endswith("launch.py") and command[6:] == argv
+    assert not (tmp_path / "ws").exists()  # this process only waited for torchrun's
+
+
+def test_gradient_buckets_keep_one_dtype_and_a_size_limit(monkeypatch):
+    from modules.trainer import distributed
+
+    monkeypatch.setattr(distributed, "BUCKET_BYTES", 40)
+    tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(20)]
+    assert [[t.numel() for t in bucket] for bucket in distributed._buckets(tensors)] == [[4, 4], [4], [2], [20]]
