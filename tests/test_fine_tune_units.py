@@ -141,8 +141,8 @@ def test_a_quantized_or_auto_trained_part_is_refused_naming_its_weight_dtype(tmp
     ({"optimizer": {"type": "prodigy"}}, r"optimizer\.type: Prodigy"),
     ({"optimizer": {"type": "schedule_free_adamw"}, "method": {"fused_backward": False},
       "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}}}, r"optimizer\.type: schedule-free"),
-    ({"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}}},
-     r"model\.parts\.unet\.offload_fraction"),
+    ({"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}},
+      "method": {"fused_backward": False}}, r"model\.parts\.unet\.offload_fraction: .*method\.fused_backward"),
     ({"model": {"family": "flux"}, "method": {"save_format": "single_file"}}, r"method\.save_format: .*sd15, sdxl"),
 ])
 def test_what_a_fine_tune_cannot_combine_is_refused_naming_the_field(tmp_path, overlay, field):
@@ -154,6 +154,8 @@ def test_without_the_fused_step_those_combinations_are_accepted(tmp_path):
     _config(tmp_path, {"method": {"fused_backward": False}, "schedule": {"gradient_accumulation": 2},
                        "optimizer": {"type": "prodigy"}, "train_dtype": "float16"})
     _config(tmp_path, {"model": {"family": "flux"}})  # save_format auto: a diffusers folder there
+    # layer offloading of a trained part works with the fused step (tests/test_fine_tune_offload.py)
+    _config(tmp_path, {"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}}})
 
 
 # --- the original layout, both ways ------------------------------------------------------------

@@ -272,6 +272,8 @@ class GenericTrainer:
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
         for method in self.methods:
             method.optimizer_ready(self.optimizer)
+        for conductor in self.conductors.values():  # a fine-tune's state of parked weights travels with them
+            conductor.carry_optimizer_state(self.optimizer)
         self.ema = (EMA(self.trained_parameters(), config.ema.decay,
                         self.device if config.ema.device == "train" else torch.device("cpu"))
                     if config.ema.enabled else None)
