@@ -10,12 +10,19 @@ follows live tensor memory. Reported per case, in MiB:
 - `peak`: the highest resident set in training steps 2..N minus the same imports-only baseline
   (step 1 is left out: the first-step guard holds a copy of the trained weights then, in every case),
 - `peak/unfused`: that peak over the unfused peak with the same optimizer,
-- `grads`: the size of all UNet gradients (what the fused backward should save).
-The UNet trains with gradient checkpointing at batch 1 (as a large fine-tune would), so
-activations do not hide the weights, gradients and optimizer state.
+- `grads`: the size of all UNet gradients (what the fused backward should save),
+- `state`: the optimizer state after training (measured: every state tensor once),
+- `rest`: peak - loaded - state - grads (unfused) or - nothing (fused): activations and step
+  temporaries, which the fused step does not touch,
+- `best`: the ratio the fused run could reach with no activations at all,
+  (loaded + state) / (loaded + grads + state): the ceiling the 0.6x goal is measured against.
+The UNet trains with gradient checkpointing at batch 1 (as a large fine-tune would). `--weights
+bfloat16` is how the presets store weights (UNet and text encoder bfloat16, train_dtype bfloat16,
+VAE float32). `--resolution`: 64 gives 32x32 latents, where the small UNet's activations are
+about the share of its weights that SD1.5's are at 512 px (see benchmarks/README.md).
 
     python -m benchmarks.fine_tune_memory                       # adamw and adamw_8bit, fp32 weights
-    python -m benchmarks.fine_tune_memory --optimizers adamw --steps 4 --weights bfloat16
+    python -m benchmarks.fine_tune_memory --optimizers adamw_8bit --weights bfloat16 --resolution 64
 """
 
 from __future__ import annotations
@@ -38,7 +45,18 @@ def _rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(model: str, images: str, work: str, optimizer: str, fused: bool, steps: int, weights: str) -> dict:
+def state_bytes(optimizer) -> int:
+    """Every optimizer state tensor once (an 8-bit optimizer's quantization maps are shared)."""
+    seen = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if hasattr(value, "data_ptr") and value.numel():
+                seen[value.data_ptr()] = value.numel() * value.element_size()
+    return sum(seen.values())
+
+
+def measure(model: str, images: str, work: str, optimizer: str, fused: bool, steps: int, weights: str,
+            resolution: int = 128) -> dict:
     """One case, in this process (the parent runs each in a fresh process)."""
     sys.path.insert(0, str(ROOT))
     from modules.config.loading import build_config
@@ -46,9 +64,12 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
     from modules.trainer.generic_trainer import GenericTrainer
 
     config = build_config([{
-        "model": {"base": model, "parts": {"unet": {"weight_dtype": weights, "gradient_checkpointing": True}}},
+        # bfloat16: as the presets store weights (the frozen text encoder too) and compute
+        "model": {"base": model, "parts": {"unet": {"weight_dtype": weights, "gradient_checkpointing": True},
+                                           "text_encoder": {"weight_dtype": weights}}},
+        "train_dtype": weights,
         "method": {"type": "fine_tune", "fused_backward": fused},
-        "concepts": [{"path": images}], "data": {"resolution": 128},
+        "concepts": [{"path": images}], "data": {"resolution": resolution},
         "optimizer": {"type": optimizer, "lr": 1e-5},
         "schedule": {"epochs": 100, "max_steps": steps, "batch_size": 1},
         "workspace_dir": work, "output": {"path": f"{work}/out.safetensors"},
@@ -81,7 +102,9 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
     trainer.release()
     mib = 1 << 20
     grads = sum(p.numel() * p.element_size() for p in trainer.trained_parameters())
-    return {"optimizer": optimizer, "fused": fused, "weights": weights, "grads": round(grads / mib, 1),
+    state = state_bytes(trainer.optimizer)
+    return {"optimizer": optimizer, "fused": fused, "weights": weights, "resolution": resolution,
+            "grads": round(grads / mib, 1), "state": round(state / mib, 1),
             "loaded": round((loaded - imports_only) / mib, 1), "peak": round((window["peak"] - imports_only) / mib, 1)}
 
 
@@ -90,6 +113,7 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "adamw_8bit"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--resolution", type=int, default=128)
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process's own case (JSON)
     args = parser.parse_args()
     if args.case:
@@ -105,18 +129,21 @@ def main() -> None:
     for optimizer in args.optimizers:
         for fused in (False, True):
             case = {"model": str(model), "images": str(images), "work": str(work / f"{optimizer}-{fused}"),
-                    "optimizer": optimizer, "fused": fused, "steps": args.steps, "weights": args.weights}
+                    "optimizer": optimizer, "fused": fused, "steps": args.steps, "weights": args.weights,
+                    "resolution": args.resolution}
             output = subprocess.run([sys.executable, "-m", "benchmarks.fine_tune_memory", "--case", json.dumps(case)],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))
             print(json.dumps(results[-1]), flush=True)  # each case as it ends (a long run may be cut short)
-    print(f"{'optimizer':<12}{'fused':<7}{'weights':<10}{'grads MiB':>10}{'loaded MiB':>12}{'peak MiB':>10}"
-          f"{'peak/unfused':>14}")
-    for result in results:
-        unfused = next(r for r in results if r["optimizer"] == result["optimizer"] and not r["fused"])
-        print(f"{result['optimizer']:<12}{str(result['fused']):<7}{result['weights']:<10}{result['grads']:>10}"
-              f"{result['loaded']:>12}"
-              f"{result['peak']:>10}{result['peak'] / unfused['peak']:>14.2f}")
+    print(f"{'optimizer':<12}{'fused':<7}{'weights':<10}{'px':>5}{'grads':>8}{'state':>8}{'loaded':>8}{'peak':>8}"
+          f"{'rest':>8}{'peak/unfused':>14}{'best':>6}  (MiB)")
+    for r in results:
+        unfused = next(u for u in results if u["optimizer"] == r["optimizer"] and not u["fused"])
+        rest = r["peak"] - r["loaded"] - r["state"] - (0 if r["fused"] else r["grads"])
+        best = (r["loaded"] + r["state"]) / (r["loaded"] + r["grads"] + r["state"])
+        print(f"{r['optimizer']:<12}{str(r['fused']):<7}{r['weights']:<10}{r['resolution']:>5}{r['grads']:>8}"
+              f"{r['state']:>8}{r['loaded']:>8}{r['peak']:>8}{rest:>8.1f}{r['peak'] / unfused['peak']:>14.2f}"
+              f"{best:>6.2f}")
 
 
 if __name__ == "__main__":

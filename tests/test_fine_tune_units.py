@@ -33,8 +33,11 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_loses_the_value(
         assert abs(rounded.double().mean().item() - value) < (high - low) * 0.01
     nearest = torch.tensor(1.0 + 2 ** -10).to(torch.bfloat16)
     assert float(nearest) == 1.0  # what plain rounding makes of it: the update is lost
-    assert torch.equal(stochastic_round_to_bfloat16(torch.tensor([float("inf"), 2.0])),
-                       torch.tensor([float("inf"), 2.0], dtype=torch.bfloat16))
+    special = torch.tensor([float("inf"), -float("inf"), 2.0, float("nan")]).repeat(1000)
+    special[3::4] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN whose bits carry
+    rounded = stochastic_round_to_bfloat16(special)
+    assert torch.equal(rounded[:3], torch.tensor([float("inf"), -float("inf"), 2.0], dtype=torch.bfloat16))
+    assert rounded[3::4].isnan().all() and not special[3::4].isinf().any()  # the input is left as it was
 
 
 # --- stepping one parameter at a time ----------------------------------------------------------
