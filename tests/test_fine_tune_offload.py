@@ -100,3 +100,21 @@ def test_a_fine_tune_with_half_the_unet_offloaded_equals_one_without(fake_device
     parked_weight = next(t.get() for i in conductor.parked for t in layer_tensors(conductor.blocks[i]))
     assert parked_weight.device.type == "cpu"
     assert {v.device.type for v in half.optimizer.state[parked_weight].values() if v.dim()} == {"cpu"}
+
+
+def test_weights_written_around_a_forward_only_pass_go_home(fake_device):
+    """Sampling with an EMA: the average is swapped in, forward-only passes bring blocks, the trained
+    values are written back into whatever copy is resident, then training resumes."""
+    model, blocks, conductor, optimizer = _train_toy(fake_device, 0.5, steps=1)
+    trained = [p.detach().cpu().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.zero_()  # the EMA swapped in (parked: into the home copies)
+        model(torch.randn(2, 32, device=fake_device))  # leaves some parked blocks resident
+        assert conductor.resident
+        for parameter, value in zip(model.parameters(), trained):
+            parameter.copy_(value.to(parameter.device))  # the trained values back, into the resident copies
+    conductor.materialize()
+    conductor.evict()
+    for parameter, value in zip(model.parameters(), trained):
+        assert torch.equal(parameter.detach().cpu(), value)

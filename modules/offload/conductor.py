@@ -58,8 +58,10 @@ class LayerOffloadConductor:
         self.trace: list[tuple[Pass, int, tuple[int, ...]]] = []  # (pass, block, resident) when recording
         self.recording = False
         self._arranged_for: tuple[int, Pass] | None = None
-        # parked blocks on the train device whose trained tensors may have changed since they came
-        # (stepped in their backward, or written while resident before training): written home on leaving
+        # parked blocks on the train device whose trained tensors may have changed since they came,
+        # written home on leaving: stepped in their backward, or brought outside a training step's
+        # forward (a resumed run loads into them; around sampling the EMA is swapped in and out).
+        # Only a training step's forward brings blocks that are sure to stay as their home copy.
         self._stepped: set[int] = set()
         self.optimizer_state = ParkedOptimizerState(self.train_device, self.temp_device,
                                                     pin=self.cuda and self.temp_device.type == "cpu")
@@ -106,7 +108,7 @@ class LayerOffloadConductor:
             target = resident_when_running(len(self.blocks), self.parked, index, kind)
             if self.recording:
                 self.trace.append((kind, index, target))
-            self._arrange(target, needed=index)
+            self._arrange(target, needed=index, written=kind is not Pass.FORWARD_THEN_BACKWARD)
             if kind is Pass.BACKWARD and index in self.parked_set:
                 # this block's weights are stepped in this backward (the fused step), here
                 self._stepped.add(index)
@@ -120,8 +122,7 @@ class LayerOffloadConductor:
     # --- moves -------------------------------------------------------------------------------
 
     def _arrange(self, target: tuple[int, ...], needed: int | None = None, written: bool = False) -> None:
-        """`written`: the blocks brought now may be written outside a backward pass (a resumed
-        run's weights load into them), so they go home on leaving."""
+        """`written`: the blocks brought now may be written while resident, so they go home on leaving."""
         for index in sorted(self.resident - set(target)):
             self._send_away(index)
         for index in target:
