@@ -18,7 +18,8 @@ follows live tensor memory. Reported per case, in MiB:
   (loaded + state) / (loaded + grads + state): the ceiling the 0.6x goal is measured against.
 The UNet trains with gradient checkpointing at batch 1 (as a large fine-tune would). `--weights
 bfloat16` is how the presets store weights (UNet and text encoder bfloat16, train_dtype bfloat16,
-VAE float32). `--resolution`: 64 gives 32x32 latents, where the small UNet's activations are
+VAE float32); `--train-dtype bfloat16` with float32 weights is float32 master weights under
+bfloat16 autocast. `--resolution`: 64 gives 32x32 latents, where the small UNet's activations are
 about the share of its weights that SD1.5's are at 512 px (see benchmarks/README.md).
 
     python -m benchmarks.fine_tune_memory                       # adamw and adamw_8bit, fp32 weights
@@ -56,7 +57,7 @@ def state_bytes(optimizer) -> int:
 
 
 def measure(model: str, images: str, work: str, optimizer: str, fused: bool, steps: int, weights: str,
-            resolution: int = 128) -> dict:
+            resolution: int = 128, train_dtype: str | None = None) -> dict:
     """One case, in this process (the parent runs each in a fresh process)."""
     sys.path.insert(0, str(ROOT))
     from modules.config.loading import build_config
@@ -67,7 +68,7 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
         # bfloat16: as the presets store weights (the frozen text encoder too) and compute
         "model": {"base": model, "parts": {"unet": {"weight_dtype": weights, "gradient_checkpointing": True},
                                            "text_encoder": {"weight_dtype": weights}}},
-        "train_dtype": weights,
+        "train_dtype": train_dtype or weights,
         "method": {"type": "fine_tune", "fused_backward": fused},
         "concepts": [{"path": images}], "data": {"resolution": resolution},
         "optimizer": {"type": optimizer, "lr": 1e-5},
@@ -103,7 +104,8 @@ def measure(model: str, images: str, work: str, optimizer: str, fused: bool, ste
     mib = 1 << 20
     grads = sum(p.numel() * p.element_size() for p in trainer.trained_parameters())
     state = state_bytes(trainer.optimizer)
-    return {"optimizer": optimizer, "fused": fused, "weights": weights, "resolution": resolution,
+    return {"optimizer": optimizer, "fused": fused, "weights": weights, "train_dtype": train_dtype or weights,
+            "resolution": resolution,
             "grads": round(grads / mib, 1), "state": round(state / mib, 1),
             "loaded": round((loaded - imports_only) / mib, 1), "peak": round((window["peak"] - imports_only) / mib, 1)}
 
@@ -114,6 +116,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--train-dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the weights')")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process's own case (JSON)
     args = parser.parse_args()
     if args.case:
@@ -130,7 +133,7 @@ def main() -> None:
         for fused in (False, True):
             case = {"model": str(model), "images": str(images), "work": str(work / f"{optimizer}-{fused}"),
                     "optimizer": optimizer, "fused": fused, "steps": args.steps, "weights": args.weights,
-                    "resolution": args.resolution}
+                    "resolution": args.resolution, "train_dtype": args.train_dtype}
             output = subprocess.run([sys.executable, "-m", "benchmarks.fine_tune_memory", "--case", json.dumps(case)],
                                     cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
             results.append(json.loads(next(line for line in output.splitlines() if line.startswith("RESULT "))[7:]))

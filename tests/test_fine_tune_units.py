@@ -40,6 +40,14 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_loses_the_value(
     assert rounded[3::4].isnan().all() and not special[3::4].isinf().any()  # the input is left as it was
 
 
+def test_autocast_keeps_no_low_precision_copy_of_the_trained_weights():
+    """Its cache would hold a bfloat16 copy of every float32 trained weight through the forward."""
+    from modules.util.torch_utils import autocast
+
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
+
+
 # --- stepping one parameter at a time ----------------------------------------------------------
 
 
