@@ -62,7 +62,7 @@ class LayerOffloadConductor:
         # written home on leaving: stepped in their backward, or brought outside a training step's
         # forward (a resumed run loads into them; around sampling the EMA is swapped in and out).
         # Only a training step's forward brings blocks that are sure to stay as their home copy.
-        self._stepped: set[int] = set()
+        self._changed: set[int] = set()
         self.optimizer_state = ParkedOptimizerState(self.train_device, self.temp_device,
                                                     pin=self.cuda and self.temp_device.type == "cpu")
 
@@ -111,7 +111,7 @@ class LayerOffloadConductor:
             self._arrange(target, needed=index, written=kind is not Pass.FORWARD_THEN_BACKWARD)
             if kind is Pass.BACKWARD and index in self.parked_set:
                 # this block's weights are stepped in this backward (the fused step), here
-                self._stepped.add(index)
+                self._changed.add(index)
                 self.optimizer_state.bring(self._trained(index))
         return before_block
 
@@ -129,7 +129,7 @@ class LayerOffloadConductor:
             if index not in self.resident:
                 self._bring(index, prefetch=index != needed)
                 if written:
-                    self._stepped.add(index)
+                    self._changed.add(index)
         if needed in self._events:
             torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(needed))
 
@@ -156,14 +156,14 @@ class LayerOffloadConductor:
     def _send_away(self, index: int) -> None:
         if index in self._events:  # a prefetch never waited for: finish it before dropping its memory
             torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(index))
-        stepped = index in self._stepped
+        changed = index in self._changed
         for tensor, value in zip(self._tensors[index], self._home[index]):
-            if stepped and tensor.get().requires_grad:
+            if changed and tensor.get().requires_grad:
                 write_home(tensor.get(), value)  # the step was made on the train device's copy
             tensor.put(value)
-        if stepped:
+        if changed:
             self.optimizer_state.park(self._trained(index))
-            self._stepped.discard(index)
+            self._changed.discard(index)
         self.resident.discard(index)
 
     # --- around sampling and saving ---------------------------------------------------------------
