@@ -3,7 +3,7 @@ without the fused backward, per optimizer (issue 16's goal: gradient memory gone
 AdamW8bit).
 
 Each case runs the real trainer in its own process on the CPU. Memory is the process's resident
-set, sampled every 2 ms from /proc/self/statm, with glibc told to serve every allocation above
+set less its file-backed pages (library code), sampled every 2 ms from /proc/self/statm, with glibc told to serve every allocation above
 64 KiB by mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and it
 follows live tensor memory. Reported per case, in MiB:
 - `loaded`: after start() (model, data cache) minus before it (imports only),
@@ -42,8 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rss() -> int:
+    """Resident memory that is not file-backed: tensors, heap, stacks. The code pages of torch's and
+    bitsandbytes' libraries that the first backward pass and optimizer step touch (~150 MiB here,
+    the same at every resolution) are file-backed resident memory too; they are no training
+    state and no GPU memory, so they are left out (statm: resident - shared)."""
     with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        fields = statm.read().split()
+    return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
 
 
 def state_bytes(optimizer) -> int:
