@@ -12,18 +12,18 @@ follows live tensor memory. Reported per case, in MiB:
 - `peak/unfused`: that peak over the unfused peak with the same optimizer,
 - `grads`: the size of all UNet gradients (what the fused backward should save),
 - `state`: the optimizer state after training (measured: every state tensor once),
-- `rest`: peak - loaded - state - grads (unfused) or - nothing (fused): activations and step
-  temporaries, which the fused step does not touch,
+- `rest`: peak - loaded - state - grads (unfused) or - nothing (fused): whatever else training
+  holds (activations, step temporaries, kernel caches), which the fused step does not touch,
 - `best`: the ratio the fused run could reach with no activations at all,
   (loaded + state) / (loaded + grads + state): the ceiling the 0.6x goal is measured against.
 The UNet trains with gradient checkpointing at batch 1 (as a large fine-tune would). `--weights
 bfloat16` is how the presets store weights (UNet and text encoder bfloat16, train_dtype bfloat16,
 VAE float32); `--train-dtype bfloat16` with float32 weights is float32 master weights under
-bfloat16 autocast. `--resolution`: 64 gives 32x32 latents, where the small UNet's activations are
-about the share of its weights that SD1.5's are at 512 px (see benchmarks/README.md).
+bfloat16 autocast. `--resolution` (default 64: 32x32 latents; at 128 px this UNet has SD1.5's
+latent size at 512 px with 25x fewer weights, so activations would set its peak).
 
     python -m benchmarks.fine_tune_memory                       # adamw and adamw_8bit, fp32 weights
-    python -m benchmarks.fine_tune_memory --optimizers adamw_8bit --weights bfloat16 --resolution 64
+    python -m benchmarks.fine_tune_memory --optimizers adamw_8bit --weights bfloat16   # as the presets
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def state_bytes(optimizer) -> int:
 
 
 def measure(model: str, images: str, work: str, optimizer: str, fused: bool, steps: int, weights: str,
-            resolution: int = 128, train_dtype: str | None = None) -> dict:
+            resolution: int = 64, train_dtype: str | None = None) -> dict:
     """One case, in this process (the parent runs each in a fresh process)."""
     sys.path.insert(0, str(ROOT))
     from modules.config.loading import build_config
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "adamw_8bit"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--resolution", type=int, default=128)
+    parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--train-dtype", choices=["float32", "bfloat16"], help="autocast dtype (default: the weights')")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # a child process's own case (JSON)
     args = parser.parse_args()
