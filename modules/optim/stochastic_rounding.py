@@ -26,7 +26,9 @@ def _round_bits_in_place(values: torch.Tensor) -> torch.Tensor:
     nan = torch.isnan(values)
     bits = values.view(torch.int32)
     # -65536 is 0xFFFF0000: keep the sign, exponent and the 7 mantissa bits bfloat16 has
-    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device)).bitwise_and_(-65536)
+    # (as a 0-dim tensor: a plain int takes another overload that some backends lack; see tests/fake_device.py)
+    bits.add_(torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device))
+    bits.bitwise_and_(torch.tensor(-65536, dtype=torch.int32))
     return values.masked_fill_(nan, float("nan"))
 
 
