@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from conftest import train_config
 from test_offload import start, toy_stack
@@ -118,3 +119,15 @@ def test_weights_written_around_a_forward_only_pass_go_home(fake_device):
     conductor.evict()
     for parameter, value in zip(model.parameters(), trained):
         assert torch.equal(parameter.detach().cpu(), value)
+
+
+def test_auto_offload_counts_a_fine_tunes_optimizer_state_with_its_weights(tmp_path, tiny_model, one_image):
+    from modules.offload.planning import trained_bytes_factor
+
+    def factor(overlay):
+        return trained_bytes_factor(train_config(tiny_model, one_image, tmp_path, overlay), "unet")
+
+    fine_tune = {"method": {"type": "fine_tune"}, "model": {"parts": {"unet": {"weight_dtype": "float32"}}}}
+    assert factor(fine_tune) == pytest.approx(3.0, abs=1e-3)  # AdamW: two float32 moments a float32 weight
+    assert factor({**fine_tune, "optimizer": {"type": "adamw_8bit"}}) < 1.6  # two bytes of state, plus scales
+    assert factor({}) == 1.0  # an adapter: the part's weights have no state

@@ -27,7 +27,7 @@ from modules.model.registry import get_family_class
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.offload.layer_tensors import block_bytes
-from modules.offload.planning import auto_offload_fraction
+from modules.offload.planning import auto_offload_fraction, trained_bytes_factor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler
@@ -218,10 +218,11 @@ class GenericTrainer:
                                f"blocks to offload in {part}"])
         if requested != "auto":
             return requested
-        part_bytes = block_bytes(self.family.parts[part])
+        scale = trained_bytes_factor(self.config, part)  # a fine-tune's optimizer state parks with its weights
+        part_bytes = int(block_bytes(self.family.parts[part]) * scale)
         other = sum(block_bytes(m) for n, m in self.family.parts.items() if n != part)
-        free = detect_capabilities(self.device).free_memory
-        fraction = auto_offload_fraction(part_bytes, sum(block_bytes(b) for b in blocks), other, free)
+        fraction = auto_offload_fraction(part_bytes, int(sum(block_bytes(b) for b in blocks) * scale), other,
+                                         detect_capabilities(self.device).free_memory)
         self.callbacks.on_status(f"model.parts.{part}.offload_fraction: auto -> {fraction:g}")
         return fraction
 
@@ -272,8 +273,6 @@ class GenericTrainer:
         self.optimizer = build_optimizer(config.optimizer, self._param_groups(config))
         for method in self.methods:
             method.optimizer_ready(self.optimizer)
-        for conductor in self.conductors.values():  # a fine-tune's state of parked weights travels with them
-            conductor.carry_optimizer_state(self.optimizer)
         self.ema = (EMA(self.trained_parameters(), config.ema.decay,
                         self.device if config.ema.device == "train" else torch.device("cpu"))
                     if config.ema.enabled else None)
