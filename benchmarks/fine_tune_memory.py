@@ -43,9 +43,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _rss() -> int:
     """Resident memory that is not file-backed: tensors, heap, stacks. The code pages of torch's and
-    bitsandbytes' libraries that the first backward pass and optimizer step touch (~150 MiB here,
-    the same at every resolution) are file-backed resident memory too; they are no training
-    state and no GPU memory, so they are left out (statm: resident - shared)."""
+    bitsandbytes' libraries that the first backward pass and optimizer step touch (40-50 MiB
+    here) are file-backed resident memory too; they are no training state and no GPU memory,
+    so they are left out (statm: resident - shared)."""
     with open("/proc/self/statm") as statm:
         fields = statm.read().split()
     return (int(fields[1]) - int(fields[2])) * os.sysconf("SC_PAGE_SIZE")
