@@ -33,8 +33,19 @@ def test_stochastic_rounding_is_unbiased_where_nearest_rounding_loses_the_value(
         assert abs(rounded.double().mean().item() - value) < (high - low) * 0.01
     nearest = torch.tensor(1.0 + 2 ** -10).to(torch.bfloat16)
     assert float(nearest) == 1.0  # what plain rounding makes of it: the update is lost
-    assert torch.equal(stochastic_round_to_bfloat16(torch.tensor([float("inf"), 2.0])),
-                       torch.tensor([float("inf"), 2.0], dtype=torch.bfloat16))
+    special = torch.tensor([float("inf"), -float("inf"), 2.0, float("nan")]).repeat(1000)
+    special[3::4] = torch.tensor([0x7F800001], dtype=torch.int32).view(torch.float32)  # a NaN whose bits carry
+    rounded = stochastic_round_to_bfloat16(special)
+    assert torch.equal(rounded[:3], torch.tensor([float("inf"), -float("inf"), 2.0], dtype=torch.bfloat16))
+    assert rounded[3::4].isnan().all() and not special[3::4].isinf().any()  # the input is left as it was
+
+
+def test_autocast_keeps_no_low_precision_copy_of_the_trained_weights():
+    """Its cache would hold a bfloat16 copy of every float32 trained weight through the forward."""
+    from modules.util.torch_utils import autocast
+
+    with autocast(torch.device("cpu"), torch.bfloat16):
+        assert torch.is_autocast_enabled("cpu") and not torch.is_autocast_cache_enabled()
 
 
 # --- stepping one parameter at a time ----------------------------------------------------------
@@ -141,8 +152,8 @@ def test_a_quantized_or_auto_trained_part_is_refused_naming_its_weight_dtype(tmp
     ({"optimizer": {"type": "prodigy"}}, r"optimizer\.type: Prodigy"),
     ({"optimizer": {"type": "schedule_free_adamw"}, "method": {"fused_backward": False},
       "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}}}, r"optimizer\.type: schedule-free"),
-    ({"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}}},
-     r"model\.parts\.unet\.offload_fraction"),
+    ({"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}},
+      "method": {"fused_backward": False}}, r"model\.parts\.unet\.offload_fraction: .*method\.fused_backward"),
     ({"model": {"family": "flux"}, "method": {"save_format": "single_file"}}, r"method\.save_format: .*sd15, sdxl"),
 ])
 def test_what_a_fine_tune_cannot_combine_is_refused_naming_the_field(tmp_path, overlay, field):
@@ -154,6 +165,8 @@ def test_without_the_fused_step_those_combinations_are_accepted(tmp_path):
     _config(tmp_path, {"method": {"fused_backward": False}, "schedule": {"gradient_accumulation": 2},
                        "optimizer": {"type": "prodigy"}, "train_dtype": "float16"})
     _config(tmp_path, {"model": {"family": "flux"}})  # save_format auto: a diffusers folder there
+    # layer offloading of a trained part works with the fused step (tests/test_fine_tune_offload.py)
+    _config(tmp_path, {"model": {"parts": {"unet": {"offload_fraction": 0.5, "gradient_checkpointing": True}}}})
 
 
 # --- the original layout, both ways ------------------------------------------------------------

@@ -78,6 +78,8 @@ class FineTuneMethod(TrainingMethod):
     def optimizer_ready(self, optimizer: torch.optim.Optimizer) -> None:
         stepper = self.stepper = SingleParameterStepper(optimizer, self.config.method.stochastic_rounding)
         keep_float32_state(stepper)
+        for conductor in self.trainer.conductors.values():  # the state of parked weights parks with them
+            conductor.carry_optimizer_state(optimizer)
         if self.fused is not None:
             self.fused.attach(stepper)
         elif stepper.stochastic_rounding:

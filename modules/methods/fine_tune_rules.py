@@ -4,8 +4,10 @@ each refusal naming the field to change.
 - A trained part's weights must be dense float32 or bfloat16: quantized storage (float8, int8,
   w8a8, nf4) has no weights an optimizer can step, `auto` may pick such a mode, and float16
   weights lose small updates (no stochastic rounding for them) and overflow.
-- Layer offloading of a trained part: the optimizer would step parked weights on the temp device
-  with gradients and state on the train device; not built yet, so refused.
+- Layer offloading of a trained part needs the fused backward: a parked block's weights (and
+  their optimizer state) are on the train device only around the block's own backward, where the
+  fused step runs (modules/offload/trained_tensors.py); an ordinary step after the backward pass
+  would find them parked, with their gradients on the train device.
 - The fused backward steps each weight once, the moment its gradient is complete, so gradients
   cannot add up over several batches (gradient_accumulation), a float16 loss scaler cannot skip
   a step after the fact, and optimizers whose step reads statistics of all parameters together
@@ -38,9 +40,10 @@ def check_fine_tune_config(config) -> None:
             raise located_error(f"a part that a full fine-tune trains needs float32 or bfloat16 weights ({why}); "
                                 f"set it to bfloat16 or float32, or train an adapter (method.type: adapter)",
                                 "model", "parts", name, "weight_dtype")
-        if part.offload_fraction != 0:
-            raise located_error("layer offloading of a part that a full fine-tune trains is not supported "
-                                "(its optimizer state would have to follow the parked weights); set it to 0",
+        if part.offload_fraction != 0 and not method.fused_backward:
+            raise located_error("layer offloading of a part that a full fine-tune trains needs "
+                                "method.fused_backward: true (each parked block is stepped in its own backward, "
+                                "while its weights are on the train device); turn it on or set this to 0",
                                 "model", "parts", name, "offload_fraction")
     stepped_alone = []  # why weights are stepped one at a time
     if method.fused_backward:

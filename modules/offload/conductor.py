@@ -4,8 +4,9 @@ train device just before it runs, following schedule.py.
 Parked blocks are chosen once (choose_parked: `offload_fraction` of the offloadable bytes, spread
 over the stack). Their frozen base tensors get a permanent copy on the temp device (pinned host
 memory on CUDA); bringing a block in copies it to the train device, and sending it away just
-points the tensors back at that copy, so eviction costs no transfer. The base weights are frozen,
-so the copy never goes stale; a trainable parked tensor is refused.
+points the tensors back at that copy, so eviction costs no transfer for frozen base weights. A
+block whose trained weights (a full fine-tune) may have been stepped since it came writes them
+home first, and its optimizer state travels with it (trained_tensors.py says where and why).
 
 Every layer of a block gets a forward pre-hook (the block's own hooks would not fire when a
 checkpoint recomputes its forward); the first layer of a block to run arranges the window, the
@@ -19,22 +20,17 @@ waits on its event before using it; elsewhere moves are plain synchronous copies
 
 from __future__ import annotations
 
-from modules.errors import UserError
-
 import torch
 from torch import nn
 
 from modules.offload.layer_tensors import LayerTensor, block_bytes, layer_tensors
+from modules.offload.trained_tensors import ParkedOptimizerState, write_home
 from modules.offload.schedule import (
     Pass,
     choose_parked,
     resident_after,
     resident_when_running,
 )
-
-
-class OffloadError(UserError, RuntimeError):
-    pass
 
 
 def current_pass() -> Pass:
@@ -62,6 +58,13 @@ class LayerOffloadConductor:
         self.trace: list[tuple[Pass, int, tuple[int, ...]]] = []  # (pass, block, resident) when recording
         self.recording = False
         self._arranged_for: tuple[int, Pass] | None = None
+        # parked blocks on the train device whose trained tensors may have changed since they came,
+        # written home on leaving: stepped in their backward, or brought outside a training step's
+        # forward (a resumed run loads into them; around sampling the EMA is swapped in and out).
+        # Only a training step's forward brings blocks that are sure to stay as their home copy.
+        self._changed: set[int] = set()
+        self.optimizer_state = ParkedOptimizerState(self.train_device, self.temp_device,
+                                                    pin=self.cuda and self.temp_device.type == "cpu")
 
     # --- set-up ----------------------------------------------------------------------------
 
@@ -75,11 +78,7 @@ class LayerOffloadConductor:
         for index in self.parked:
             home = []
             for tensor in self._tensors[index]:
-                value = tensor.get()
-                if value.requires_grad:
-                    raise OffloadError(f"model.parts.{self.name}.offload_fraction: {type(tensor.module).__name__}."
-                                       f"{tensor.name} trains; only frozen base weights can be parked")
-                value = value.detach().to(self.temp_device)
+                value = tensor.get().detach().to(self.temp_device)
                 if self.cuda and self.temp_device.type == "cpu":
                     value = value.pin_memory()  # async host-to-device copies need pinned memory
                 tensor.put(value)
@@ -89,7 +88,11 @@ class LayerOffloadConductor:
             hook = self._make_hook(index)
             layers = {id(t.module): t.module for t in layer_tensors(block)}
             self._handles += [layer.register_forward_pre_hook(hook) for layer in layers.values()]
-        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD))
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD), written=True)
+
+    def carry_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose state of trained parked tensors moves with their blocks."""
+        self.optimizer_state.optimizer = optimizer
 
     def stop(self) -> None:
         for handle in self._handles:
@@ -105,17 +108,28 @@ class LayerOffloadConductor:
             target = resident_when_running(len(self.blocks), self.parked, index, kind)
             if self.recording:
                 self.trace.append((kind, index, target))
-            self._arrange(target, needed=index)
+            self._arrange(target, needed=index, written=kind is not Pass.FORWARD_THEN_BACKWARD)
+            if kind is Pass.BACKWARD and index in self.parked_set:
+                # this block's weights are stepped in this backward (the fused step), here
+                self._changed.add(index)
+                self.optimizer_state.bring(self._trained(index))
         return before_block
+
+    def _trained(self, index: int) -> list[torch.Tensor]:
+        # read when needed: a method makes weights trainable after the conductor has started
+        return [value for value in (t.get() for t in self._tensors[index]) if value.requires_grad]
 
     # --- moves -------------------------------------------------------------------------------
 
-    def _arrange(self, target: tuple[int, ...], needed: int | None = None) -> None:
+    def _arrange(self, target: tuple[int, ...], needed: int | None = None, written: bool = False) -> None:
+        """`written`: the blocks brought now may be written while resident, so they go home on leaving."""
         for index in sorted(self.resident - set(target)):
             self._send_away(index)
         for index in target:
             if index not in self.resident:
                 self._bring(index, prefetch=index != needed)
+                if written:
+                    self._changed.add(index)
         if needed in self._events:
             torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(needed))
 
@@ -142,8 +156,14 @@ class LayerOffloadConductor:
     def _send_away(self, index: int) -> None:
         if index in self._events:  # a prefetch never waited for: finish it before dropping its memory
             torch.cuda.current_stream(self.train_device).wait_event(self._events.pop(index))
+        changed = index in self._changed
         for tensor, value in zip(self._tensors[index], self._home[index]):
+            if changed and tensor.get().requires_grad:
+                write_home(tensor.get(), value)  # the step was made on the train device's copy
             tensor.put(value)
+        if changed:
+            self.optimizer_state.park(self._trained(index))
+            self._changed.discard(index)
         self.resident.discard(index)
 
     # --- around sampling and saving ---------------------------------------------------------------
@@ -156,7 +176,7 @@ class LayerOffloadConductor:
     def materialize(self) -> None:
         """The blocks the next training step starts with back on the train device (after)."""
         self._arranged_for = None
-        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD))
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD), written=True)
 
     def describe(self) -> str:
         parked_bytes = sum(block_bytes(self.blocks[i]) for i in self.parked)

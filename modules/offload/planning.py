@@ -21,3 +21,17 @@ def auto_offload_fraction(part_bytes: int, offloadable_bytes: int, other_bytes: 
     if excess <= 0:
         return 0.0
     return min(1.0, math.ceil(excess / offloadable_bytes / STEP - 1e-9) * STEP)
+
+
+def trained_bytes_factor(config, part: str) -> float:
+    """Train-device bytes per weight byte of `part`: 1, or in a full fine-tune of it, 1 + its
+    optimizer state per weight byte, since the state parks with its block (trained_tensors.py).
+    The state is measured from one step of the configured optimizer (a bfloat16 weight stepped with
+    stochastic rounding has float32 state, as measured)."""
+    part_config = config.model.parts[part]
+    if config.method.type != "fine_tune" or not part_config.train:
+        return 1.0
+    from modules.trainer.backup_size import optimizer_state_bytes_per_parameter
+
+    weight_bytes = 2 if part_config.weight_dtype == "bfloat16" else 4
+    return 1.0 + optimizer_state_bytes_per_parameter(config) / weight_bytes

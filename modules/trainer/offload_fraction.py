@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from modules.config.errors import ConfigError
 from modules.offload.layer_tensors import block_bytes
-from modules.offload.planning import auto_offload_fraction
+from modules.offload.planning import auto_offload_fraction, trained_bytes_factor
 from modules.quantization.capabilities import detect_capabilities
 
 if TYPE_CHECKING:
@@ -24,9 +24,10 @@ def offload_fraction(trainer: GenericTrainer, part: str) -> float:
                            f"blocks to offload in {part}"])
     if requested != "auto":
         return requested
-    part_bytes = block_bytes(trainer.family.parts[part])
+    scale = trained_bytes_factor(trainer.config, part)  # a fine-tune's optimizer state parks with its weights
+    part_bytes = int(block_bytes(trainer.family.parts[part]) * scale)
     other = sum(block_bytes(m) for n, m in trainer.family.parts.items() if n != part)
     free = detect_capabilities(trainer.device).free_memory
-    fraction = auto_offload_fraction(part_bytes, sum(block_bytes(b) for b in blocks), other, free)
+    fraction = auto_offload_fraction(part_bytes, int(sum(block_bytes(b) for b in blocks) * scale), other, free)
     trainer.callbacks.on_status(f"model.parts.{part}.offload_fraction: auto -> {fraction:g}")
     return fraction

@@ -31,11 +31,17 @@ def resolve_device(name: str) -> torch.device:
 
 def autocast(device: torch.device, dtype: torch.dtype):
     """Autocast to `dtype` on `device`, or nothing when computing in float32 or where autocast
-    is not available for that device type."""
+    is not available for that device type.
+
+    Without autocast's weight cache: it keeps the low-precision copy of every trainable float32
+    weight until the forward pass ends, which with gradient checkpointing (nothing else of the
+    forward kept) is 2 bytes a trained parameter of waste: a full fine-tune of float32 weights
+    peaked in its forward because of it (benchmarks/README.md). Each weight is used once a
+    forward, so the cache saves no casts; what the backward needs, the graph keeps anyway."""
     if dtype == torch.float32:
         return contextlib.nullcontext()
     try:
-        return torch.autocast(device_type=device.type, dtype=dtype)
+        return torch.autocast(device_type=device.type, dtype=dtype, cache_enabled=False)
     except RuntimeError:
         return contextlib.nullcontext()
 
