@@ -7,7 +7,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest -n (README's test command), the workers share the cores: give each its share of
+# threads, before torch starts its pool (and for the runs tests start, which inherit it), so the
+# processes do not oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT") and "OMP_NUM_THREADS" not in os.environ:
+    _workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _workers))
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

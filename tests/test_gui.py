@@ -9,6 +9,7 @@ and opens a new one to check that the last config comes back.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -45,17 +46,19 @@ def display():
         return
     if shutil.which("Xvfb") is None:
         pytest.skip("GUI tests need a display: DISPLAY is unset and Xvfb is not installed (apt-get install xvfb)")
-    number = next(n for n in range(91, 300) if not Path(f"/tmp/.X{n}-lock").exists()
-                  and not Path(f"/tmp/.X11-unix/X{n}").exists())
-    server = subprocess.Popen(["Xvfb", f":{number}", "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
-    socket = Path(f"/tmp/.X11-unix/X{number}")
-    deadline = time.monotonic() + 20
-    while not socket.exists():
-        if server.poll() is not None or time.monotonic() > deadline:
-            server.kill()
-            pytest.fail(f"Xvfb :{number} did not start")
-        time.sleep(0.05)
+    # -displayfd: Xvfb picks a free display and writes its number when it is ready, so test
+    # processes started side by side (pytest -n) never race for the same number.
+    read_end, write_end = os.pipe()
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
+                              preexec_fn=_die_with_parent)
+    os.close(write_end)
+    with os.fdopen(read_end) as ready:
+        ready_fds = select.select([ready], [], [], 20)[0]
+        number = ready.readline().strip() if ready_fds else ""
+    if not number.isdigit():
+        server.kill()
+        pytest.fail("Xvfb did not start (no display number within 20 s)")
     os.environ["DISPLAY"] = f":{number}"
     try:
         yield os.environ["DISPLAY"]
