@@ -23,10 +23,8 @@ from modules.trainer.generic_trainer import GenericTrainer
 
 
 @pytest.fixture(scope="session")
-def tiny_flux(tmp_path_factory):
-    from modules.model.flux import FluxFamily
-
-    return FluxFamily.make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-flux")
+def tiny_flux(tiny_family_model):
+    return tiny_family_model("flux")  # the session's, shared with the preset and guard tests
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ def test_sdxl_trains_a_lora_and_the_loss_falls(tmp_path, tiny_sdxl, one_image):
     config = train_config(tiny_sdxl, one_image, tmp_path, {
         "model": {"family": "sdxl", "parts": {"text_encoder_2": {"train": True},
                                               "unet": {"gradient_checkpointing": True}}},
-        "adapter": {"layer_preset": "all"}, "schedule": {"epochs": 30, "batch_size": 1}, "optimizer": {"lr": 3e-3},
+        # 22 steps: fixed_loss falls to 0.66-0.67x of its start over seeds 42, 1, 2, 3 (the test needs < 0.8x)
+        "adapter": {"layer_preset": "all"}, "schedule": {"epochs": 22, "batch_size": 1}, "optimizer": {"lr": 3e-3},
     })
     trainer = GenericTrainer(config)
     trainer.start()  # the first step's guard (every adapter learns) runs inside train()

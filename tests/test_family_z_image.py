@@ -24,10 +24,8 @@ from modules.trainer.generic_trainer import GenericTrainer
 
 
 @pytest.fixture(scope="session")
-def tiny_z_image(tmp_path_factory):
-    from modules.model.z_image import ZImageFamily
-
-    return ZImageFamily.make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-z-image")
+def tiny_z_image(tiny_family_model):
+    return tiny_family_model("z_image")  # the session's, shared with the preset and guard tests
 
 
 @pytest.fixture(scope="module")

@@ -58,10 +58,8 @@ def test_a_module_with_gradients_that_are_all_zero_is_named_as_not_changing():
 
 
 @pytest.fixture(scope="module")
-def tiny_models(tmp_path_factory, tiny_model) -> dict[str, Path]:
-    folder = tmp_path_factory.mktemp("guard-models")
-    return {name: tiny_model if name == "sd15" else get_family_class(name).make_tiny_model(folder / name)
-            for name in family_names()}
+def tiny_models(tiny_family_model) -> dict[str, Path]:
+    return {name: tiny_family_model(name) for name in family_names()}  # the session's, built once
 
 
 @pytest.mark.parametrize("family_name", family_names())

@@ -115,10 +115,8 @@ def write_original_layout(model_folder: Path, family: str, path: Path, skip: tup
 
 
 @pytest.fixture(scope="module")
-def tiny_sdxl(tmp_path_factory):
-    from modules.model.sdxl import SDXLFamily
-
-    return SDXLFamily.make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sdxl")
+def tiny_sdxl(tiny_family_model):
+    return tiny_family_model("sdxl")  # the session's, shared with the SDXL family tests
 
 
 def _family(name, base, images, workspace, configs=None, parts=None, **model):

@@ -58,7 +58,8 @@ def trained(tmp_path_factory, tiny_model, one_image):
     config = train_config(tiny_model, one_image, work, {
         "model": {"parts": {"text_encoder": {"train": True}}},
         "adapter": {"layer_preset": "all"},
-        "schedule": {"epochs": 40, "batch_size": 1},
+        # 25 steps: fixed_loss falls to 0.55-0.58x of its start over seeds 42, 1, 2, 3 (the test needs < 0.8x)
+        "schedule": {"epochs": 25, "batch_size": 1},
         "optimizer": {"lr": 3e-3},
         "sampling": {"prompts": [{"prompt": "a red circle", "steps": 4, "width": 64, "height": 64, "seed": 7}]},
     })
@@ -88,7 +89,7 @@ def test_saved_file_is_kohya_format_with_metadata(trained):
         assert {f"{stem}.lora_down.weight", f"{stem}.lora_up.weight", f"{stem}.alpha"} <= set(keys)
     assert metadata["ss_network_dim"] == "4" and metadata["ss_network_alpha"] == "2.0"
     assert metadata["difftrainer.family"] == "sd15"
-    assert metadata["ss_steps"] == str(trainer.step) and int(metadata["ss_steps"]) == 40
+    assert metadata["ss_steps"] == str(trainer.step) and int(metadata["ss_steps"]) == 25
     assert metadata["ss_sd_model_name"] == "tiny-sd15"
 
 
