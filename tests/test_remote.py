@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, train_config
@@ -135,6 +136,9 @@ def test_remote_run_survives_a_dropped_connection_and_brings_results_back(sshd, 
     config = train_config(tiny_model, shape_images, tmp_path, {
         "schedule": {"epochs": 6, "sample_every": "4 steps", "backup_every": "4 steps", "save_every": "5 steps"},
         "sampling": {"prompts": [{"prompt": "a circle", "steps": 2, "width": 64, "height": 64}]},
+        # an embedding trained alongside the LoRA: its file is saved beside the output and comes back too
+        "embeddings": [{"placeholder": "<shape>", "init_text": "ab"}],
+        "concepts": [{"path": str(shape_images), "captions": {"prefix": "<shape> "}}],
     })
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())
@@ -194,6 +198,9 @@ def test_remote_run_survives_a_dropped_connection_and_brings_results_back(sshd, 
     assert events[-2] == {"event": "saved", "path": str(output), "remote_path": str(box / "output" / output.name)}
     assert output.read_bytes() == (box / "output" / output.name).read_bytes()
     assert load_file(str(output))  # whole and loadable
+    companion = output.with_name(f"{output.stem}.shape.safetensors")
+    assert companion.read_bytes() == (box / "output" / companion.name).read_bytes()
+    assert load_file(str(companion))["emb_params"].shape == (1, 32)
     workspace = Path(config.workspace_dir)
     for kind in ("sample", "backup"):
         paths = [Path(e["path"]) for e in events if e["event"] == kind]
@@ -310,3 +317,28 @@ def test_helper_session_reports_a_trainer_that_crashes(tmp_path):
     events = [json.loads(line) for line in out.splitlines()]
     assert events[0] == {"event": "started", "total_steps": 1}
     assert events[1] == {"event": "error", "message": "the trainer exited with code 1: boom: out of memory"}
+
+
+def test_a_sync_brings_back_an_output_folder_and_companions_and_nothing_else(tmp_path):
+    """The box's output folder may hold other runs' results: only this output's files come back."""
+    from modules.remote.run import PULLED_FOLDERS, RemoteRun
+
+    run = RemoteRun(None, tmp_path / "ws", tmp_path / "out" / "model", "/box", 0, lambda text: None)
+    listing = {"model/unet/diffusion_pytorch_model.safetensors": [10, 1], "model/model_index.json": [2, 1],
+               "model.shape.safetensors": [5, 1], "other.safetensors": [7, 1], "model-old/x.json": [1, 1],
+               "model.notes.txt": [1, 1]}
+    run.target = SimpleNamespace(helper_argv=lambda *argv: list(argv), run_json=lambda argv, what: {
+        **{f"/box/workspace/{name}": {} for name in PULLED_FOLDERS}, "/box/output": listing})
+    pulled = []
+
+    def pull(root, relatives, local_root):
+        pulled.append((root, sorted(relatives), local_root))
+        for relative in relatives:
+            (local_root / relative).parent.mkdir(parents=True, exist_ok=True)
+            (local_root / relative).write_bytes(b"x")
+
+    run._pull = pull
+    run.requested_output = run.local_output
+    assert run.sync_results() == 3
+    assert pulled == [("/box/output", ["model.shape.safetensors", "model/model_index.json",
+                                       "model/unet/diffusion_pytorch_model.safetensors"], tmp_path / "out")]

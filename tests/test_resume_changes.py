@@ -110,3 +110,20 @@ def test_resume_compares_the_dora_axis_it_resolves_to_and_the_oft_constraint():
     assert not resume_changes(old_diffusers, config(dora=True, format="diffusers"))
     old_oft = json.loads(config(type="oft").model_dump_json())
     assert any(line.startswith("adapter.constraint") for line in resume_changes(old_oft, config(type="oft", constraint=0.5)))
+
+
+def test_resume_refuses_changed_trained_embeddings_before_the_model_loads():
+    """The backup holds one tensor per trained placeholder: another placeholder, another vector
+    count or one more trained embedding cannot follow; a changed learning rate or init text can."""
+    from modules.config.loading import build_config
+    from modules.trainer.resume import resume_changes
+
+    def config(*embeddings):
+        return build_config([{"embeddings": list(embeddings)}])
+
+    old = json.loads(config({"placeholder": "<a>", "vectors": 2}).model_dump_json())
+    assert not resume_changes(old, config({"placeholder": "<a>", "vectors": 2, "learning_rate": 1e-3, "init_text": "x"}))
+    for changed in ([{"placeholder": "<a>", "vectors": 3}], [{"placeholder": "<b>", "vectors": 2}],
+                    [{"placeholder": "<a>", "vectors": 2}, {"placeholder": "<c>"}], []):
+        lines = resume_changes(old, config(*changed))
+        assert any(line.startswith("embeddings: trained ['<a> x 2'] in the backup") for line in lines), changed

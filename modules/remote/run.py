@@ -369,11 +369,13 @@ class RemoteRun:
             for rel, meta in listing[f"{self.remote_workspace}/{name}"].items():
                 if tuple(here.get(rel, ())) != tuple(meta):
                     wanted.append(f"{self.remote_workspace}/{name}/{rel}")
-        output_meta = listing[f"{self.remote_dir}/output"].get(self.local_output.name)
-        if output_meta:
-            stat = self.local_output.stat() if self.local_output.is_file() else None
-            if stat is None or (stat.st_size, int(stat.st_mtime)) != tuple(output_meta):
-                wanted.append(self.remote_output)
+        for rel, meta in listing[f"{self.remote_dir}/output"].items():
+            if not self._is_output_file(rel):
+                continue
+            local = self.local_output.parent / rel
+            stat = local.stat() if local.is_file() else None
+            if stat is None or (stat.st_size, int(stat.st_mtime)) != tuple(meta):
+                wanted.append(f"{self.remote_dir}/output/{rel}")
         if wanted:
             self._pull_paths(wanted)
         return len(wanted)
@@ -383,9 +385,21 @@ class RemoteRun:
         in_workspace = [p[len(self.remote_workspace) + 1:] for p in remote_paths if p.startswith(self.remote_workspace + "/")]
         if in_workspace:
             self._pull(self.remote_workspace, in_workspace, self.local_workspace)
-        if self.remote_output in remote_paths:
-            self._pull(f"{self.remote_dir}/output", [self.local_output.name], self.local_output.parent)
-            record_output(self.local_workspace, self.requested_output, self.local_output)  # a --resume replaces it
+        output_root = f"{self.remote_dir}/output/"
+        in_output = [p[len(output_root):] for p in remote_paths if p.startswith(output_root)]
+        if in_output:
+            self._pull(f"{self.remote_dir}/output", in_output, self.local_output.parent)
+            if any(rel == self.local_output.name or rel.startswith(self.local_output.name + "/") for rel in in_output):
+                record_output(self.local_workspace, self.requested_output, self.local_output)  # a --resume replaces it
+
+    def _is_output_file(self, rel: str) -> bool:
+        """A file of this run's result in the box's output folder: the output itself, the files of an
+        output folder (a fine-tune saved as diffusers), or a companion saved beside it (an embedding
+        trained alongside: <stem>.<placeholder>.safetensors)."""
+        name = self.local_output.name
+        stem = self.local_output.stem if self.local_output.suffix else name
+        return rel == name or rel.startswith(name + "/") or (
+            "/" not in rel and rel.startswith(stem + ".") and rel.endswith(".safetensors"))
 
     def _pull(self, remote_root: str, relatives: list[str], local_root: Path) -> None:
         argv = self.target.helper_argv(self.remote_dir, "send", remote_root, *relatives)

@@ -50,6 +50,12 @@ def _size(adapter: dict, part: str, defaults: dict) -> tuple:
     return rank, float(alpha or 0)
 
 
+def _trained_embeddings(embeddings: list[dict]) -> list[str]:
+    """The trained embeddings as `placeholder x vectors` (a start file brings its own count: `from file`)."""
+    return [f"{e.get('placeholder')} x {'from file' if e.get('path') else e.get('vectors', 1)}"
+            for e in embeddings if e.get("train", True)]
+
+
 def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     """One line per setting that differs between the backup's config and this run's, naming its dotted path."""
     backup_config = migrate(backup_config)
@@ -75,6 +81,11 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     new_trained = sorted(k for k, v in new_parts.items() if v["train"])
     if old_trained != new_trained:
         changes.append(f"model.parts.*.train: {old_trained} in the backup, {new_trained} now")
+
+    old_embeddings = _trained_embeddings(backup_config.get("embeddings") or [])
+    new_embeddings = _trained_embeddings(current.get("embeddings") or [])
+    if old_embeddings != new_embeddings:  # the backup holds these vectors, one tensor per placeholder
+        changes.append(f"embeddings: trained {old_embeddings} in the backup, {new_embeddings} now")
 
     for field in _adapter_fields(config):
         compare(("adapter", field))
