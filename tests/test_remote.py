@@ -137,7 +137,7 @@ def test_remote_run_survives_a_dropped_connection_and_brings_results_back(sshd, 
         "schedule": {"epochs": 6, "sample_every": "4 steps", "backup_every": "4 steps", "save_every": "5 steps"},
         "sampling": {"prompts": [{"prompt": "a circle", "steps": 2, "width": 64, "height": 64}]},
         # an embedding trained alongside the LoRA: its file is saved beside the output and comes back too
-        "embeddings": [{"placeholder": "<shape>", "init_text": "ab"}],
+        "embeddings": [{"placeholder": "<shape>", "init_text": "a"}],
         "concepts": [{"path": str(shape_images), "captions": {"prefix": "<shape> "}}],
     })
     config_file = tmp_path / "run.json"
@@ -195,10 +195,11 @@ def test_remote_run_survives_a_dropped_connection_and_brings_results_back(sshd, 
 
     # results are here, at the config's paths, equal to the box's
     output = Path(config.output.path)
-    assert events[-2] == {"event": "saved", "path": str(output), "remote_path": str(box / "output" / output.name)}
+    companion = output.with_name(f"{output.stem}.shape.safetensors")
+    assert events[-3:-1] == [{"event": "saved", "path": str(path), "remote_path": str(box / "output" / path.name)}
+                             for path in (output, companion)]
     assert output.read_bytes() == (box / "output" / output.name).read_bytes()
     assert load_file(str(output))  # whole and loadable
-    companion = output.with_name(f"{output.stem}.shape.safetensors")
     assert companion.read_bytes() == (box / "output" / companion.name).read_bytes()
     assert load_file(str(companion))["emb_params"].shape == (1, 32)
     workspace = Path(config.workspace_dir)

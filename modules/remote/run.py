@@ -87,6 +87,9 @@ class RemoteRun:
     def local_path(self, remote_path: str) -> Path | None:
         if remote_path == self.remote_output:
             return self.local_output
+        output_root = f"{self.remote_dir}/output/"
+        if remote_path.startswith(output_root) and self._is_output_file(remote_path[len(output_root):]):
+            return self.local_output.parent / remote_path[len(output_root):]  # a companion (an embedding)
         prefix = self.remote_workspace + "/"
         if remote_path.startswith(prefix):
             try:
