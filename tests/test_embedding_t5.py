@@ -1,9 +1,11 @@
-"""Textual-inversion embeddings on T5 (FLUX.1's CLIP-L + T5; Chroma's and SD3's T5 the same way)
-and Z-Image's Qwen3:
-the T5 vectors train through a hook on the token embedding T5's forward runs, its table stays
+"""Textual-inversion embeddings on T5 (FLUX.1's CLIP-L + T5; Chroma's and SD3's T5 the same way),
+Z-Image's Qwen3, and the chat-template Qwen encoders of FLUX.2 [klein] (Qwen3, hidden layers 9/18/27
+stacked, padded to 512) and Qwen-Image (Qwen2.5-VL's language model, the template's first 34 tokens
+dropped, padding masked): the T5 vectors train through a hook on the token embedding T5's forward runs, its table stays
 bit-identical, the file holds ComfyUI's keys (`clip_l`, `t5xxl`), reloads to the same encodings, and
 the placeholder works in sample prompts (FluxPipeline writes it out itself; for Chroma and
-Z-Image the family writes it out)."""
+Z-Image, FLUX.2 and Qwen-Image the family writes it out). ComfyUI's keys for the Qwen encoders:
+`qwen3_4b` (Z-Image, FLUX.2 klein 4B), `qwen3_8b` (klein 9B), `qwen25_7b` (Qwen-Image)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import torch
 from conftest import train_config
 from safetensors.torch import load_file
 
+from modules.config.errors import ConfigError
 from modules.methods.embedding import EmbeddingMethod
+from modules.methods.embedding_tokens import token_embedding
+from modules.model.registry import get_family_class
 from modules.trainer.generic_trainer import GenericTrainer
 
 PLACEHOLDER = "<shape>"
@@ -172,3 +177,83 @@ def test_a_single_encoder_embedding_from_a_file_works_in_captions_and_sample_pro
                                                       max_sequence_length=family.max_sequence_length)[0][0]
             expected = trained["hidden_states"][0][trained["attention_mask"][0].bool()]
     torch.testing.assert_close(sampled, expected, atol=1e-6, rtol=0)
+
+
+QWEN_KEYS = {"flux2": "qwen3_4b", "qwen_image": "qwen25_7b"}
+
+
+def sampled_conditioning(family, prompt: str) -> torch.Tensor:
+    """What run_sampling_pipeline hands the transformer for `prompt`."""
+    with torch.no_grad():
+        if family.name == "flux2":
+            return family._prompt_embeds(prompt, torch.device("cpu"))
+        return family._prompt_conditioning(prompt, torch.device("cpu"))[0]
+
+
+def frozen_method(family, config) -> EmbeddingMethod:
+    method = EmbeddingMethod(SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0))
+    method.setup()
+    return method
+
+
+@pytest.mark.parametrize("family_name", ["flux2", "qwen_image"])
+def test_a_qwen_encoder_embedding_trains_saves_comfyui_keys_reloads_and_samples(
+        family_name, tiny_family_model, shape_images, tmp_path):
+    model = tiny_family_model(family_name)
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": family_name},
+                                                         "method": {"type": "embedding"}, "schedule": {"max_steps": 2}},
+                          overlay(shape_images))
+    trainer = GenericTrainer(config)
+    trainer.start()
+    family, method = trainer.family, trainer.methods[0]
+    table = token_embedding(family.parts["text_encoder"]).weight
+    before_table = table.detach().clone()
+    before, without = encoded(family, method, PROMPT), encoded(family, method, "a red circle")
+    trainer.train()
+    path = trainer.end()
+
+    # the placeholder's tokens sit inside the caption part of the template, not cut off or dropped
+    ids = family.tokenize(method.expand_captions([PROMPT]))
+    first = family.tokenizer.convert_tokens_to_ids(PLACEHOLDER)
+    assert (ids["input_ids"] >= first).sum() == 2
+    if family_name == "qwen_image":  # the 34 dropped tokens are still exactly the template's head
+        real = ids["input_ids"][0][ids["attention_mask"][0].bool()]
+        caption = family.tokenizer(method.expand_captions([PROMPT])[0], add_special_tokens=False).input_ids
+        assert real[34:34 + len(caption)].tolist() == caption
+
+    assert torch.equal(table, before_table)  # the table is never written
+    after = encoded(family, method, PROMPT)
+    assert not torch.allclose(after["hidden_states"], before["hidden_states"])
+    assert all(torch.equal(v, without[k]) for k, v in encoded(family, method, "a red circle").items())
+
+    width = table.shape[1]
+    assert {k: tuple(v.shape) for k, v in load_file(str(path)).items()} == {QWEN_KEYS[family_name]: (2, width)}
+
+    # reloaded frozen in a fresh model: the same encodings; a sample prompt is written out as captions are
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": family_name}},
+                          overlay(shape_images, train=False, path=str(path)))
+    fresh = get_family_class(family_name)(config)
+    fresh.load()
+    reloaded_method = frozen_method(fresh, config)
+    reloaded = encoded(fresh, reloaded_method, PROMPT)
+    for key in after:
+        torch.testing.assert_close(reloaded[key], after[key], atol=1e-6, rtol=0)
+    torch.testing.assert_close(sampled_conditioning(fresh, PROMPT), after["hidden_states"], atol=1e-6, rtol=0)
+
+
+def test_flux2_files_use_comfyuis_key_for_the_encoders_size():
+    from modules.model.flux2 import embedding_key
+
+    assert (embedding_key(2560), embedding_key(4096)) == ("qwen3_4b", "qwen3_8b")
+
+
+def test_a_placeholder_that_would_split_a_template_word_is_refused(tiny_family_model, shape_images, tmp_path):
+    """`ser` is no token of the tiny tokenizer, but a new token `ser` would cut the template's `user`
+    in two and shift every position after it."""
+    model = tiny_family_model("flux2")
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": "flux2"}},
+                          {"embeddings": [{"placeholder": "ser", "init_text": "a", "vectors": 1}]})
+    family = get_family_class("flux2")(config)
+    family.load()
+    with pytest.raises(ConfigError, match=r"embeddings\[0\]\.placeholder 'ser'.*prompt template"):
+        frozen_method(family, config)

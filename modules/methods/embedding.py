@@ -1,6 +1,7 @@
 """The embedding method: textual inversion. Each entry of `embeddings` becomes new tokens in every
 text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G; SD3: CLIP-L, CLIP-G and T5;
-FLUX.1: CLIP-L and T5; Chroma: T5; Z-Image: Qwen3; the family's `embedding_slots`), initialised
+FLUX.1: CLIP-L and T5; Chroma: T5; Z-Image and FLUX.2 [klein]: Qwen3; Qwen-Image: Qwen2.5-VL's
+language model; the family's `embedding_slots`), initialised
 from its init text or read from its file; only those vectors train, the model stays frozen.
 
 It is the main method with `method.type: embedding`, and a companion of the adapter or fine-tune
@@ -66,6 +67,7 @@ class EmbeddingMethod(TrainingMethod):
 
     def _setup(self) -> None:
         family = self.family
+        self.slots = dict(family.embedding_slots)  # the loaded model's (FLUX.2's key follows its encoder's size)
         tokenizers = {part: getattr(family, attribute) for part, (attribute, _key) in self.slots.items()}
         tables = {part: token_embedding(family.parts[part]) for part in self.slots}
         keys = {part: key for part, (_attribute, key) in self.slots.items()}
@@ -79,6 +81,7 @@ class EmbeddingMethod(TrainingMethod):
                 start = {part: init_vectors(tokenizers[part], tables[part].weight, embedding.init_text,
                                             embedding.vectors, f"{where}.init_text") for part in self.slots}
             starts.append(start)
+        template = family.tokenize([""])  # the prompt template around a caption, before any new token
         first_ids: dict[str, int] = {}
         added: dict[int, int] = {}  # id(tokenizer) -> its first new id (a tokenizer shared by parts gets them once)
         for part, tokenizer in tokenizers.items():
@@ -89,11 +92,27 @@ class EmbeddingMethod(TrainingMethod):
                     ids += add_tokens(tokenizer, tokens, f"embeddings[{index}].placeholder")
                 added[id(tokenizer)] = ids[0]
             first_ids[part] = added[id(tokenizer)]
+        self._check_template(template, tokenizers)
         for embedding, start in zip(self.embeddings, starts):
             self.vectors.append({part: nn.Parameter(tensor.to(self.device), requires_grad=embedding.train)
                                  for part, tensor in start.items()})
         for part in self.slots:
             self.hooks.append(AddedTokenRows(tables[part], first_ids[part], [v[part] for v in self.vectors]))
+
+    def _check_template(self, before: dict[str, torch.Tensor], tokenizers: dict) -> None:
+        """The new tokens leave the family's prompt template as it tokenized: a placeholder that is
+        part of a template word (`ser` of `user`) would split it, and the template's token count is
+        load-bearing (Qwen-Image drops its first 34 tokens; FLUX.2 and Z-Image read fixed positions)."""
+        after = self.family.tokenize([""])
+        if all(torch.equal(before[key], after[key]) for key in before):
+            return
+        texts = [tokenizer.decode(ids[0].tolist()) for tokenizer in tokenizers.values()
+                 for key, ids in before.items() if key.startswith("input_ids") and int(ids.max()) < len(tokenizer)]
+        culprits = [f"embeddings[{i}].placeholder {e.placeholder!r}" for i, e in enumerate(self.embeddings)
+                    if any(e.placeholder in text for text in texts)] or ["embeddings[].placeholder"]
+        raise ValueError(f"{', '.join(culprits)}: the placeholder is part of the {self.family.label} prompt template "
+                         f"around each caption, so its new token would split the template's words and shift its "
+                         f"tokens; choose a placeholder unlike any word, e.g. <my-style>")
 
     def vector_counts(self) -> dict[str, int]:
         return {e.placeholder: next(iter(v.values())).shape[0] for e, v in zip(self.embeddings, self.vectors)}

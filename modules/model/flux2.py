@@ -48,6 +48,13 @@ TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 DEFAULT_SAMPLING_STEPS = 50
 
 
+def embedding_key(hidden_size: int) -> str:
+    """The text encoder's key in an embedding file, as ComfyUI names it (comfy/text_encoders/flux.py:
+    KleinTokenizer's Qwen3Tokenizer has embedding_key 'qwen3_4b' at 2560 wide, for klein 4B's Qwen3-4B;
+    Qwen3Tokenizer8B 'qwen3_8b' at 4096, for klein 9B's Qwen3-8B). Smaller test encoders read as 4B."""
+    return "qwen3_8b" if hidden_size == 4096 else "qwen3_4b"
+
+
 def _text_encoder_key(key: str) -> str:
     # the released encoder is a Qwen3ForCausalLM (`model.` level, lm_head); the Qwen3Model inside is enough
     return key.removeprefix("model.")
@@ -90,6 +97,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     # the shared modulations make every block's shift/scale/gate (FLUX.1 keeps its per-block ones dense)
     quantize_skip_patterns = {"transformer": (r"^(double_stream_modulation_img|double_stream_modulation_txt|"
                                               r"single_stream_modulation)\.",)}
+    # klein 4B's key; load() sets klein 9B's ('qwen3_8b') from the loaded encoder's width (embedding_key)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen3_4b")}
 
     def load(self) -> None:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
@@ -97,6 +106,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
 
         self.parts["text_encoder"] = self.load_part("text_encoder", Qwen3Model, rename=_text_encoder_key,
                                                     ignore_unexpected=[r"^lm_head\."])
+        width = self.parts["text_encoder"].config.hidden_size
+        self.embedding_slots = {"text_encoder": ("tokenizer", embedding_key(width))}
         self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLFlux2)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
@@ -240,7 +251,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         # encoded as training encodes (the same facts as the pipeline's _get_qwen3_prompt_embeds, tested),
         # so the live Qwen3 with its adapters conditions the sample; on the sampling device: the
         # pipeline moves only prompts it encodes itself
-        return self.encode_text(self.tokenize([prompt]))["hidden_states"].to(device)
+        # (an embedding's placeholder written out as training writes captions out)
+        return self.encode_text(self.tokenize([self.written_out_prompt(prompt)]))["hidden_states"].to(device)
 
     def run_sampling_pipeline(self, prompt, device):
         return self.pipeline()(

@@ -100,6 +100,9 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 7_070_619_136, "transformer": 20_430_401_088, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    # ComfyUI's Qwen-Image embedding key (comfy/text_encoders/qwen_image.py: Qwen25_7BVLITokenizer's
+    # embedding_key 'qwen25_7b', 3584 wide)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen25_7b")}
 
     def load(self) -> None:
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
@@ -221,7 +224,7 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
     def _prompt_conditioning(self, prompt: str, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(embeddings, mask) as training computes them, on the sampling device in the transformer's
         dtype (the pipeline draws its latents in the embeddings' dtype)."""
-        text = self.encode_text(self.tokenize([prompt]))
+        text = self.encode_text(self.tokenize([self.written_out_prompt(prompt)]))  # placeholders written out
         return (text["hidden_states"].to(device, self.sampling_dtype("transformer")),
                 text["attention_mask"].to(device))
 
