@@ -71,7 +71,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
     # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
     # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file (ComfyUI's
-    # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b); empty: none taken
+    # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b, qwen3_8b, qwen25_7b); empty: none taken. A family
+    # whose key depends on the model's size sets its own in load() (FLUX.2: klein 4B or 9B)
     embedding_slots: ClassVar[dict[str, tuple[str, str]]] = {}
 
     # data parallel: (first, total) while a rank trains samples first.. of a global batch of total;
