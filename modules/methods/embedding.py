@@ -102,7 +102,7 @@ class EmbeddingMethod(TrainingMethod):
     def _check_template(self, before: dict[str, torch.Tensor], tokenizers: dict) -> None:
         """The new tokens leave the family's prompt template as it tokenized: a placeholder that is
         part of a template word (`ser` of `user`) would split it, and the template's token count is
-        load-bearing (Qwen-Image drops its first 34 tokens; FLUX.2 and Z-Image read fixed positions)."""
+        load-bearing (Qwen-Image drops its first 34 tokens; the models learned the template's exact tokens)."""
         after = self.family.tokenize([""])
         if all(torch.equal(before[key], after[key]) for key in before):
             return
