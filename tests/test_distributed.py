@@ -1,10 +1,11 @@
 """Data parallel (modules/trainer/distributed.py) on the CPU with gloo: two processes.
 
 Two processes are spawned (not forked: autograd refuses a fork once its device threads run, and
-the test session's fake device starts them) and run three trainings in a row with batch 1 each
+the test session's fake device starts them) and run four trainings in a row with batch 1 each
 (imports and the process group paid once): A, uninterrupted; B1, the same stopped at step 4 (a
-backup); B2, B1 resumed to the end. The one-process reference (batch 2) trains in the test process. The data has a bucket whose last global
-batch holds one image, so rank 1 sometimes trains nothing (weight 0).
+backup); B2, B1 resumed to the end; C, on the fake device with half the unet offloaded and int8
+base weights. The one-process references (batch 2) of A and C train in the test process. The data
+has a bucket whose last global batch holds one image, so rank 1 sometimes trains nothing (weight 0).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import train_config
+from fake_device import enable_fake_device
 from modules.data.shares import batch_share
 
 JOIN_TIMEOUT_S = 300
@@ -39,14 +41,23 @@ def _concepts(tmp_path: Path) -> None:
     write_shape_images(tmp_path / "wide", count=2, width=96, height=48)
 
 
-def _config(tiny_model: Path, tmp_path: Path, name: str, batch_size: int, cache: str = "cache"):
+def _config(tiny_model: Path, tmp_path: Path, name: str, batch_size: int, cache: str = "cache", *overlays: dict):
     """Run `name`'s config; all runs share the concepts, the two-process ones their cache."""
     return train_config(tiny_model, tmp_path, tmp_path / name, {
         "concepts": [{"path": str(tmp_path / "square")}, {"path": str(tmp_path / "wide")}],
         "schedule": {"epochs": 2, "batch_size": batch_size},
         "cache_dir": str(tmp_path / cache),
         "seed": 7,
-    })
+    }, *overlays)
+
+
+# Run C: each rank parks half the unet's blocks off the (fake) train device and trains on int8 base
+# weights; one epoch (its three steps include the uneven batch).
+OFFLOADED_AND_QUANTIZED = {
+    "model": {"parts": {"unet": {"weight_dtype": "int8", "offload_fraction": 0.5, "gradient_checkpointing": True}}},
+    "schedule": {"epochs": 1},
+    "train_device": "fakegpu",
+}
 
 
 def _dumped(config) -> dict:
@@ -72,13 +83,17 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
                       LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     import torch.distributed as dist
+    from fake_device import enable_fake_device
+
+    enable_fake_device()  # before the first backward pass (as conftest.py does); run C trains on it
 
     from modules.config.loading import build_config
+    from modules.quantization.base import QuantizedLinear
     from modules.trainer.callbacks import TrainCallbacks
     from modules.trainer.commands import TrainCommands
     from modules.trainer.generic_trainer import GenericTrainer
 
-    misses = []
+    misses, placements = [], []
     try:
         for per_rank, stop_at in runs:
             commands = TrainCommands()
@@ -88,13 +103,17 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
                 trainer.start()
                 misses.append(trainer.dataset.cache_stats["latents"][1] + trainer.dataset.cache_stats["text"][1])
                 trainer.train()
+                unet = trainer.conductors.get("unet")
+                placements.append({"parked": len(unet.parked) if unet else 0, "moves": unet.moves if unet else 0,
+                                   "quantized": sum(isinstance(m, QuantizedLinear)
+                                                    for m in trainer.family.parts["unet"].modules())})
                 trainer.end()
             finally:
                 trainer.release()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    Path(report, f"rank{rank}.json").write_text(json.dumps({"misses": misses}))
+    Path(report, f"rank{rank}.json").write_text(json.dumps({"misses": misses, "placements": placements}))
 
 
 def _fork_two(runs, report: Path) -> None:
@@ -112,7 +131,7 @@ def _fork_two(runs, report: Path) -> None:
 
 @pytest.fixture(scope="module")
 def two_process_runs(tmp_path_factory, tiny_model):
-    """(the folder, A's and B's configs as dumped, the one-process reference adapter)."""
+    """(the folder, A's, B's and C's configs as dumped, the one-process references of A and C)."""
     from modules.cli.train_command import run_training
 
     tmp = tmp_path_factory.mktemp("ddp")
@@ -123,12 +142,16 @@ def two_process_runs(tmp_path_factory, tiny_model):
     a_rank1 = {**a, "workspace_dir": str(tmp / "rank1-ws"), "output": {**a["output"], "path": str(tmp / "rank1-out.safetensors")}}
     b = _dumped(_config(tiny_model, tmp, "b", 1))
     b_resumed = {**b, "backup": {**b["backup"], "resume": True}}
-    _fork_two([([a, a_rank1], None), ([b, b], 4), ([b_resumed, b_resumed], None)], tmp / "report")
-    return tmp, a, b, reference
+    c = _dumped(_config(tiny_model, tmp, "c", 1, "cache", OFFLOADED_AND_QUANTIZED))
+    _fork_two([([a, a_rank1], None), ([b, b], 4), ([b_resumed, b_resumed], None), ([c, c], None)], tmp / "report")
+    enable_fake_device()
+    c_reference = load_file(str(run_training(
+        _config(tiny_model, tmp, "c-single", 2, "single-cache", OFFLOADED_AND_QUANTIZED), None)))
+    return tmp, a, b, c, reference, c_reference
 
 
 def test_two_processes_equal_one_with_twice_the_batch(two_process_runs):
-    _, a, _, reference = two_process_runs
+    _, a, _, _, reference, _ = two_process_runs
     parallel = load_file(a["output"]["path"])
     assert reference.keys() == parallel.keys()
     for key in reference:
@@ -137,16 +160,27 @@ def test_two_processes_equal_one_with_twice_the_batch(two_process_runs):
 
 
 def test_only_rank_0_writes_and_the_cache_is_built_once(two_process_runs):
-    tmp, a, _, _ = two_process_runs
+    tmp, a, _, _, _, _ = two_process_runs
     assert Path(a["output"]["path"]).is_file()
     assert not (tmp / "rank1-ws").exists() and not (tmp / "rank1-out.safetensors").exists()
     ranks = [json.loads((tmp / "report" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["misses"][0] > 0  # rank 0 encoded the images and captions of run A
-    assert ranks[1]["misses"] == [0, 0, 0]  # rank 1 only ever read what rank 0 had cached
+    assert ranks[1]["misses"] == [0, 0, 0, 0]  # rank 1 only ever read what rank 0 had cached
+
+
+def test_offloaded_quantized_two_process_run_equals_one_with_twice_the_batch(two_process_runs):
+    tmp, _, _, c, _, reference = two_process_runs
+    for rank in (0, 1):  # each rank parked blocks, moved them in and out, and trained on int8 layers
+        placed = json.loads((tmp / "report" / f"rank{rank}.json").read_text())["placements"][-1]
+        assert placed["parked"] > 0 and placed["moves"] > placed["parked"] and placed["quantized"] > 0, placed
+    parallel = load_file(c["output"]["path"])
+    assert reference.keys() == parallel.keys()
+    for key in reference:
+        torch.testing.assert_close(parallel[key], reference[key], rtol=1e-4, atol=2e-6, msg=key)
 
 
 def test_a_resumed_two_process_run_equals_an_uninterrupted_one(two_process_runs):
-    _, a, b, _ = two_process_runs
+    _, a, b, _, _, _ = two_process_runs
     backups = sorted((Path(b["workspace_dir"]) / "backup").iterdir())
     assert any("step0000004" in folder.name for folder in backups)
     state = torch.load(next(f for f in backups if "step0000004" in f.name) / "state.pt", weights_only=True)

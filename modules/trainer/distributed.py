@@ -72,8 +72,10 @@ class Ranks:
                 param.grad = torch.zeros_like(param)
         for bucket in _buckets([param.grad for param in params] + [loss_sum]):
             flat = torch.cat([t.reshape(-1) for t in bucket])
-            if flat.device.type != "cuda" and dist.get_backend() == "nccl":
-                flat = flat.to(self.flag_device)  # a gradient parked off the GPU (layer offloading)
+            if flat.device.type != self.flag_device.type:
+                # a device the backend cannot reduce on: a gradient parked off the GPU (layer
+                # offloading) under NCCL, or gloo (CPU only) with a train device of another kind
+                flat = flat.to(self.flag_device)
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
             for tensor, reduced in zip(bucket, flat.split([t.numel() for t in bucket])):
                 tensor.copy_(reduced.view_as(tensor))
@@ -98,7 +100,7 @@ class Ranks:
 
     @property
     def flag_device(self) -> torch.device:
-        # NCCL reduces only CUDA tensors
+        """Where the backend reduces: NCCL only CUDA tensors, gloo CPU ones."""
         return torch.device("cuda", self.local_rank) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
