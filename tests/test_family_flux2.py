@@ -188,6 +188,8 @@ def _transformer_to_original(state: dict) -> dict:
     top = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
            "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
            "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+           "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",  # dev only
+           "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
            "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
            "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
            "single_stream_modulation.linear": "single_stream_modulation.lin"}
@@ -226,6 +228,10 @@ def _transformer_to_original(state: dict) -> dict:
 
 
 def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family):
+    _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family)
+
+
+def _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family):
     from safetensors.torch import load_file, save_file
 
     from modules.model.detect import detect_family
@@ -237,7 +243,7 @@ def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_fl
     save_file(original, str(tmp_path / "flux2.safetensors"))
     assert detect_family(tmp_path / "flux2.safetensors") == "flux2"  # not FLUX.1, whose block names it shares
     assert detect_family(tiny_flux2) == "flux2"
-    # as BFL ships klein: the transformer file; the Qwen3 encoder and the VAE as folders
+    # as BFL ships FLUX.2: the transformer file; the text encoder and the VAE as folders
     config = train_config(tmp_path / "flux2.safetensors", shape_images, tmp_path, {"model": {
         "family": "flux2", "parts": {"text_encoder": {"path": str(tiny_flux2 / "text_encoder")},
                                      "vae": {"path": str(tiny_flux2 / "vae")}}}})
@@ -416,6 +422,22 @@ def test_dev_load_lora_weights_matches_the_hooked_model(dev_family, dev_pipe, tm
         dev_pipe.unload_lora_weights()
     assert (ours - plain).abs().max() > 1e-3
     assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_single_dev_transformer_file_loads_the_folders_tensors(tmp_path, tiny_flux2_dev, shape_images,
+                                                                   dev_family):
+    """BFL's dev file (guidance_in too) converts with diffusers' FLUX.2 converter; Mistral3 from its folder."""
+    _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2_dev, shape_images, dev_family)
+
+
+def test_a_dev_transformer_beside_a_qwen3_encoder_is_named(tmp_path, tiny_flux2_dev, tiny_flux2, shape_images):
+    from modules.loading.diffusers_folder import ModelLoadError
+    from modules.model.flux2 import Flux2Family
+
+    family = Flux2Family(train_config(tiny_flux2_dev, shape_images, tmp_path, {"model": {
+        "family": "flux2", "parts": {"text_encoder": {"path": str(tiny_flux2 / "text_encoder")}}}}))
+    with pytest.raises(ModelLoadError, match=r"model\.parts\.text_encoder: the transformer is FLUX\.2 \[dev\]"):
+        family.load()
 
 
 def test_dev_samples_with_guidance_from_the_live_modules(dev_family):
