@@ -384,20 +384,27 @@ def test_dev_guidance_reaches_the_transformer(dev_family, monkeypatch):
     assert (before - after).abs().max() > 1e-4
 
 
-def test_dev_trains_and_the_loss_falls(tmp_path, tiny_flux2_dev, one_image):
+def test_dev_trains_the_transformer_and_mistral_and_the_loss_falls(tmp_path, tiny_flux2_dev, one_image):
+    from safetensors import safe_open
+
     from modules.trainer.generic_trainer import GenericTrainer
 
     config = train_config(tiny_flux2_dev, one_image, tmp_path, {
-        "model": {"family": "flux2"}, "adapter": {"layer_preset": "all-linear"},
-        "schedule": {"epochs": 15, "batch_size": 1}, "optimizer": {"lr": 1.5e-2},
+        "model": {"family": "flux2", "parts": {"text_encoder": {"train": True}}},
+        "adapter": {"layer_preset": "all-linear"},
+        "schedule": {"epochs": 12, "batch_size": 1}, "optimizer": {"lr": 1.5e-2},
     })
     trainer = GenericTrainer(config)
     trainer.start()
+    assert "text_encoder.layers.30.self_attn.q_proj" in trainer.adapters.left_out  # never read: no adapter
     before = fixed_loss(trainer, draws=8)
-    trainer.train()
+    trainer.train()  # the first step's guard checks every adapter, Mistral's too, learned
     after = fixed_loss(trainer, draws=8)
-    trainer.end()
+    path = trainer.end()
     assert after < before * 0.8, (before, after)
+    with safe_open(str(path), "pt") as file:
+        assert file.metadata()["modelspec.architecture"] == "flux-2-dev/lora"
+        assert "lora_te_layers_29_self_attn_q_proj.lora_down.weight" in file.keys()
 
 
 def test_dev_load_lora_weights_matches_the_hooked_model(dev_family, dev_pipe, tmp_path):

@@ -207,7 +207,7 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     def max_sequence_length(self) -> int:
         # a processor (dev) keeps its tokenizer inside; a tiny test tokenizer is shorter than 512
         tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)
-        return min(tokenizer.model_max_length, MAX_SEQUENCE_LENGTH)
+        return min(getattr(tokenizer, "model_max_length", MAX_SEQUENCE_LENGTH), MAX_SEQUENCE_LENGTH)
 
     def checkpoint_blocks(self, part: str) -> list[torch.nn.Module]:
         if part == "transformer":
