@@ -294,8 +294,8 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
 
 def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
     """klein 4B, 9B and dev transformer files pick their shipped config by the double- and single-block
-    counts (9B builds the released 9.08 B parameters, dev 32.2 B); a dev file (guidance embedder) is
-    this family's too."""
+    counts (9B builds the released 9.08 B parameters, dev 32.2 B, dev's Mistral language model 22.9 B);
+    a dev file (guidance embedder) is this family's too."""
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
@@ -323,6 +323,13 @@ def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
         with init_empty_weights():
             model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folders[name])))
         assert sum(p.numel() for p in model.parameters()) == parameters, name
+    # dev's shipped Mistral-Small-3.1 config: the language model the family loads (no vision tower, no lm_head)
+    from modules.model.components.mistral3_text import Mistral3LanguageModel, Mistral3TextConfig
+
+    with init_empty_weights():
+        mistral = Mistral3LanguageModel(Mistral3TextConfig.from_pretrained(str(folders["dev.safetensors"].parent
+                                                                               / "text_encoder_dev")))
+    assert sum(p.numel() for p in mistral.parameters()) == 22_901_314_560
 
 
 # --- FLUX.2 [dev]: Mistral-3 text encoder, guidance embedding, Flux2Pipeline ------------------------
