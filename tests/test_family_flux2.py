@@ -463,3 +463,14 @@ def test_dev_samples_with_guidance_from_the_live_modules(dev_family):
 
     low, high = draw(1.0), draw(8.0)
     assert low.std() > 0 and (low - high).abs().mean() > 0  # guidance_scale reaches the transformer
+
+
+def test_make_tiny_model_builds_the_dev_variant(tmp_path, capsys):
+    import json
+
+    import launch
+
+    assert launch.main(["make-tiny-model", "--family", "flux2", "--variant", "dev", "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
+    assert launch.main(["make-tiny-model", "--family", "sd15", "--variant", "dev", "--out", str(tmp_path / "x")]) == 2
+    assert "--variant: sd15 has no variant 'dev' (its variants: none)" in capsys.readouterr().err

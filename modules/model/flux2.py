@@ -105,6 +105,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     quantize_skip_patterns = {"transformer": (r"^(double_stream_modulation_img|double_stream_modulation_txt|"
                                               r"single_stream_modulation)\.",)}
 
+    tiny_model_variants = ("klein", "dev")
+
     @classmethod
     def tiny_model_options(cls, preset_name: str) -> dict:
         return {"variant": "dev"} if re.search(r"\bdev\b", preset_name) else {}
