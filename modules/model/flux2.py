@@ -115,9 +115,9 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
         from transformers import AutoProcessor, AutoTokenizer, Qwen3Model
 
-        self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
-        self.is_dev = bool(self.transformer.config.guidance_embeds)
-        mistral = self._text_encoder_is_mistral3()
+        # both told by small config files, before any weights load
+        self.is_dev = bool(self._part_config("transformer").get("guidance_embeds", True))  # diffusers' default
+        mistral = mistral3_text.is_mistral3_config(self._part_config("text_encoder"))
         if mistral != self.is_dev:
             raise ModelLoadError(
                 f"model.parts.text_encoder: the transformer is FLUX.2 {'[dev]' if self.is_dev else '[klein]'} "
@@ -135,16 +135,17 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
                                                         ignore_unexpected=[r"^lm_head\."])
             self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")),
                                                            local_files_only=True)
+        self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLFlux2)
         self.load_flow_scheduler()
         self.is_distilled = self._read_is_distilled()
 
-    def _text_encoder_is_mistral3(self) -> bool:
-        config = self.part_folder("text_encoder") / "config.json"
+    def _part_config(self, part: str) -> dict:
+        config = self.part_folder(part) / "config.json"
         try:
-            return mistral3_text.is_mistral3_config(json.loads(config.read_text(encoding="utf-8")))
+            return json.loads(config.read_text(encoding="utf-8"))
         except (OSError, ValueError) as error:
-            raise ModelLoadError(f"model.parts.text_encoder: cannot read {config}: {error}") from None
+            raise ModelLoadError(f"model.parts.{part}: cannot read {config}: {error}") from None
 
     @property
     def out_layers(self) -> tuple[int, ...]:
