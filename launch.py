@@ -7,7 +7,7 @@
   python launch.py demo [--workspace DIR]
   python launch.py presets [list] | presets show NAME | presets save NAME [--preset P] [--config FILE]
   python launch.py schema
-  python launch.py make-tiny-model --family sd15 --out DIR
+  python launch.py make-tiny-model --family sd15 --out DIR [--variant dev]
   python launch.py info [--json] [--device DEV]
   python launch.py remote --host user@box --config my.json | remote --attach --config my.json
 
@@ -174,7 +174,15 @@ def cmd_make_tiny_model(args) -> int:
     if args.family not in family_names():
         print(f"error: --family: unknown family {args.family!r} (known: {', '.join(family_names())})", file=sys.stderr)
         return 2
-    print(get_family_class(args.family).make_tiny_model(args.out))
+    family = get_family_class(args.family)
+    if args.variant is None:
+        print(family.make_tiny_model(args.out))
+        return 0
+    if args.variant not in family.tiny_model_variants:
+        known = ", ".join(family.tiny_model_variants) or "none"
+        print(f"error: --variant: {args.family} has no variant {args.variant!r} (its variants: {known})", file=sys.stderr)
+        return 2
+    print(family.make_tiny_model(args.out, variant=args.variant))
     return 0
 
 
@@ -237,6 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model of a family, offline")
     tiny.add_argument("--family", default="sd15")
     tiny.add_argument("--out", required=True)
+    tiny.add_argument("--variant", help="a model of a family of several: flux2's 'klein' (default) or 'dev'")
     tiny.set_defaults(run=cmd_make_tiny_model)
 
     info = sub.add_parser("info", help="families, presets, devices, and the weight dtypes that work here")

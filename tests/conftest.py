@@ -44,16 +44,18 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_family_model(tmp_path_factory, tiny_model):
-    """family name -> a tiny random model folder of that family, built once per session on first use."""
+    """family name (and make_tiny_model options, such as FLUX.2's variant "dev") -> a tiny random
+    model folder of that family, built once per session on first use."""
     from modules.model.registry import get_family_class
 
     built = {"sd15": tiny_model}
 
-    def get(family: str) -> Path:
-        if family not in built:
-            folder = tmp_path_factory.mktemp("models") / f"tiny-{family}"
-            built[family] = get_family_class(family).make_tiny_model(folder)
-        return built[family]
+    def get(family: str, **options) -> Path:
+        key = "-".join([family, *(f"{k}={v}" for k, v in sorted(options.items()))])
+        if key not in built:
+            folder = tmp_path_factory.mktemp("models") / f"tiny-{key}"
+            built[key] = get_family_class(family).make_tiny_model(folder, **options)
+        return built[key]
 
     return get
 

@@ -69,8 +69,13 @@ def _lora_layers(pipe) -> int:
 
 @pytest.mark.parametrize("preset", _params())
 def test_builtin_preset_trains_samples_backs_up_and_saves(preset, tmp_path, tiny_family_model, shape_images):
+    from modules.model.registry import get_family_class
+
     overlay = load_preset_overlay(preset.name)
-    _trains_samples_backs_up_and_saves(overlay, preset.family, tmp_path, tiny_family_model, shape_images)
+    # the tiny stand-in of the model the preset is made for (FLUX.2 [dev] presets: the dev architecture)
+    options = get_family_class(preset.family).tiny_model_options(preset.name)
+    _trains_samples_backs_up_and_saves(overlay, preset.family, tmp_path,
+                                       lambda family: tiny_family_model(family, **options), shape_images)
 
 
 @pytest.mark.parametrize("family", family_names())

@@ -1,4 +1,4 @@
-"""FLUX.2 [klein] on a tiny offline model: the family's text and latent encodings equal
+"""FLUX.2 [klein] and [dev] on tiny offline models: the family's text and latent encodings equal
 Flux2KleinPipeline's own, training learns (transformer and Qwen3), the saved files load in
 `Flux2KleinPipeline.load_lora_weights` with every adapter used and compute what the trainer's
 hooked model computes, blocks run in the listed order, the single original-layout transformer
@@ -188,6 +188,8 @@ def _transformer_to_original(state: dict) -> dict:
     top = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
            "time_guidance_embed.timestep_embedder.linear_1": "time_in.in_layer",
            "time_guidance_embed.timestep_embedder.linear_2": "time_in.out_layer",
+           "time_guidance_embed.guidance_embedder.linear_1": "guidance_in.in_layer",  # dev only
+           "time_guidance_embed.guidance_embedder.linear_2": "guidance_in.out_layer",
            "double_stream_modulation_img.linear": "double_stream_modulation_img.lin",
            "double_stream_modulation_txt.linear": "double_stream_modulation_txt.lin",
            "single_stream_modulation.linear": "single_stream_modulation.lin"}
@@ -226,6 +228,10 @@ def _transformer_to_original(state: dict) -> dict:
 
 
 def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family):
+    _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family)
+
+
+def _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2, shape_images, family):
     from safetensors.torch import load_file, save_file
 
     from modules.model.detect import detect_family
@@ -237,7 +243,7 @@ def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_fl
     save_file(original, str(tmp_path / "flux2.safetensors"))
     assert detect_family(tmp_path / "flux2.safetensors") == "flux2"  # not FLUX.1, whose block names it shares
     assert detect_family(tiny_flux2) == "flux2"
-    # as BFL ships klein: the transformer file; the Qwen3 encoder and the VAE as folders
+    # as BFL ships FLUX.2: the transformer file; the text encoder and the VAE as folders
     config = train_config(tmp_path / "flux2.safetensors", shape_images, tmp_path, {"model": {
         "family": "flux2", "parts": {"text_encoder": {"path": str(tiny_flux2 / "text_encoder")},
                                      "vae": {"path": str(tiny_flux2 / "vae")}}}})
@@ -287,8 +293,9 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
 
 
 def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
-    """klein 4B and 9B transformer files pick their shipped config by the double-block count (the 9B
-    one builds the released 9.08 B parameters); a FLUX.2 [dev] file (guidance embedder) is not claimed."""
+    """klein 4B, 9B and dev transformer files pick their shipped config by the double- and single-block
+    counts (9B builds the released 9.08 B parameters, dev 32.2 B, dev's Mistral language model 22.9 B);
+    a dev file (guidance embedder) is this family's too."""
     from accelerate import init_empty_weights
     from diffusers import Flux2Transformer2DModel
     from safetensors.torch import save_file
@@ -296,20 +303,174 @@ def test_a_single_file_is_built_at_the_size_it_holds(tmp_path, shape_images):
     from modules.model.detect import detect_model
     from modules.model.flux2 import Flux2Family
 
-    def file(name, double, *more):
+    def file(name, double, single, *more):
         keys = [f"model.diffusion_model.double_blocks.{i}.img_attn.qkv.weight" for i in range(double)]
+        keys += [f"model.diffusion_model.single_blocks.{i}.linear1.weight" for i in range(single)]
         keys += ["model.diffusion_model.single_stream_modulation.lin.weight", *more]
         save_file({key: torch.zeros(1) for key in keys}, str(tmp_path / name))
         return tmp_path / name
 
     folders = {}
-    for name, double in (("klein-4b.safetensors", 5), ("klein-9b.safetensors", 8)):
-        family = Flux2Family(train_config(file(name, double), shape_images, tmp_path, {"model": {
+    guidance = "model.diffusion_model.guidance_in.in_layer.weight"
+    for name, double, single, *more in (("klein-4b.safetensors", 5, 20), ("klein-9b.safetensors", 8, 24),
+                                        ("dev.safetensors", 8, 48, guidance)):
+        family = Flux2Family(train_config(file(name, double, single, *more), shape_images, tmp_path, {"model": {
             "family": "flux2", "parts": {"text_encoder": {"path": str(tmp_path)}, "vae": {"path": str(tmp_path)}}}}))
-        folders[double] = family.part_folder("transformer")
-    assert (folders[5].name, folders[8].name) == ("transformer", "transformer_klein_9b")
+        folders[name] = family.part_folder("transformer")
+        assert detect_model(tmp_path / name).family == "flux2"
+    assert [f.name for f in folders.values()] == ["transformer", "transformer_klein_9b", "transformer_dev"]
+    for name, parameters in (("klein-9b.safetensors", 9_078_581_248), ("dev.safetensors", 32_223_281_152)):
+        with init_empty_weights():
+            model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folders[name])))
+        assert sum(p.numel() for p in model.parameters()) == parameters, name
+    # dev's shipped Mistral-Small-3.1 config: the language model the family loads (no vision tower, no lm_head)
+    from modules.model.components.mistral3_text import Mistral3LanguageModel, Mistral3TextConfig
+
     with init_empty_weights():
-        model = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(folders[8])))
-    assert sum(p.numel() for p in model.parameters()) == 9_078_581_248
-    dev = detect_model(file("dev.safetensors", 8, "model.diffusion_model.guidance_in.in_layer.weight"))
-    assert dev.family is None and "flux-2-dev" in dev.kind  # diffusers names it
+        mistral = Mistral3LanguageModel(Mistral3TextConfig.from_pretrained(str(folders["dev.safetensors"].parent
+                                                                               / "text_encoder_dev")))
+    assert sum(p.numel() for p in mistral.parameters()) == 22_901_314_560
+
+
+# --- FLUX.2 [dev]: Mistral-3 text encoder, guidance embedding, Flux2Pipeline ------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_flux2_dev(tiny_family_model):
+    return tiny_family_model("flux2", variant="dev")  # the session's, shared with the preset test
+
+
+@pytest.fixture(scope="module")
+def dev_family(tmp_path_factory, tiny_flux2_dev, shape_images):
+    from modules.model.flux2 import Flux2Family
+
+    family = Flux2Family(train_config(tiny_flux2_dev, shape_images, tmp_path_factory.mktemp("flux2dev"),
+                                      {"model": {"family": "flux2"}}))
+    family.load()
+    return family
+
+
+@pytest.fixture(scope="module")
+def dev_pipe(tiny_flux2_dev):
+    from diffusers import Flux2Pipeline
+
+    return Flux2Pipeline.from_pretrained(str(tiny_flux2_dev), local_files_only=True)
+
+
+def test_dev_is_detected_and_reads_only_mistrals_language_model(dev_family, tiny_flux2_dev):
+    from transformers import MistralModel
+
+    from modules.model.detect import detect_model
+
+    assert detect_model(tiny_flux2_dev).family == "flux2"
+    assert dev_family.is_dev and isinstance(dev_family.parts["text_encoder"], MistralModel)
+    assert dev_family.modelspec_architecture == "flux-2-dev/lora"
+    # hidden_states[30] is what layer 29 outputs: the 31st layer is never read
+    assert dev_family.unreachable_prefixes("text_encoder") == ("layers.30.",)
+
+
+def test_dev_encodings_are_the_pipelines(dev_family, dev_pipe):
+    """The system message and the caption in the chat template, Mistral layers 10/20/30 stacked, as
+    Flux2Pipeline.encode_prompt computes them (from its own Mistral3ForConditionalGeneration)."""
+    captions = ["a red circle", "a blue square on green"]
+    tokens = dev_family.tokenize(captions)
+    assert "[SYSTEM_PROMPT]You are an AI" in dev_family.tokenizer.decode(tokens["input_ids"][0])
+    ours = dev_family.encode_text(tokens)["hidden_states"]
+    with torch.no_grad():
+        theirs, _ = dev_pipe.encode_prompt(captions, device="cpu", max_sequence_length=dev_family.max_sequence_length)
+    assert ours.shape == theirs.shape == (2, 256, dev_family.transformer.config.joint_attention_dim)
+    assert torch.allclose(ours, theirs, atol=1e-6)
+
+
+def test_dev_guidance_reaches_the_transformer(dev_family, monkeypatch):
+    from modules.model import flux
+
+    before = _prediction(dev_family, dev_family.transformer)
+    monkeypatch.setattr(flux, "TRAINING_GUIDANCE", 4.0)
+    after = _prediction(dev_family, dev_family.transformer)
+    assert (before - after).abs().max() > 1e-4
+
+
+def test_dev_trains_the_transformer_and_mistral_and_the_loss_falls(tmp_path, tiny_flux2_dev, one_image):
+    from safetensors import safe_open
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_flux2_dev, one_image, tmp_path, {
+        "model": {"family": "flux2", "parts": {"text_encoder": {"train": True}}},
+        "adapter": {"layer_preset": "all-linear"},
+        "schedule": {"epochs": 12, "batch_size": 1}, "optimizer": {"lr": 1.5e-2},
+    })
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert "text_encoder.layers.30.self_attn.q_proj" in trainer.adapters.left_out  # never read: no adapter
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()  # the first step's guard checks every adapter, Mistral's too, learned
+    after = fixed_loss(trainer, draws=8)
+    path = trainer.end()
+    assert after < before * 0.8, (before, after)
+    with safe_open(str(path), "pt") as file:
+        assert file.metadata()["modelspec.architecture"] == "flux-2-dev/lora"
+        assert "lora_te_layers_29_self_attn_q_proj.lora_down.weight" in file.keys()
+
+
+def test_dev_load_lora_weights_matches_the_hooked_model(dev_family, dev_pipe, tmp_path):
+    """A diffusers-format file of every transformer Linear (the guidance embedder's too) loads in
+    Flux2Pipeline with no adapter left out and computes what the trainer computes."""
+    from peft.tuners.lora import LoraLayer
+
+    adapters = _perturbed(dev_family, ["transformer"], layer_preset="all-linear")
+    assert any("guidance_embedder" in name for name in adapters.module_name_of.values())
+    try:
+        path = tmp_path / "flux2-dev.safetensors"
+        save_adapter_file(path, adapters, dev_family, "diffusers", torch.float32, {})
+        ours, count = _prediction(dev_family, dev_family.transformer), len(adapters)
+    finally:
+        adapters.unhook()
+    plain = _prediction(dev_family, dev_family.transformer)
+    dev_pipe.load_lora_weights(str(path))
+    try:
+        assert sum(isinstance(m, LoraLayer) for m in dev_pipe.transformer.modules()) == count
+        theirs = _prediction(dev_family, dev_pipe.transformer)
+    finally:
+        dev_pipe.unload_lora_weights()
+    assert (ours - plain).abs().max() > 1e-3
+    assert (ours - theirs).abs().max() < 1e-5
+
+
+def test_the_single_dev_transformer_file_loads_the_folders_tensors(tmp_path, tiny_flux2_dev, shape_images,
+                                                                   dev_family):
+    """BFL's dev file (guidance_in too) converts with diffusers' FLUX.2 converter; Mistral3 from its folder."""
+    _single_file_loads_the_folders_tensors(tmp_path, tiny_flux2_dev, shape_images, dev_family)
+
+
+def test_a_dev_transformer_beside_a_qwen3_encoder_is_named(tmp_path, tiny_flux2_dev, tiny_flux2, shape_images):
+    from modules.loading.diffusers_folder import ModelLoadError
+    from modules.model.flux2 import Flux2Family
+
+    family = Flux2Family(train_config(tiny_flux2_dev, shape_images, tmp_path, {"model": {
+        "family": "flux2", "parts": {"text_encoder": {"path": str(tiny_flux2 / "text_encoder")}}}}))
+    with pytest.raises(ModelLoadError, match=r"model\.parts\.text_encoder: the transformer is FLUX\.2 \[dev\]"):
+        family.load()
+
+
+def test_dev_samples_with_guidance_from_the_live_modules(dev_family):
+    from modules.config.train_config import SamplePromptConfig
+
+    def draw(cfg):
+        prompt = SamplePromptConfig(prompt="a red circle", steps=2, cfg=cfg, width=64, height=64, seed=3)
+        return torch.tensor(list(dev_family.sample(prompt, torch.device("cpu")).getdata()), dtype=torch.float32)
+
+    low, high = draw(1.0), draw(8.0)
+    assert low.std() > 0 and (low - high).abs().mean() > 0  # guidance_scale reaches the transformer
+
+
+def test_make_tiny_model_builds_the_dev_variant(tmp_path, capsys):
+    import json
+
+    import launch
+
+    assert launch.main(["make-tiny-model", "--family", "flux2", "--variant", "dev", "--out", str(tmp_path / "m")]) == 0
+    assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
+    assert launch.main(["make-tiny-model", "--family", "sd15", "--variant", "dev", "--out", str(tmp_path / "x")]) == 2
+    assert "--variant: sd15 has no variant 'dev' (its variants: none)" in capsys.readouterr().err

@@ -68,6 +68,9 @@ class EmbeddingMethod(TrainingMethod):
     def _setup(self) -> None:
         family = self.family
         self.slots = dict(family.embedding_slots)  # the loaded model's (FLUX.2's key follows its encoder's size)
+        if not self.slots:  # a variant the config could not tell apart before the load (FLUX.2 [dev])
+            raise ConfigError([f"embeddings: this {family.label} model ({self.config.model.base}) takes no "
+                               "textual-inversion embeddings here; remove the embeddings"])
         tokenizers = {part: getattr(family, attribute) for part, (attribute, _key) in self.slots.items()}
         tables = {part: token_embedding(family.parts[part]) for part in self.slots}
         keys = {part: key for part, (_attribute, key) in self.slots.items()}

@@ -103,6 +103,15 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         demo and benchmarks: modules/model/tiny/<name>.py's make_tiny_model."""
         return importlib.import_module(f"modules.model.tiny.{cls.name}").make_tiny_model(out, **overrides)
 
+    # the models of a family of several that make_tiny_model builds (its `variant` option); the first is the default
+    tiny_model_variants: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def tiny_model_options(cls, preset_name: str) -> dict:
+        """make_tiny_model options for the tiny stand-in of the model a built-in preset is made for
+        (a family of several models: FLUX.2's [dev] presets need the dev architecture)."""
+        return {}
+
     @abstractmethod
     def load(self) -> None:
         """Load every part onto the CPU in its weight dtype, frozen and in eval mode."""

@@ -17,8 +17,18 @@ Flux2KleinPipeline runs it:
 - guidance: [klein] has no guidance embedding; the base models sample with true CFG against the
   empty prompt, the step-distilled ones (model_index `is_distilled`) without.
 
-FLUX.2 [dev] (Mistral-3 encoder, guidance embedding, Flux2Pipeline) is not covered here.
-Adapter key names: modules/model/keys/flux2.py.
+FLUX.2 [dev] (black-forest-labs/FLUX.2-dev), as diffusers' Flux2Pipeline runs it, differs in:
+
+- text: a Mistral-Small-3.1 encoder (Mistral3ForConditionalGeneration; only its language model
+  runs) reads the caption as a user turn after the pipeline's fixed system message
+  (`format_input`, no generation prompt), padded to 512 tokens by the processor's chat template;
+  the hidden states after layers 10, 20 and 30 are stacked (`_get_mistral_3_small_prompt_embeds`).
+- guidance: the transformer's guidance embedding gets `guidance_scale` while sampling (no
+  negative prompt: guidance-distilled) and FLUX.1's training value (flux.TRAINING_GUIDANCE) while
+  training.
+The variant is the transformer's `guidance_embeds` (a single file: its guidance_in layers); the
+text encoder class is its folder's config (`mistral3` or Qwen3). Adapter key names:
+modules/model/keys/flux2.py.
 """
 
 from __future__ import annotations
@@ -30,7 +40,9 @@ import re
 import torch
 
 from modules.loading.diffusers_folder import ModelLoadError
+from modules.model import flux
 from modules.model.base import ModelFamily, PartSpec
+from modules.model.components import mistral3_text
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
 from modules.util.torch_utils import make_generator
@@ -46,6 +58,9 @@ _TE_MLP = r"^text_encoder\..*\.mlp\.(gate_proj|up_proj|down_proj)$"
 # Flux2KleinPipeline's defaults: the Qwen3 hidden states it stacks, the steps its mu is computed for
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
 DEFAULT_SAMPLING_STEPS = 50
+# Flux2Pipeline's (FLUX.2 [dev]): the Mistral hidden states it stacks, its tokenizer_max_length
+DEV_TEXT_ENCODER_OUT_LAYERS = (10, 20, 30)
+MAX_SEQUENCE_LENGTH = 512
 
 
 def embedding_key(hidden_size: int) -> str:
@@ -60,21 +75,20 @@ def _text_encoder_key(key: str) -> str:
     return key.removeprefix("model.")
 
 
-def _pipeline_class():
-    from diffusers import Flux2KleinPipeline
+def _pipeline_class(dev: bool = False):
+    from diffusers import Flux2KleinPipeline, Flux2Pipeline
 
-    return Flux2KleinPipeline
+    return Flux2Pipeline if dev else Flux2KleinPipeline
 
 
 class Flux2Family(FlowMatchingTraining, ModelFamily):
     name = "flux2"
-    label = "FLUX.2 [klein]"
-    pipeline_classes = ("Flux2KleinPipeline",)
+    label = "FLUX.2"
+    pipeline_classes = ("Flux2KleinPipeline", "Flux2Pipeline")
     denoiser_config = {"_class_name": "Flux2Transformer2DModel"}
     # BFL's transformer file: the shared modulations (diffusers' own FLUX.2 key, single_file_utils);
-    # FLUX.2 [dev]'s has a guidance embedder too, and is not this family's
-    single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.",
-                             r"^(model\.diffusion_model\.)?guidance_in\.")
+    # [dev]'s has a guidance embedder too
+    single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.", None)
     part_specs = (
         PartSpec("text_encoder", "text_encoder", "lora_te"),
         PartSpec("transformer", "transformer", "lora_unet", default_train=True),
@@ -100,19 +114,54 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     # klein 4B's key; load() sets klein 9B's ('qwen3_8b') from the loaded encoder's width (embedding_key)
     embedding_slots = {"text_encoder": ("tokenizer", "qwen3_4b")}
 
+    tiny_model_variants = ("klein", "dev")
+
+    @classmethod
+    def tiny_model_options(cls, preset_name: str) -> dict:
+        return {"variant": "dev"} if re.search(r"\bdev\b", preset_name) else {}
+
     def load(self) -> None:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
-        from transformers import AutoTokenizer, Qwen3Model
+        from transformers import AutoProcessor, AutoTokenizer, Qwen3Model
 
-        self.parts["text_encoder"] = self.load_part("text_encoder", Qwen3Model, rename=_text_encoder_key,
-                                                    ignore_unexpected=[r"^lm_head\."])
-        width = self.parts["text_encoder"].config.hidden_size
-        self.embedding_slots = {"text_encoder": ("tokenizer", embedding_key(width))}
+        # both told by small config files, before any weights load
+        self.is_dev = bool(self._part_config("transformer").get("guidance_embeds", True))  # diffusers' default
+        mistral = mistral3_text.is_mistral3_config(self._part_config("text_encoder"))
+        if mistral != self.is_dev:
+            raise ModelLoadError(
+                f"model.parts.text_encoder: the transformer is FLUX.2 {'[dev]' if self.is_dev else '[klein]'} "
+                f"(guidance_embeds {self.is_dev}) but the text encoder in {self.part_folder('text_encoder')} is "
+                f"{'Mistral3' if mistral else 'Qwen3'}; [dev] reads Mistral-Small-3.1, [klein] Qwen3")
+        if mistral:
+            self.embedding_slots = {}  # no embeddings on [dev]'s Mistral yet (embedding.py says so at setup)
+            self.parts["text_encoder"] = self.load_part(
+                "text_encoder", mistral3_text.Mistral3LanguageModel, rename=mistral3_text.language_model_key,
+                ignore_unexpected=mistral3_text.UNUSED_KEYS)
+            # Flux2Pipeline's tokenizer is the Pixtral processor (its chat template); a plain tokenizer works too
+            self.tokenizer = AutoProcessor.from_pretrained(str(self.support_folder("tokenizer")),
+                                                           local_files_only=True)
+        else:
+            self.parts["text_encoder"] = self.load_part("text_encoder", Qwen3Model, rename=_text_encoder_key,
+                                                        ignore_unexpected=[r"^lm_head\."])
+            width = self.parts["text_encoder"].config.hidden_size
+            self.embedding_slots = {"text_encoder": ("tokenizer", embedding_key(width))}
+            self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")),
+                                                           local_files_only=True)
         self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLFlux2)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         self.load_flow_scheduler()
         self.is_distilled = self._read_is_distilled()
+
+    def _part_config(self, part: str) -> dict:
+        config = self.part_folder(part) / "config.json"
+        try:
+            return json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"model.parts.{part}: cannot read {config}: {error}") from None
+
+    @property
+    def out_layers(self) -> tuple[int, ...]:
+        return DEV_TEXT_ENCODER_OUT_LAYERS if getattr(self, "is_dev", False) else TEXT_ENCODER_OUT_LAYERS
 
     def _read_is_distilled(self) -> bool:
         # model_index.json says whether the model is step-distilled (no CFG); a single file: base
@@ -122,8 +171,9 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return bool(json.loads(index.read_text(encoding="utf-8")).get("is_distilled", False))
 
     def part_folder(self, part: str):
-        # a single transformer file is built from the shipped config of the size it holds: klein 4B
-        # (`transformer/`) or 9B (`transformer_klein_9b/`), told apart by the file's double-block count
+        # a single transformer file is built from the shipped config of the model it holds: klein 4B
+        # (`transformer/`), klein 9B (`transformer_klein_9b/`) or dev (`transformer_dev/`), told apart
+        # by the file's double- and single-block counts
         folder = super().part_folder(part)
         if part != "transformer" or not self.from_single_file(part):
             return folder
@@ -131,9 +181,15 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
             keys = self.single_file_stream().keys()
         except ModelLoadError:  # an unreadable file: the load itself says so, naming it
             return folder
-        double = {int(m.group(1)) for k in keys if (m := re.search(r"double_blocks\.(\d+)\.", k))}
+
+        def count(blocks: str) -> int:
+            pattern = re.compile(rf"(?:^|\.){blocks}\.(\d+)\.")
+            return max({int(m.group(1)) for k in keys if (m := pattern.search(k))}, default=-1) + 1
+
+        found = (count("double_blocks"), count("single_blocks"))
         for candidate in sorted(folder.parent.glob("transformer*/config.json")):
-            if json.loads(candidate.read_text(encoding="utf-8"))["num_layers"] == max(double, default=-1) + 1:
+            config = json.loads(candidate.read_text(encoding="utf-8"))
+            if (config["num_layers"], config["num_single_layers"]) == found:
                 return candidate.parent
         return folder
 
@@ -153,7 +209,9 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
                 {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}))
 
     @property
-    def modelspec_architecture(self) -> str:  # the size named, as musubi-tuner's Flux.2-klein-4b / -9b
+    def modelspec_architecture(self) -> str:  # the size named, as musubi-tuner's Flux.2-klein-4b / -9b / dev
+        if getattr(self, "is_dev", False):
+            return "flux-2-dev/lora"
         return f"flux-2-klein-{'9b' if self.transformer.config.num_layers == 8 else '4b'}/lora"
 
     @property
@@ -162,7 +220,9 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
 
     @property
     def max_sequence_length(self) -> int:
-        return min(self.tokenizer.model_max_length, 512)
+        # a processor (dev) keeps its tokenizer inside; a tiny test tokenizer is shorter than 512
+        tokenizer = getattr(self.tokenizer, "tokenizer", self.tokenizer)
+        return min(getattr(tokenizer, "model_max_length", MAX_SEQUENCE_LENGTH), MAX_SEQUENCE_LENGTH)
 
     def checkpoint_blocks(self, part: str) -> list[torch.nn.Module]:
         if part == "transformer":
@@ -175,7 +235,7 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         # hidden_states[k] is what layer k-1 outputs: layers from max(out layers) on are never read
         if part != "text_encoder":
             return ()
-        return tuple(f"layers.{i}." for i in range(max(TEXT_ENCODER_OUT_LAYERS), len(self.parts[part].layers)))
+        return tuple(f"layers.{i}." for i in range(max(self.out_layers), len(self.parts[part].layers)))
 
     # --- data --------------------------------------------------------------------------------
 
@@ -190,6 +250,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return (latents - mean) / std
 
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        if getattr(self, "is_dev", False):
+            return self._tokenize_dev(captions)
         # as Flux2KleinPipeline._get_qwen3_prompt_embeds: a user turn, generation prompt, thinking off
         prompts = [self.tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
                                                       add_generation_prompt=True, enable_thinking=False)
@@ -198,12 +260,24 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
                                 truncation=True, return_tensors="pt")
         return {"input_ids": tokens.input_ids, "attention_mask": tokens.attention_mask}
 
+    def _tokenize_dev(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        # as Flux2Pipeline._get_mistral_3_small_prompt_embeds: its system message, then the caption as
+        # a user turn (format_input drops "[IMG]"), no generation prompt, padded by the chat template call
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        tokens = self.tokenizer.apply_chat_template(
+            format_input(prompts=captions, system_message=SYSTEM_MESSAGE), add_generation_prompt=False,
+            tokenize=True, return_dict=True, return_tensors="pt", padding="max_length", truncation=True,
+            max_length=self.max_sequence_length)
+        return {"input_ids": tokens["input_ids"], "attention_mask": tokens["attention_mask"]}
+
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
         output = encoder(input_ids=tokens["input_ids"].to(encoder.device),
                          attention_mask=tokens["attention_mask"].to(encoder.device),
                          output_hidden_states=True, use_cache=False)
-        stacked = torch.stack([output.hidden_states[k] for k in TEXT_ENCODER_OUT_LAYERS], dim=2)  # (B, L, 3, D)
+        stacked = torch.stack([output.hidden_states[k] for k in self.out_layers], dim=2)  # (B, L, 3, D)
         return {"hidden_states": stacked.flatten(2)}
 
     # --- training ----------------------------------------------------------------------------
@@ -227,10 +301,13 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         dtype = self.compute_dtype("transformer")
         batch, channels, height, width = noisy.shape
         hidden = text["hidden_states"].to(noisy.device, dtype)
+        guidance = None
+        if self.transformer.config.guidance_embeds:  # [dev]: FLUX.1's training value, float32 as the pipeline's
+            guidance = torch.full((batch,), flux.TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
         out = self.transformer(
             hidden_states=pipeline._pack_latents(noisy).to(dtype), encoder_hidden_states=hidden,
             timestep=sigmas.to(noisy.device, dtype), img_ids=pipeline._prepare_latent_ids(noisy).to(noisy.device),
-            txt_ids=pipeline._prepare_text_ids(hidden).to(noisy.device), guidance=None, return_dict=False,
+            txt_ids=pipeline._prepare_text_ids(hidden).to(noisy.device), guidance=guidance, return_dict=False,
         )[0]
         return out.permute(0, 2, 1).reshape(batch, channels, height, width)  # _pack_latents undone
 
@@ -239,10 +316,11 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     def pipeline(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        pipe = _pipeline_class()(
+        dev = getattr(self, "is_dev", False)
+        pipe = _pipeline_class(dev)(
             scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config),
             vae=self.parts["vae"], text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
-            transformer=self.transformer, is_distilled=getattr(self, "is_distilled", False),
+            transformer=self.transformer, **({} if dev else {"is_distilled": getattr(self, "is_distilled", False)}),
         )
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -255,6 +333,12 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return self.encode_text(self.tokenize([self.written_out_prompt(prompt)]))["hidden_states"].to(device)
 
     def run_sampling_pipeline(self, prompt, device):
+        if getattr(self, "is_dev", False):  # guidance-distilled: cfg is the guidance embedding's input, no negative
+            return self.pipeline()(
+                prompt_embeds=self._prompt_embeds(prompt.prompt, device), num_inference_steps=prompt.steps,
+                guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
+                generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length,
+            ).images[0]
         return self.pipeline()(
             prompt_embeds=self._prompt_embeds(prompt.prompt, device),
             negative_prompt_embeds=self._prompt_embeds(prompt.negative_prompt or "", device),
@@ -270,7 +354,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
         if part == "text_encoder":
-            return ("Flux2KleinPipeline.load_lora_weights loads the transformer's adapters only "
+            return (f"{_pipeline_class(getattr(self, 'is_dev', False)).__name__}.load_lora_weights loads the "
+                    "transformer's adapters only "
                     "(model.parts.text_encoder.train)")
         if stacked and module_name.startswith(self._KOHYA_UNREAD):
             return ("its kohya FLUX.2 converter has no rule for the modulation, guidance and final adaLN layers "
