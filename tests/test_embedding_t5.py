@@ -257,3 +257,16 @@ def test_a_placeholder_that_would_split_a_template_word_is_refused(tiny_family_m
     family.load()
     with pytest.raises(ConfigError, match=r"embeddings\[0\]\.placeholder 'ser'.*prompt template"):
         frozen_method(family, config)
+
+
+def test_flux2_dev_refuses_embeddings_once_the_load_shows_it_is_dev(tiny_family_model, shape_images, tmp_path):
+    """The config says flux2 (klein takes embeddings); only the loaded folder tells [dev] (Mistral) apart."""
+    model = tiny_family_model("flux2", variant="dev")
+    config = train_config(model, shape_images, tmp_path, {"model": {"family": "flux2"}},
+                          {"embeddings": [{"placeholder": "<shape>", "init_text": "a", "vectors": 1}]})
+    family = get_family_class("flux2")(config)
+    # as the trainer does it: the method is built from the config, the model loads, then the setup
+    method = EmbeddingMethod(SimpleNamespace(config=config, family=family, device=torch.device("cpu"), step=0))
+    family.load()
+    with pytest.raises(ConfigError, match=r"embeddings: this FLUX\.2 model .* takes no textual-inversion embeddings"):
+        method.setup()
