@@ -46,17 +46,34 @@ class AdapterKeyNames:
 
     def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
         """A kohya file's stem for an adapter not on an original layer; None: its adapter name."""
-        return None
+        if part not in self.key_layout.whole_layer_original_names:
+            return None
+        return self._whole_layer_stems(part).get(module_name)
+
+    def _whole_layer_stems(self, part: str) -> dict[str, str]:
+        """module name -> original layer stem, for the modules that are a whole original layer
+        (built once per loaded part module)."""
+        cache = self.__dict__.setdefault("_whole_layer_stem_cache", {})
+        module = self.parts[part]
+        if part not in cache or cache[part][0] is not module:
+            cache[part] = (module, {layer.members[0]: layer.stem for layer in self.original_layers(part) or ()
+                                    if len(layer.members) == 1})
+        return cache[part][1]
 
     def file_layout(self, fmt: str) -> str:
         """The key layout a file of output.format `fmt` is written in."""
-        return fmt
+        return "kohya" if fmt == "comfy" and self.key_layout.comfy_is_kohya else fmt
 
     def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
         """More key stems other tools write for the module (read when loading, never written),
-        e.g. ComfyUI's own `text_encoders.clip_l.transformer...` paths."""
+        e.g. ComfyUI's own `text_encoders.clip_l.transformer...` paths, or the original layer name
+        an unstacked adapter was written under (`unstacked_kohya_stem`)."""
         prefix = self.key_layout.other_stem_prefixes.get(part)
-        return () if prefix is None else (prefix + self.canonical_module_name(part, module_name),)
+        stems = () if prefix is None else (prefix + self.canonical_module_name(part, module_name),)
+        if part in self.key_layout.whole_layer_original_names:
+            whole = self._whole_layer_stems(part).get(module_name)
+            stems += (whole,) if whole else ()
+        return stems
 
     def original_layers(self, part: str) -> list[OriginalLayer] | None:
         """The part's layers in the original checkpoint layout, where kohya LoRA files for this

@@ -207,25 +207,3 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
             return ("its kohya-FLUX converter knows no distilled guidance layer and refuses the file "
                     "(adapter.layer_preset 'attn' or 'attn-mlp' avoids it; output.format 'diffusers' keeps it)")
         return None
-
-    def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
-        # LoHa/LoKr/OFT/DoRA do not stack q/k/v; a module that is a whole original layer keeps that
-        # layer's name, which ComfyUI maps for every weight: its `lora_transformer_<module>` map
-        # (comfy/utils.py flux_to_diffusers) has no distilled guidance layer
-        if part != "transformer":
-            return None
-        cached = getattr(self, "_whole_layers", None)  # (the transformer it was built for, member -> stem)
-        if cached is None or cached[0] is not self.transformer:
-            cached = self._whole_layers = (self.transformer, {
-                layer.members[0]: layer.stem for layer in self.original_layers(part) if len(layer.members) == 1})
-        return cached[1].get(module_name)
-
-    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
-        # read back what unstacked_kohya_stem writes (the loader looks stems up here)
-        whole = self.unstacked_kohya_stem(part, module_name)
-        return (*super().other_stems(part, module_name), *((whole,) if whole else ()))
-
-    def file_layout(self, fmt: str) -> str:
-        # ComfyUI's Chroma model is a Flux model (comfy/model_base.py `class Chroma(Flux)`) and reads
-        # the original layer names as FLUX's: a `comfy` file is the kohya one
-        return "kohya" if fmt == "comfy" else fmt

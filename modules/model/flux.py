@@ -283,9 +283,3 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
             return ("its kohya-FLUX converter drops the embedders and the final layer (adapter.layer_preset 'attn' "
                     "or 'attn-mlp' avoids them; output.format 'diffusers' keeps them)")
         return None
-
-    def file_layout(self, fmt: str) -> str:
-        # ComfyUI's own FLUX layout fuses q/k/v like sd-scripts' names, and ComfyUI (comfy/lora.py
-        # model_lora_keys_unet) and Forge read those names and OneTrainer's for every layer: a
-        # `comfy` file is the kohya one
-        return "kohya" if fmt == "comfy" else fmt

@@ -361,21 +361,3 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
             return ("its kohya FLUX.2 converter has no rule for the modulation, guidance and final adaLN layers "
                     "(adapter.layer_preset 'attn' or 'attn-mlp' avoids them; output.format 'diffusers' keeps them)")
         return None
-
-    def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
-        # LoHa/LoKr/OFT/DoRA do not stack q/k/v; a module that is a whole original layer keeps its name
-        if part != "transformer":
-            return None
-        cached = getattr(self, "_whole_layers", None)  # (the transformer it was built for, member -> stem)
-        if cached is None or cached[0] is not self.transformer:
-            cached = self._whole_layers = (self.transformer, {
-                layer.members[0]: layer.stem for layer in self.original_layers(part) if len(layer.members) == 1})
-        return cached[1].get(module_name)
-
-    def other_stems(self, part: str, module_name: str) -> tuple[str, ...]:
-        whole = self.unstacked_kohya_stem(part, module_name)
-        return (*super().other_stems(part, module_name), *((whole,) if whole else ()))
-
-    def file_layout(self, fmt: str) -> str:
-        # ComfyUI maps `lora_unet_<original name>` for every weight: a `comfy` file is the kohya one
-        return "kohya" if fmt == "comfy" else fmt

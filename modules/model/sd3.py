@@ -225,8 +225,3 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
             return ("StableDiffusion3Pipeline.load_lora_weights reads only diffusers-format files "
                     "(output.format 'diffusers')")
         return None
-
-    def file_layout(self, fmt: str) -> str:
-        # ComfyUI's own MMDiT layout fuses q/k/v like sd-scripts' names, and ComfyUI maps
-        # `lora_unet_<MMDiT name>` for every weight (keys/sd3.py): a `comfy` file is the kohya one
-        return "kohya" if fmt == "comfy" else fmt

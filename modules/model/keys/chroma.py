@@ -46,6 +46,13 @@ CHROMA_TRANSFORMER_LAYERS = OriginalLayout(
 )
 
 CHROMA_KEYS = KeyLayout(
+    # LoHa/LoKr/OFT/DoRA do not stack q/k/v; a whole original layer keeps its name, which ComfyUI maps
+    # for every weight: its `lora_transformer_<module>` map (comfy/utils.py flux_to_diffusers) has no
+    # distilled guidance layer
+    whole_layer_original_names=("transformer",),
+    # ComfyUI's Chroma model is a Flux model (comfy/model_base.py `class Chroma(Flux)`) and reads the
+    # original layer names as FLUX's
+    comfy_is_kohya=True,
     comfyui_skips={
         "transformer": (r"^distilled_guidance_layer\.", "its FLUX diffusers-name map has no distilled guidance layer"),
         "text_encoder": (None, "it reads T5 adapters only under kohya's lora_te1_ names"),

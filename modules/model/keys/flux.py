@@ -50,6 +50,9 @@ FLUX_TRANSFORMER_LAYERS = OriginalLayout(
 )
 
 FLUX_KEYS = KeyLayout(
+    # ComfyUI's own FLUX layout fuses q/k/v like sd-scripts' names, and ComfyUI (comfy/lora.py
+    # model_lora_keys_unet) and Forge read those names and OneTrainer's for every layer
+    comfy_is_kohya=True,
     text_model_parts=("text_encoder",),
     comfyui_skips={"text_encoder_2": (None, "it reads T5 adapters only under kohya's lora_te2_/lora_te3_ names")},
     original_layers={"transformer": FLUX_TRANSFORMER_LAYERS},

@@ -55,6 +55,10 @@ FLUX2_TRANSFORMER_LAYERS = OriginalLayout(
 )
 
 FLUX2_KEYS = KeyLayout(
+    # LoHa/LoKr/OFT/DoRA do not stack q/k/v; a whole original layer keeps its name, and ComfyUI maps
+    # `lora_unet_<original name>` for every weight
+    whole_layer_original_names=("transformer",),
+    comfy_is_kohya=True,
     comfyui_skips={"text_encoder": (None, "it reads Qwen3 adapters only under lora_te_ or text_encoders. names")},
     original_layers={"transformer": FLUX2_TRANSFORMER_LAYERS},
 )

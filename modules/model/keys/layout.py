@@ -94,3 +94,9 @@ class KeyLayout:
     other_stem_prefixes: Mapping[str, str] = field(default_factory=dict)
     # original-layout layers kohya files name fused adapters by (sd-scripts' FLUX files)
     original_layers: Mapping[str, OriginalLayout] = field(default_factory=dict)
+    # parts whose unstacked adapters (LoHa/LoKr/OFT/DoRA) on a module that is a whole original layer
+    # keep that layer's kohya name (ComfyUI maps `lora_unet_<original name>` for every weight)
+    whole_layer_original_names: tuple[str, ...] = ()
+    # ComfyUI reads the family's kohya layout as its own (it fuses q/k/v the same way): a `comfy`
+    # file is written as the kohya one
+    comfy_is_kohya: bool = False

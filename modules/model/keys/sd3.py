@@ -74,6 +74,9 @@ SD3_TRANSFORMER_LAYERS = MMDiTLayout(
 )
 
 SD3_KEYS = KeyLayout(
+    # ComfyUI's own MMDiT layout fuses q/k/v like sd-scripts' names, and ComfyUI maps
+    # `lora_unet_<MMDiT name>` for every weight
+    comfy_is_kohya=True,
     comfyui_skips={"text_encoder_3": (None, "it reads T5 adapters only under kohya's lora_te3_ names")},
     other_stem_prefixes={"text_encoder": "text_encoders.clip_l.transformer.",
                          "text_encoder_2": "text_encoders.clip_g.transformer.",
