@@ -1,6 +1,7 @@
-"""The cross-product check each family file runs: a base precision x {LoRA, DoRA} initializes,
-takes an optimizer step (the trainer's first-step guard: every adapter tensor learned), and
-the denoiser's Linear layers really are stored in that precision."""
+"""What each family file checks the same way: a base precision x {LoRA, DoRA} initializes, takes
+an optimizer step (the trainer's first-step guard: every adapter tensor learned), and the
+denoiser's Linear layers really are stored in that precision; blocks run in order; offloading
+trains the same adapter; and the helpers the diffusers-load tests share."""
 
 from __future__ import annotations
 
@@ -70,3 +71,36 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
     ours, theirs = offloaded.adapters.state_dict(), plain.adapters.state_dict()
     for key in theirs:
         torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-5, rtol=0)
+
+
+def perturbed_adapters(family, parts, **options):
+    """An adapter set on `parts` whose every tensor moved off its start (a fresh LoRA's up is zero,
+    so it would compute nothing a loader could get wrong)."""
+    import torch
+
+    from modules.adapters.adapter_set import build_adapter_set
+    from modules.config.train_config import AdapterConfig
+
+    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
+                                 torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in adapters.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return adapters
+
+
+def prediction_with(family, transformer, latent_channels: int):
+    """The family's denoiser prediction on fixed latents and prompt, with `transformer` in place of
+    its own (e.g. a diffusers pipeline's, with a file loaded)."""
+    import torch
+
+    latents = torch.randn(1, latent_channels, 8, 8, generator=torch.Generator().manual_seed(1))
+    original = family.parts["transformer"]
+    family.parts["transformer"] = transformer
+    try:
+        with torch.no_grad():
+            text = family.encode_text(family.tokenize(["a red circle on a blue background"]))
+            return family.denoise(latents, torch.tensor([0.5]), text)
+    finally:
+        family.parts["transformer"] = original

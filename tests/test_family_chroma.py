@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fixed_loss, train_config
+from family_cross import perturbed_adapters
 from test_family_flux import _transformer_to_bfl
 
 from modules.adapters.adapter_set import build_adapter_set
@@ -89,16 +90,6 @@ def test_padding_tokens_are_masked(family):
     assert (prediction("a cat sat", 16) - short).abs().max() > 1e-4
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
 def _outputs(family, transformer, text_encoder):
     """(T5 hidden states, the transformer's prediction) with the given modules in place."""
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -118,7 +109,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_chroma, tmp_pat
     from diffusers import ChromaPipeline
     from peft.tuners.lora import LoraLayer
 
-    adapters = _perturbed(family, ["transformer"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer"], layer_preset="all-linear")
     try:
         path = tmp_path / "chroma-diffusers.safetensors"
         save_adapter_file(path, adapters, family, "diffusers", torch.float32, {})
@@ -143,7 +134,7 @@ def test_the_run_says_diffusers_refuses_t5_adapters(family, tmp_path, fmt):
 
     from modules.adapters.formats.files import format_warnings
 
-    adapters = _perturbed(family, ["text_encoder"], layer_preset="attn")
+    adapters = perturbed_adapters(family, ["text_encoder"], layer_preset="attn")
     try:
         path = tmp_path / f"t5-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
@@ -298,7 +289,7 @@ def test_a_kohya_file_loads_in_diffusers_and_back(tmp_path, shape_images):
             return transformer(**inputs)[0]
 
     plain = output()
-    adapters = _perturbed(family, ["transformer"], layer_preset="attn-mlp")
+    adapters = perturbed_adapters(family, ["transformer"], layer_preset="attn-mlp")
     try:
         ours, state = output(), adapters.state_dict()
         path = tmp_path / "chroma-kohya.safetensors"
@@ -316,7 +307,7 @@ def test_a_kohya_file_loads_in_diffusers_and_back(tmp_path, shape_images):
     assert modules <= with_lora
     assert (ours - plain).abs().max() > 1e-3
     assert (ours - theirs).abs().max() < 1e-5
-    again = _perturbed(family, ["transformer"], layer_preset="attn-mlp")
+    again = perturbed_adapters(family, ["transformer"], layer_preset="attn-mlp")
     try:
         load_adapter_file(path, again, family)
         for key, tensor in again.state_dict().items():

@@ -12,13 +12,12 @@ from family_cross import (
     blocks_run_in_listed_order,
     initializes_and_steps,
     offloaded_training_matches,
+    perturbed_adapters,
 )
 
-from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import save_adapter_file
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay
-from modules.config.train_config import AdapterConfig
 from modules.trainer.generic_trainer import GenericTrainer
 
 
@@ -70,16 +69,6 @@ def test_flux_predict_packs_and_targets_the_flow(family):
     assert torch.allclose(target, noise - latents)
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
 def _outputs(family, transformer, clip):
     tokens = family.tokenize(["a red circle on a blue background"])
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -101,7 +90,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_flux, tmp_path,
     tiny model's single block is narrower than diffusers' kohya converter allows)."""
     from diffusers import FluxPipeline
 
-    adapters = _perturbed(family, ["transformer", "text_encoder"], layer_preset=preset)
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset=preset)
     try:
         path = tmp_path / f"flux-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
@@ -123,7 +112,7 @@ def test_a_comfy_flux_file_is_the_kohya_file(family):
     writes them rather than a second layout."""
     from modules.adapters.formats.files import file_state
 
-    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="attn")
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="attn")
     try:
         kohya, comfy = file_state(adapters, family, "kohya"), file_state(adapters, family, "comfy")
     finally:
@@ -285,7 +274,7 @@ def test_the_run_says_diffusers_loads_no_t5_adapters(family, tmp_path, fmt):
     from modules.adapters.formats.files import format_warnings
 
     # with CLIP's adapters: a file of T5 adapters alone diffusers refuses outright ("Invalid LoRA checkpoint")
-    adapters = _perturbed(family, ["text_encoder", "text_encoder_2"], layer_preset="attn")
+    adapters = perturbed_adapters(family, ["text_encoder", "text_encoder_2"], layer_preset="attn")
     try:
         path = tmp_path / f"t5-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})

@@ -9,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fixed_loss, train_config
+from family_cross import perturbed_adapters, prediction_with
 
-from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import save_adapter_file
-from modules.config.train_config import AdapterConfig
 
 
 @pytest.fixture(scope="session")
@@ -107,28 +106,6 @@ def test_predict_targets_the_flow_at_the_pipelines_shift(family):
     assert math.isclose(sigma.item(), math.exp(mu) / (math.exp(mu) + 1), rel_tol=1e-6)
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
-def _prediction(family, transformer):
-    latents = torch.randn(1, 32, 8, 8, generator=torch.Generator().manual_seed(1))
-    original = family.parts["transformer"]
-    family.parts["transformer"] = transformer
-    try:
-        with torch.no_grad():
-            text = family.encode_text(family.tokenize(["a red circle on a blue background"]))
-            return family.denoise(latents, torch.tensor([0.5]), text)
-    finally:
-        family.parts["transformer"] = original
-
-
 @pytest.mark.parametrize(("fmt", "preset"), [("diffusers", "all-linear"), ("kohya", "attn-mlp")])
 def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt, preset):
     """The saved file loads in Flux2KleinPipeline with no adapter left out (the diffusers file on
@@ -138,19 +115,19 @@ def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt,
 
     from modules.adapters.formats.files import format_warnings
 
-    adapters = _perturbed(family, ["transformer"], layer_preset=preset)
+    adapters = perturbed_adapters(family, ["transformer"], layer_preset=preset)
     try:
         path = tmp_path / f"flux2-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
-        ours, count = _prediction(family, family.transformer), len(adapters)
+        ours, count = prediction_with(family, family.transformer, 32), len(adapters)
         assert not format_warnings(fmt, adapters, family)
     finally:
         adapters.unhook()
-    plain = _prediction(family, family.transformer)
+    plain = prediction_with(family, family.transformer, 32)
     pipe.load_lora_weights(str(path))
     try:
         assert sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules()) == count
-        theirs = _prediction(family, pipe.transformer)
+        theirs = prediction_with(family, pipe.transformer, 32)
     finally:
         pipe.unload_lora_weights()
     assert (ours - plain).abs().max() > 1e-3
@@ -160,7 +137,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt,
 def test_the_run_says_which_adapters_diffusers_drops(family):
     from modules.adapters.formats.files import format_warnings
 
-    adapters = _perturbed(family, ["transformer", "text_encoder"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
         said = [w for w in format_warnings("kohya", adapters, family) if "diffusers' load_lora_weights" in w]
     finally:
@@ -385,9 +362,9 @@ def test_dev_encodings_are_the_pipelines(dev_family, dev_pipe):
 def test_dev_guidance_reaches_the_transformer(dev_family, monkeypatch):
     from modules.model import flux
 
-    before = _prediction(dev_family, dev_family.transformer)
+    before = prediction_with(dev_family, dev_family.transformer, 32)
     monkeypatch.setattr(flux, "TRAINING_GUIDANCE", 4.0)
-    after = _prediction(dev_family, dev_family.transformer)
+    after = prediction_with(dev_family, dev_family.transformer, 32)
     assert (before - after).abs().max() > 1e-4
 
 
@@ -419,19 +396,19 @@ def test_dev_load_lora_weights_matches_the_hooked_model(dev_family, dev_pipe, tm
     Flux2Pipeline with no adapter left out and computes what the trainer computes."""
     from peft.tuners.lora import LoraLayer
 
-    adapters = _perturbed(dev_family, ["transformer"], layer_preset="all-linear")
+    adapters = perturbed_adapters(dev_family, ["transformer"], layer_preset="all-linear")
     assert any("guidance_embedder" in name for name in adapters.module_name_of.values())
     try:
         path = tmp_path / "flux2-dev.safetensors"
         save_adapter_file(path, adapters, dev_family, "diffusers", torch.float32, {})
-        ours, count = _prediction(dev_family, dev_family.transformer), len(adapters)
+        ours, count = prediction_with(dev_family, dev_family.transformer, 32), len(adapters)
     finally:
         adapters.unhook()
-    plain = _prediction(dev_family, dev_family.transformer)
+    plain = prediction_with(dev_family, dev_family.transformer, 32)
     dev_pipe.load_lora_weights(str(path))
     try:
         assert sum(isinstance(m, LoraLayer) for m in dev_pipe.transformer.modules()) == count
-        theirs = _prediction(dev_family, dev_pipe.transformer)
+        theirs = prediction_with(dev_family, dev_pipe.transformer, 32)
     finally:
         dev_pipe.unload_lora_weights()
     assert (ours - plain).abs().max() > 1e-3

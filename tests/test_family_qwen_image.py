@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 from conftest import fixed_loss, train_config
+from family_cross import perturbed_adapters, prediction_with
 
 from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import file_state, format_warnings, save_adapter_file
@@ -113,28 +114,6 @@ def test_padding_tokens_are_masked(family):
     assert (prediction("a cat sat", 34 + 16) - short).abs().max() > 1e-4
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
-def _prediction(family, transformer):
-    latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
-    original = family.parts["transformer"]
-    family.parts["transformer"] = transformer
-    try:
-        with torch.no_grad():
-            text = family.encode_text(family.tokenize(["a red circle on a blue background"]))
-            return family.denoise(latents, torch.tensor([0.5]), text)
-    finally:
-        family.parts["transformer"] = original
-
-
 @pytest.mark.parametrize("fmt", ["diffusers", "kohya"])
 def test_load_lora_weights_matches_the_hooked_model(family, tiny_qwen_image, tmp_path, fmt):
     """Every Linear layer of the transformer, in either format, loads in QwenImagePipeline with no
@@ -144,11 +123,11 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_qwen_image, tmp
 
     from modules.adapters.formats.files import load_adapter_file
 
-    adapters = _perturbed(family, ["transformer"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer"], layer_preset="all-linear")
     try:
         path = tmp_path / f"qwen-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
-        ours, count, state = _prediction(family, family.transformer), len(adapters), adapters.state_dict()
+        ours, count, state = prediction_with(family, family.transformer, 16), len(adapters), adapters.state_dict()
         assert not format_warnings(fmt, adapters, family)
     finally:
         adapters.unhook()
@@ -159,17 +138,17 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_qwen_image, tmp
         assert all(torch.allclose(tensor, state[key], atol=1e-7) for key, tensor in again.state_dict().items())
     finally:
         again.unhook()
-    plain = _prediction(family, family.transformer)
+    plain = prediction_with(family, family.transformer, 16)
     pipe = QwenImagePipeline.from_pretrained(str(tiny_qwen_image), local_files_only=True)
     pipe.load_lora_weights(str(path))
     assert sum(isinstance(m, LoraLayer) for m in pipe.transformer.modules()) == count
-    theirs = _prediction(family, pipe.transformer)
+    theirs = prediction_with(family, pipe.transformer, 16)
     assert (ours - plain).abs().max() > 1e-3
     assert (ours - theirs).abs().max() < 1e-5
 
 
 def test_the_run_says_diffusers_and_comfyui_skip_text_encoder_adapters(family):
-    adapters = _perturbed(family, ["text_encoder"], layer_preset="attn")
+    adapters = perturbed_adapters(family, ["text_encoder"], layer_preset="attn")
     try:
         said = format_warnings("diffusers", adapters, family)
         kohya = format_warnings("kohya", adapters, family)

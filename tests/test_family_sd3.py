@@ -10,11 +10,9 @@ import json
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import blocks_run_in_listed_order, offloaded_training_matches
+from family_cross import blocks_run_in_listed_order, offloaded_training_matches, perturbed_adapters
 
-from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import save_adapter_file
-from modules.config.train_config import AdapterConfig
 from modules.trainer.generic_trainer import GenericTrainer
 
 
@@ -88,16 +86,6 @@ def test_the_text_conditioning_is_the_pipelines(family):
     assert torch.equal(ours["hidden_states"], embeds) and torch.equal(ours["pooled"], pooled)
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
 def _outputs(family, transformer, clip_l, clip_g):
     tokens = family.tokenize(["a red circle on a blue background"])
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -117,7 +105,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sd3, tmp_path):
     from diffusers import StableDiffusion3Pipeline
     from peft.tuners.lora import LoraLayer
 
-    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder", "text_encoder_2"], layer_preset="all-linear")
     try:
         path = tmp_path / "sd3-diffusers.safetensors"
         save_adapter_file(path, adapters, family, "diffusers", torch.float32, {})
@@ -140,7 +128,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sd3, tmp_path):
 def test_kohya_names_are_sd_scripts_mmdit_layers_and_comfy_is_kohya(family):
     from modules.adapters.formats.files import file_state, format_warnings
 
-    adapters = _perturbed(family, ["transformer", "text_encoder", "text_encoder_3"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder", "text_encoder_3"], layer_preset="all-linear")
     try:
         kohya, comfy = file_state(adapters, family, "kohya"), file_state(adapters, family, "comfy")
         warned = {fmt: [w for w in format_warnings(fmt, adapters, family) if "diffusers' load_lora_weights" in w]

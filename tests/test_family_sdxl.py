@@ -12,13 +12,12 @@ from family_cross import (
     blocks_run_in_listed_order,
     initializes_and_steps,
     offloaded_training_matches,
+    perturbed_adapters,
 )
 
-from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import file_state, save_adapter_file
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay
-from modules.config.train_config import AdapterConfig
 from modules.trainer.generic_trainer import GenericTrainer
 
 
@@ -62,16 +61,6 @@ def test_sdxl_trains_a_lora_and_the_loss_falls(tmp_path, tiny_sdxl, one_image):
     assert any(k.startswith("lora_te2_text_model_encoder_layers_") for k in keys)
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
 def _outputs(family, unet, text_encoders):
     tokens = family.tokenize(["a red circle on a blue background"])
     latents = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
@@ -90,7 +79,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sdxl, tmp_path,
     from diffusers import StableDiffusionXLPipeline
 
     parts = ["unet", "text_encoder", "text_encoder_2"]
-    adapters = _perturbed(family, parts, layer_preset="all")
+    adapters = perturbed_adapters(family, parts, layer_preset="all")
     try:
         path = tmp_path / f"sdxl-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
@@ -108,7 +97,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sdxl, tmp_path,
 
 
 def test_kohya_and_comfy_names(family):
-    adapters = _perturbed(family, ["unet", "text_encoder", "text_encoder_2"], layer_preset="all")
+    adapters = perturbed_adapters(family, ["unet", "text_encoder", "text_encoder_2"], layer_preset="all")
     try:
         kohya = set(file_state(adapters, family, "kohya"))
         comfy = set(file_state(adapters, family, "comfy"))

@@ -12,14 +12,13 @@ from family_cross import (
     MODES,
     blocks_run_in_listed_order,
     initializes_and_steps,
+    perturbed_adapters,
 )
 from safetensors.torch import load_file, save_file
 
-from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import format_warnings, save_adapter_file
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay
-from modules.config.train_config import AdapterConfig
 from modules.trainer.generic_trainer import GenericTrainer
 
 
@@ -74,16 +73,6 @@ def test_captions_of_different_lengths_batch_through_the_mask(family):
     assert torch.allclose(alone, batched, atol=1e-5)
 
 
-def _perturbed(family, parts, **options):
-    adapters = build_adapter_set(family, AdapterConfig(**{"rank": 4, "alpha": 2, **options}), parts,
-                                 torch.device("cpu"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in adapters.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
-    return adapters
-
-
 def _output(family, transformer):
     text = family.encode_text(family.tokenize(["a red circle on a blue background"]))
     latents = torch.randn(1, 16, 8, 8, generator=torch.Generator().manual_seed(1))
@@ -102,7 +91,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_z_image, tmp_pa
     comfy: ComfyUI's `diffusion_model.<diffusers module>` keys, which it reads for every layer."""
     from diffusers import ZImagePipeline
 
-    adapters = _perturbed(family, ["transformer"], layer_preset=preset)
+    adapters = perturbed_adapters(family, ["transformer"], layer_preset=preset)
     try:
         path = tmp_path / f"z-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
@@ -128,7 +117,7 @@ def test_the_run_names_what_load_lora_weights_drops(family, tiny_z_image, tmp_pa
 
     from diffusers import ZImagePipeline
 
-    adapters = _perturbed(family, ["transformer", "text_encoder"], layer_preset="all-linear")
+    adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
         path = tmp_path / "z-kohya.safetensors"
         save_adapter_file(path, adapters, family, "kohya", torch.float32, {})

@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from modules.model.adapter_keys import AdapterKeyNames
-from modules.model.keys.layout import OriginalLayer  # noqa: F401  (adapter formats import it from here)
 from modules.model.noise import draw_noise, draw_unit_times
 from modules.model.part_loading import PartLoading
 from modules.quantization.base import is_linear

@@ -23,8 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules.quantization.weight_modes import (  # noqa: F401  (SCALED_MM_MIN_CAPABILITY: re-exported)
-    SCALED_MM_MIN_CAPABILITY,
+from modules.quantization.weight_modes import (
     ModeNames,
     get_weight_mode,
     weight_mode_names,

@@ -24,7 +24,8 @@ import torch
 
 if TYPE_CHECKING:
     from modules.adapters.adapter_set import AdapterSet
-    from modules.model.base import ModelFamily, OriginalLayer
+    from modules.model.base import ModelFamily
+    from modules.model.keys.layout import OriginalLayer
 
 _DOWN, _UP, _ALPHA = "lora_down.weight", "lora_up.weight", "alpha"
 
