@@ -1,7 +1,7 @@
 """Quantizing at load: which layers, in what dtype, from which checkpoint tensors.
 
-The layer classes themselves are pinned in test_quantized_layers.py; here: the skip-list union,
-the compute dtype, the streamed load against diffusers' own loader, ComfyUI scaled-fp8 files,
+The layer classes themselves are pinned in test_quantized_layers.py (and its siblings); here: the
+skip-list union, the compute dtype, the streamed load against diffusers' own loader, ComfyUI scaled-fp8 files,
 and torchao's int8 as a QuantizedLinear like the others.
 """
 
