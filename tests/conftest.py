@@ -1,8 +1,12 @@
-"""Shared fixtures: a tiny SD1.5-architecture model and captioned shape images, built offline once."""
+"""Shared fixtures: a tiny SD1.5-architecture model and captioned shape images, built offline once;
+the fake second device; for GUI tests, the X display and the user folder."""
 
 from __future__ import annotations
 
 import os
+import select
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -120,3 +124,61 @@ def fixed_loss(trainer, draws: int = 16) -> float:
         prediction, target, *_ = trainer.family.predict(batch.latents, trainer.conditioning(batch), generator)
         total += torch.nn.functional.mse_loss(prediction, target).item()
     return total / draws
+
+
+# --- GUI tests: the X display and the user folder the windows use ------------------------------------
+
+def _die_with_parent() -> None:
+    """In the Xvfb child: get SIGTERM when the test process dies, however it dies (Linux)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def display():
+    """The X display the windows open on: $DISPLAY, or an Xvfb started here for the whole session
+    (Tk keeps its connection to the display for the life of the process, so the server must
+    outlive every test that opened a window)."""
+    if os.environ.get("DISPLAY"):
+        yield os.environ["DISPLAY"]
+        return
+    if shutil.which("Xvfb") is None:
+        pytest.skip("GUI tests need a display: DISPLAY is unset and Xvfb is not installed (apt-get install xvfb)")
+    # -displayfd: Xvfb picks a free display and writes its number when it is ready, so test
+    # processes started side by side (pytest -n) never race for the same number.
+    read_end, write_end = os.pipe()
+    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
+                              preexec_fn=_die_with_parent)
+    os.close(write_end)
+    with os.fdopen(read_end) as ready:
+        ready_fds = select.select([ready], [], [], 20)[0]
+        number = ready.readline().strip() if ready_fds else ""
+    if not number.isdigit():
+        server.kill()
+        pytest.fail("Xvfb did not start (no display number within 20 s)")
+    os.environ["DISPLAY"] = f":{number}"
+    try:
+        yield os.environ["DISPLAY"]
+    finally:
+        del os.environ["DISPLAY"]
+        server.terminate()
+        server.wait(10)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory):
+    """DIFFTRAINER_HOME for the app and the runs it starts (user presets, last config, run folders)."""
+    folder = tmp_path_factory.mktemp("difftrainer-home")
+    old = os.environ.get("DIFFTRAINER_HOME")
+    os.environ["DIFFTRAINER_HOME"] = str(folder)
+    yield folder
+    if old is None:
+        del os.environ["DIFFTRAINER_HOME"]
+    else:
+        os.environ["DIFFTRAINER_HOME"] = old

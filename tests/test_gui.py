@@ -3,101 +3,25 @@ runs started from the window as child processes, presets through the preset bar,
 `launch.py train` training the same adapter from the same preset.
 
 One App serves the whole module (tests run in file order); the last test closes it during a run
-and opens a new one to check that the last config comes back.
+and opens a new one to check that the last config comes back. The window drivers are in
+tests/gui_driver.py; the display and home fixtures in conftest.py.
 """
 
 from __future__ import annotations
 
 import os
-import select
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from gui_driver import (
+    TABS, configure_tiny_run, edit, fake_run_argv, field, fresh, pump, run_to_end, screenshot, type_text, wait_for_event,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
-TABS = ["General", "Model", "Concepts", "Training", "Adapter", "Embeddings", "Offload", "Sampling", "Backup", "Run"]
-
-
-# --- the display and the app -----------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """In the Xvfb child: get SIGTERM when the test process dies, however it dies (Linux)."""
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-@pytest.fixture(scope="session")
-def display():
-    """The X display the windows open on: $DISPLAY, or an Xvfb started here for the whole session
-    (Tk keeps its connection to the display for the life of the process, so the server must
-    outlive every test that opened a window)."""
-    if os.environ.get("DISPLAY"):
-        yield os.environ["DISPLAY"]
-        return
-    if shutil.which("Xvfb") is None:
-        pytest.skip("GUI tests need a display: DISPLAY is unset and Xvfb is not installed (apt-get install xvfb)")
-    # -displayfd: Xvfb picks a free display and writes its number when it is ready, so test
-    # processes started side by side (pytest -n) never race for the same number.
-    read_end, write_end = os.pipe()
-    server = subprocess.Popen(["Xvfb", "-displayfd", str(write_end), "-screen", "0", "1280x900x24", "-nolisten", "tcp"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_end,),
-                              preexec_fn=_die_with_parent)
-    os.close(write_end)
-    with os.fdopen(read_end) as ready:
-        ready_fds = select.select([ready], [], [], 20)[0]
-        number = ready.readline().strip() if ready_fds else ""
-    if not number.isdigit():
-        server.kill()
-        pytest.fail("Xvfb did not start (no display number within 20 s)")
-    os.environ["DISPLAY"] = f":{number}"
-    try:
-        yield os.environ["DISPLAY"]
-    finally:
-        del os.environ["DISPLAY"]
-        server.terminate()
-        server.wait(10)
-
-
-@pytest.fixture(scope="module")
-def home(tmp_path_factory):
-    """DIFFTRAINER_HOME for the app and the runs it starts (user presets, last config, run folders)."""
-    folder = tmp_path_factory.mktemp("difftrainer-home")
-    old = os.environ.get("DIFFTRAINER_HOME")
-    os.environ["DIFFTRAINER_HOME"] = str(folder)
-    yield folder
-    if old is None:
-        del os.environ["DIFFTRAINER_HOME"]
-    else:
-        os.environ["DIFFTRAINER_HOME"] = old
-
-
-def pump(app, until=None, timeout: float = 5.0, what: str = "the condition"):
-    """Run the Tk event loop until `until()` is true (or for `timeout` seconds when it is None)."""
-    import tkinter
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            app.update()
-        except tkinter.TclError:  # the window was closed
-            pass
-        if until is not None and until():
-            return
-        if time.monotonic() > deadline:
-            if until is None:
-                return
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -113,92 +37,6 @@ def app(display, home):
         window.destroy()
     except Exception:  # already closed by the last test
         pass
-
-
-def fresh(app):
-    """Defaults again, no dialogs, the General tab."""
-    from ui.state import default_data
-
-    for dialog in app.dialogs:
-        if dialog.winfo_exists():
-            dialog.destroy()
-    app.dialogs.clear()
-    app.cfg.load(default_data())
-    app.tabview.set("General")
-    pump(app, timeout=0.1)
-
-
-def field(app, tab: str, path: str):
-    return app.tabs[tab].fields[path]
-
-
-def edit(app, tab: str, path: str, value) -> None:
-    """What choosing a value in the widget does: its Tk variable changes."""
-    widget = field(app, tab, path)
-    widget.var.set(value)
-    pump(app, timeout=0.05)
-
-
-def type_text(app, widget, text: str) -> None:
-    """Real key presses (xdotool) into the entry of a Field, replacing its content."""
-    if shutil.which("xdotool") is None:
-        pytest.skip("typing into the window needs xdotool (apt-get install xdotool)")
-    entry = widget.input._entry
-    app.tabview.set(next(name for name, tab in app.tabs.items() if widget.path in getattr(tab, "fields", {})))
-    pump(app, timeout=0.2)
-    entry.focus_force()
-    entry.delete(0, "end")
-    pump(app, lambda: app.focus_get() is entry, timeout=5, what="focus on the entry")
-    subprocess.run(["xdotool", "type", "--delay", "20", text], check=True, timeout=30)
-    pump(app, lambda: widget.var.get() == text, timeout=10, what=f"typed text {text!r}")
-
-
-def screenshot(app, path: Path) -> Path:
-    from PIL import ImageGrab
-
-    x, y = app.winfo_rootx(), app.winfo_rooty()
-    image = ImageGrab.grab(bbox=(x, y, x + app.winfo_width(), y + app.winfo_height()), xdisplay=os.environ["DISPLAY"])
-    image.save(path)
-    return path
-
-
-def configure_tiny_run(app, tiny_model: Path, images: Path, folder: Path, epochs: int = 2) -> None:
-    """Set up a short run on the tiny model through the tabs, as a user would."""
-    edit(app, "Model", "model.base", str(tiny_model))
-    app.tabs["Concepts"].add()  # the "Add concept" button
-    pump(app, timeout=0.05)
-    edit(app, "Concepts", "concepts[0].path", str(images))
-    app.tabs["Sampling"].add()  # the "Add prompt" button
-    pump(app, timeout=0.05)
-    for path, value in {"sampling.prompts[0].prompt": "a red circle", "sampling.prompts[0].steps": "2",
-                        "sampling.prompts[0].width": "64", "sampling.prompts[0].height": "64",
-                        "schedule.sample_every.value": "2"}.items():
-        edit(app, "Sampling", path, value)
-    for path, value in {"schedule.epochs": str(epochs), "schedule.batch_size": "2", "data.resolution": "64",
-                        "optimizer.lr": "0.005"}.items():
-        edit(app, "Training", path, value)
-    for path, value in {"adapter.rank": "4", "adapter.alpha": "2", "adapter.layer_preset": "attn"}.items():
-        edit(app, "Adapter", path, value)
-    edit(app, "Model", "output.path", str(folder / "out" / "lora.safetensors"))
-    edit(app, "Model", "output.dtype", "float32")
-    edit(app, "General", "workspace_dir", str(folder / "ws"))
-    edit(app, "General", "train_device", "cpu")
-    edit(app, "General", "tensorboard", False)
-    assert app.cfg.problems == [], app.cfg.problems
-
-
-def wait_for_event(app, name: str, timeout: float = 120) -> None:
-    try:
-        pump(app, lambda: any(e["event"] == name for e in app.run_events), timeout=timeout, what=f"a {name} event")
-    except AssertionError as error:
-        raise AssertionError(f"{error}; events: {[e['event'] for e in app.run_events]}; "
-                             f"log: {app.tabs['Run'].log_text()[-2000:]}") from None
-
-
-def run_to_end(app, timeout: float = 90) -> int:
-    pump(app, lambda: app.client is not None and not app.client.running and not app.running
-         and app.start_button.cget("text") == "Start training", timeout=timeout, what="the run to end")
-    return app.client.returncode
 
 
 # --- tests ------------------------------------------------------------------------------------------
@@ -469,27 +307,6 @@ def test_stop_stops_and_leaves_a_backup(app, tmp_path):
     assert steps < 500 * 2
     backup = Path(next(e["path"] for e in app.run_events if e["event"] == "backup"))
     assert backup.exists() and backup.is_relative_to(tmp_path / "ws" / "backup")
-
-
-FAKE_RUN = """
-import json, sys, time
-def emit(**event):
-    print(json.dumps(event), flush=True)
-emit(event="started", total_steps=2)
-if sys.argv[1] == "fail":
-    print("Traceback-free log line on stderr", file=sys.stderr, flush=True)
-    emit(event="error", message="model.base: /nowhere is not a model folder")
-    sys.exit(1)
-time.sleep(float(sys.argv[2]))
-emit(event="progress", step=1, total_steps=2, epoch=0, epochs=1, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=1.0)
-open(sys.argv[3], "w").write("done")
-emit(event="finished")
-"""
-
-
-def fake_run_argv(*args: str) -> list[str]:
-    """A child that speaks the run protocol without training (for what the window does with it)."""
-    return [sys.executable, "-c", FAKE_RUN, *args]
 
 
 def test_failed_run_shows_its_error_and_the_window_stays_live(app, monkeypatch):

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from test_gui import FAKE_RUN, display, home, pump, run_to_end  # noqa: F401  (fixtures, helpers)
+from gui_driver import FAKE_RUN, TABS, pump, run_to_end
+from gui_driver import screenshot as grab
 
 FAMILY = "sd15"
 
@@ -143,7 +144,7 @@ INFO = {"families": {}, "devices": {"cpu": {}}}  # no `launch.py info` child: th
 
 
 @pytest.fixture(scope="module")
-def app(display, home):  # noqa: F811
+def app(display, home):
     from ui.app import App
 
     window = App(machine_info=INFO, restore=False)
@@ -286,9 +287,6 @@ def test_per_part_fields_stay_bound_and_reach_the_run(app, tmp_path, monkeypatch
 def test_run_bar_visible_at_the_smallest_size(app, tmp_path, scale):
     """At 900x600 (the minimum size) and 150% scale, on every tab: Start/Stop, the commands, the
     progress and the status are shown and inside the window."""
-    from test_gui import TABS
-    from test_gui import screenshot as grab
-
     app.cfg.load(base_data())  # a concept and a prompt: the Concepts and Sampling tabs are long
     app.set_ui_scale(f"{round(scale * 100)}%")
     try:
@@ -323,7 +321,7 @@ emit(event="finished")
 """
 
 
-def test_resume_and_reopen_restore_the_loss_curve_and_gallery(app, home, tmp_path, monkeypatch):  # noqa: F811
+def test_resume_and_reopen_restore_the_loss_curve_and_gallery(app, home, tmp_path, monkeypatch):
     from PIL import Image
 
     images = tmp_path / "images"
@@ -416,8 +414,6 @@ def test_tensorboard_button_serves_the_workspace_logs(app, tmp_path, monkeypatch
     import urllib.request
     import webbrowser
 
-    from test_gui import pump as _pump
-
     opened = []
     monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url))
     through_widget(app, "workspace_dir", str(tmp_path / "ws"))
@@ -435,7 +431,7 @@ def test_tensorboard_button_serves_the_workspace_logs(app, tmp_path, monkeypatch
             except OSError:
                 return False
 
-        _pump(app, answers, timeout=60, what="tensorboard to answer")
+        pump(app, answers, timeout=60, what="tensorboard to answer")
         assert app.tensorboard.logdir == (tmp_path / "ws" / "tensorboard").resolve()
     finally:
         app.tensorboard.stop()

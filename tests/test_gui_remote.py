@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from test_gui import display, home, pump, run_to_end  # noqa: F401  (fixtures and helpers)
+from gui_driver import pump, run_to_end
 from test_remote import sshd  # noqa: F401  (the fixture)
 
 
