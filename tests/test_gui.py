@@ -367,7 +367,8 @@ def test_close_during_run_stops_with_backup_and_config_comes_back(app, home, tmp
 
         # closing again during a run, this time leaving it running: it goes on after the window
         marker = tmp_path / "left-running.txt"
-        again.run_argv = lambda _config: fake_run_argv("ok", "3", str(marker))
+        go_on = tmp_path / "go-on"
+        again.run_argv = lambda _config: fake_run_argv("ok", str(go_on), str(marker))
         assert again.start()
         client = again.client
         pump(again, lambda: any(e["event"] == "started" for e in again.run_events), timeout=30, what="the start")
@@ -375,6 +376,7 @@ def test_close_during_run_stops_with_backup_and_config_comes_back(app, home, tmp
         again.on_close()
         pump(again, lambda: not _exists(again), timeout=5, what="the window to close")
         assert client.process.poll() is None, "the run ended with the window"
+        go_on.touch()
         assert client.process.wait(30) == 0
         assert marker.read_text() == "done"
         assert '"event": "finished"' in client.events_path.read_text()
