@@ -104,3 +104,36 @@ def prediction_with(family, transformer, latent_channels: int):
             return family.denoise(latents, torch.tensor([0.5]), text)
     finally:
         family.parts["transformer"] = original
+
+
+def loads_beside_a_skeleton_denoiser(family):
+    """The family's load() with its denoiser a skeleton part (as `launch.py cache` loads it) runs
+    unchanged: the denoiser is its architecture on meta with its config, no weight of it is read,
+    and every other part holds the tensors of the full load. Returns the skeleton-loaded family."""
+    import torch
+
+    from modules.loading import streamed_load
+
+    skeleton = type(family)(family.config, family.weight_modes)
+    skeleton.model_configs_dir = family.model_configs_dir
+    skeleton.skeleton_parts = frozenset({family.denoiser_part})
+    read, stream = [], streamed_load.load_streamed
+
+    def spied(model, folder, **kwargs):
+        read.append(kwargs["part"])
+        return stream(model, folder, **kwargs)
+
+    streamed_load.load_streamed = spied
+    try:
+        skeleton.load()
+    finally:
+        streamed_load.load_streamed = stream
+    assert sorted(read) == sorted(set(family.parts) - {family.denoiser_part})
+    denoiser, full = skeleton.parts[family.denoiser_part], family.parts[family.denoiser_part]
+    assert dict(denoiser.config) == dict(full.config)
+    assert all(p.is_meta for p in denoiser.parameters())
+    assert {n: p.shape for n, p in denoiser.named_parameters()} == {n: p.shape for n, p in full.named_parameters()}
+    for part in read:
+        ours, theirs = skeleton.parts[part].state_dict(), family.parts[part].state_dict()
+        assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours), part
+    return skeleton

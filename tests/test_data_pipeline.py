@@ -120,7 +120,30 @@ def test_a_loader_error_is_raised_on_the_training_thread(tmp_path, images):
     prefetcher.close()
 
 
-def test_launch_cache_fills_the_caches_so_training_encodes_nothing(tmp_path, tiny_model, shape_images, capsys):
+@pytest.fixture
+def parts_read(monkeypatch):
+    """The parts whose weights a load reads, and the parts each family.load() built."""
+    from modules.loading import streamed_load
+    from modules.model.sd15 import SD15Family
+
+    read, built = [], []
+    stream, load = streamed_load.load_streamed, SD15Family.load
+
+    def spied_stream(model, folder, **kwargs):
+        read.append(kwargs["part"])
+        return stream(model, folder, **kwargs)
+
+    def spied_load(family):
+        load(family)
+        built.append(dict(family.parts))
+
+    monkeypatch.setattr(streamed_load, "load_streamed", spied_stream)
+    monkeypatch.setattr(SD15Family, "load", spied_load)
+    return SimpleNamespace(read=read, built=built)
+
+
+def test_launch_cache_fills_the_caches_so_training_encodes_nothing(tmp_path, tiny_model, shape_images, capsys,
+                                                                    parts_read):
     import launch
     from modules.trainer.generic_trainer import GenericTrainer
 
@@ -129,6 +152,10 @@ def test_launch_cache_fills_the_caches_so_training_encodes_nothing(tmp_path, tin
     config_file.write_text(config.model_dump_json(), encoding="utf-8")
     assert launch.main(["cache", "--config", str(config_file)]) == 0
     assert "4 latents and 4 captions encoded" in capsys.readouterr().out
+    # the encoders only: the UNet is its architecture on meta, none of its weights read
+    assert sorted(parts_read.read) == ["text_encoder", "vae"]
+    unet = parts_read.built[0]["unet"]
+    assert unet.config.cross_attention_dim and all(p.is_meta for p in unet.parameters())
     assert len(list((tmp_path / "ws" / "cache").rglob("*.safetensors"))) == 8
 
     trainer = GenericTrainer(config)
@@ -138,3 +165,14 @@ def test_launch_cache_fills_the_caches_so_training_encodes_nothing(tmp_path, tin
     finally:
         trainer.release()
     assert json.loads(config_file.read_text())["data"]["prefetch_batches"] == 2
+
+
+def test_launch_cache_reads_no_text_encoder_when_captions_vary(tmp_path, tiny_model, shape_images, parts_read):
+    from modules.cli.cache_command import build_caches
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"concepts": [
+        {"path": str(shape_images), "captions": {"shuffle_tags": True}}]})
+    report = build_caches(config)
+    assert (report.latents_encoded, report.texts_encoded) == (4, 0)
+    assert parts_read.read == ["vae"]  # each drawn caption is encoded while training, not here
+    assert all(p.is_meta for part in ("text_encoder", "unet") for p in parts_read.built[0][part].parameters())

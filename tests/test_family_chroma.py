@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import perturbed_adapters
+from family_cross import loads_beside_a_skeleton_denoiser, perturbed_adapters
 from test_family_flux import _transformer_to_bfl
 
 from modules.adapters.adapter_set import build_adapter_set
@@ -368,3 +368,7 @@ def test_every_kohya_stem_is_one_comfyui_maps_and_diffusers_files_say_what_it_sk
             assert torch.allclose(tensor, state[key], atol=1e-6), key
     finally:
         adapters.unhook()
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

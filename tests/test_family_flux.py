@@ -11,6 +11,7 @@ from family_cross import (
     MODES,
     blocks_run_in_listed_order,
     initializes_and_steps,
+    loads_beside_a_skeleton_denoiser,
     offloaded_training_matches,
     perturbed_adapters,
 )
@@ -294,3 +295,7 @@ def test_the_run_says_diffusers_loads_no_t5_adapters(family, tmp_path, fmt):
     said = [w for w in warnings if "diffusers' load_lora_weights" in w]
     assert len(said) == 1 and f"will not load {count} of these adapters" in said[0]
     assert "model.parts.text_encoder_2.train" in said[0] and "FluxPipeline.load_lora_weights" in said[0]
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

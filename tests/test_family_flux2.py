@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import perturbed_adapters, prediction_with
+from family_cross import loads_beside_a_skeleton_denoiser, perturbed_adapters, prediction_with
 
 from modules.adapters.formats.files import save_adapter_file
 
@@ -451,3 +451,12 @@ def test_make_tiny_model_builds_the_dev_variant(tmp_path, capsys):
     assert json.loads((tmp_path / "m" / "model_index.json").read_text())["_class_name"] == "Flux2Pipeline"
     assert launch.main(["make-tiny-model", "--family", "sd15", "--variant", "dev", "--out", str(tmp_path / "x")]) == 2
     assert "--variant: sd15 has no variant 'dev' (its variants: none)" in capsys.readouterr().err
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads
+
+
+def test_a_skeleton_dev_transformer_leaves_the_load_unchanged(dev_family):
+    skeleton = loads_beside_a_skeleton_denoiser(dev_family)
+    assert skeleton.is_dev and skeleton.embedding_slots == {}  # told from config files, not weights

@@ -13,7 +13,7 @@ import re
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import perturbed_adapters, prediction_with
+from family_cross import loads_beside_a_skeleton_denoiser, perturbed_adapters, prediction_with
 
 from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import file_state, format_warnings, save_adapter_file
@@ -286,3 +286,7 @@ def test_a_fine_tune_freezes_the_last_blocks_text_stream_and_trains(tmp_path, ti
     assert trainer.step == 1
     assert not blocks[-1].txt_mlp.net[2].weight.requires_grad and not blocks[-1].attn.add_q_proj.weight.requires_grad
     assert blocks[-1].attn.add_k_proj.weight.requires_grad and blocks[0].txt_mlp.net[2].weight.requires_grad
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

@@ -10,7 +10,12 @@ import json
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import blocks_run_in_listed_order, offloaded_training_matches, perturbed_adapters
+from family_cross import (
+    blocks_run_in_listed_order,
+    loads_beside_a_skeleton_denoiser,
+    offloaded_training_matches,
+    perturbed_adapters,
+)
 
 from modules.adapters.formats.files import save_adapter_file
 from modules.trainer.generic_trainer import GenericTrainer
@@ -291,3 +296,7 @@ def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, sha
                                  ("text_encoder_3", "t5xxl", family.tokenizer_3)):
         initial = init_vectors(tokenizer, token_embedding(family.parts[part]).weight, "a", 1, key)
         assert not torch.allclose(saved[key], initial.to(saved[key].dtype)), key
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

@@ -11,6 +11,7 @@ from family_cross import (
     MODES,
     blocks_run_in_listed_order,
     initializes_and_steps,
+    loads_beside_a_skeleton_denoiser,
     offloaded_training_matches,
     perturbed_adapters,
 )
@@ -158,3 +159,7 @@ def test_the_unet_runs_its_blocks_in_the_listed_order(family):
     blocks_run_in_listed_order(family, "unet", lambda: family.unet(
         latents, torch.tensor([10]), encoder_hidden_states=text["hidden_states"],
         added_cond_kwargs={"text_embeds": text["pooled"], "time_ids": family.time_ids(latents)}))
+
+
+def test_a_skeleton_unet_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

@@ -12,6 +12,7 @@ from family_cross import (
     MODES,
     blocks_run_in_listed_order,
     initializes_and_steps,
+    loads_beside_a_skeleton_denoiser,
     perturbed_adapters,
 )
 from safetensors.torch import load_file, save_file
@@ -258,3 +259,7 @@ def test_the_transformer_runs_its_blocks_in_the_listed_order(family):
     latents = torch.randn(1, 16, 8, 8)
     text = family.encode_text(family.tokenize(["a"]))
     blocks_run_in_listed_order(family, "transformer", lambda: family.denoise(latents, torch.tensor([0.5]), text))
+
+
+def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
+    loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads

@@ -273,3 +273,19 @@ def test_training_runs_from_a_single_file(tmp_path, tiny_sdxl, one_image, monkey
     path = trainer.end()
     assert trainer.step == 2 and path.is_file()
     assert trainer.dataset.cache_stats["latents"][1] == 1  # encoded once, keyed by the file
+
+
+def test_a_skeleton_part_reads_none_of_its_tensors_from_the_file(tmp_path, shape_images, tiny_model, monkeypatch):
+    """`launch.py cache` on a single file: the UNet is built from its config, and of the file only
+    the encoders' tensors are read (a single file is read lazily, part by part)."""
+    from modules.loading.safetensors_stream import SafetensorsStream
+
+    file = write_original_layout(tiny_model, "sd15", tmp_path / "sd15.safetensors")
+    family = _family("sd15", file, shape_images, tmp_path, configs=tiny_model)
+    family.skeleton_parts = frozenset({"unet"})
+    read, stream_read = [], SafetensorsStream.read
+    monkeypatch.setattr(SafetensorsStream, "read", lambda stream, key: (read.append(key), stream_read(stream, key))[1])
+    family.load()
+    assert any(key.startswith("first_stage_model.") for key in read)
+    assert not [key for key in read if key.startswith("model.diffusion_model.")]
+    assert all(p.is_meta for p in family.parts["unet"].parameters())

@@ -2,9 +2,10 @@
 without training (on a machine that is free now, or before a run whose caching would hold up the
 train device). A following `launch.py train` with the same config encodes nothing.
 
-It loads the model as training would (the same weight modes, so the cache keys are the ones the
-run computes), moves only the encoders to the train device, and builds the caches of the training
-and the validation concepts. Interrupted, it keeps every entry written; run again, it goes on.
+It loads the encoders as training would (the same weight modes, so the cache keys are the ones the
+run computes) and every other part only as its architecture on the meta device (the denoiser, the
+largest part, is never read), moves the encoders to the train device, and builds the caches of the
+training and the validation concepts. Interrupted, it keeps every entry written; run again, it goes on.
 """
 
 from __future__ import annotations
@@ -44,10 +45,14 @@ def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None) -
     family = get_family_class(config.model.family)(config)
     trainer.family = family
     family.weight_modes = trainer.resolve_weight_modes()
+    cache_text = caches_text(config, family)
+    encoders = (*family.image_parts, *(family.text_parts if cache_text else ()))
+    # every other part (the denoiser, and the text encoders when text is not cached) is built on
+    # meta without reading its weights: encoding never runs it
+    family.skeleton_parts = frozenset(spec.name for spec in family.part_specs if spec.name not in encoders)
     callbacks.on_status("loading model")
     family.load()
-    cache_text = caches_text(config, family)
-    for part in (*family.image_parts, *(family.text_parts if cache_text else ())):
+    for part in encoders:
         family.parts[part].to(trainer.device)
     started = time.monotonic()
     callbacks.on_status("caching latents and text")

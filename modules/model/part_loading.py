@@ -26,6 +26,11 @@ class PartLoading:
     """The loading part of ModelFamily (it reads `config`, `part_specs`, `spec`, `name`, `label`,
     `nominal_part_parameters` and `quantize_skip_patterns` from the family)."""
 
+    # parts built from their config on the meta device, no weight read: the parts a job never runs
+    # (the denoiser while `launch.py cache` encodes), so load() still runs unchanged and code that
+    # reads such a part's `.config` keeps working, while a 24 GB transformer costs nothing
+    skeleton_parts: frozenset[str] = frozenset()
+
     # --- loading -----------------------------------------------------------------------------
 
     def part_folder(self, part: str):
@@ -128,12 +133,15 @@ class PartLoading:
 
     def load_part(self, part: str, cls: type, rename: Callable[[str], str] | None = None,
                   ignore_unexpected: list[str] | None = None) -> nn.Module:
-        """Stream a part from its folder into `cls`, quantized as its weight mode says."""
+        """Stream a part from its folder into `cls`, quantized as its weight mode says (a skeleton
+        part: its architecture only, parameters on the meta device)."""
         from modules.loading.streamed_load import empty_model, load_streamed
 
         folder, where = self.part_folder(part), f"model.parts.{part}"
         part_config = self.config.model.parts[part]
         model, sources = empty_model(cls, folder, where), None
+        if part in self.skeleton_parts:
+            return model.requires_grad_(False).eval()
         setattr(model, FAMILY_SKIP_ATTRIBUTE, self.quantize_skip_patterns.get(part, ()))
         if self.from_single_file(part):  # original-layout keys, converted to diffusers names
             from modules.loading.single_file import convert_part
