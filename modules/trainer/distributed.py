@@ -98,6 +98,14 @@ class Ranks:
         dist.all_gather_object(gathered, value)
         return gathered
 
+    def broadcast(self, value):
+        """Rank 0's `value` (a picklable object), on every rank."""
+        if not self.active:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     @property
     def flag_device(self) -> torch.device:
         """Where the backend reduces: NCCL only CUDA tensors, gloo CPU ones."""
