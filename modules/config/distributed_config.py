@@ -24,8 +24,8 @@ class DistributedConfig(StrictModel):
     shard_parts: list[str] = Field(default_factory=list, description="Parts whose weights are split across the "
                                    "GPUs with FSDP2 fully_shard (each rank holds 1/N of them; all-gathered block "
                                    "by block in each forward), for a denoiser too big for one GPU. Only the "
-                                   "denoiser, in an adapter run, with dense weights and no offloading. Empty: "
-                                   "every GPU holds the whole model.")
+                                   "denoiser, with dense weights and no offloading. Empty: every GPU holds the "
+                                   "whole model.")
 
 
 def _processes(config: TrainConfig) -> int:
@@ -78,12 +78,29 @@ def check_sharding(config: TrainConfig) -> None:
             raise located_error(f"{part} is sharded (distributed.shard_parts), which splits dense weights only; "
                                 f"{mode} layers keep packed data and scales FSDP cannot split: choose float32, "
                                 f"bfloat16 or float16", "model", "parts", part, "weight_dtype")
-        if settings.train and config.method.type != "adapter":
-            # the trained weights would become DTensors: saving, backups and resume gather and
-            # re-split them, which is not built (README, "Several GPUs and machines")
-            raise located_error(f"a {config.method.type} run trains {part}'s own weights, and training sharded "
-                                f"weights is not supported yet: train an adapter on the sharded {part}, or "
-                                f"leave it out of distributed.shard_parts", "distributed", "shard_parts")
+        if settings.train and config.method.type == "fine_tune":
+            _check_sharded_fine_tune(config, part)
     if config.compile:
         raise located_error("torch.compile of sharded parts is not supported: set compile to false, or leave "
                             "distributed.shard_parts empty", "compile")
+
+
+# optimizers known to step DTensor weights (torch's own, which handle them in every code path); the
+# others (bitsandbytes' 8-bit states, Prodigy's and schedule-free's global statistics, the rest
+# untested) are refused for sharded trained weights
+SHARDED_OPTIMIZERS = ("adamw",)
+
+
+def _check_sharded_fine_tune(config: TrainConfig, part: str) -> None:
+    """A fine-tune of a sharded part trains DTensor weights (sharding.py)."""
+    if config.optimizer.type not in SHARDED_OPTIMIZERS:
+        raise located_error(f"the fine-tune trains the sharded {part} (distributed.shard_parts), whose weights "
+                            f"{config.optimizer.type} cannot step split across GPUs; choose "
+                            f"{' or '.join(SHARDED_OPTIMIZERS)}", "optimizer", "type")
+    if config.ema.enabled:
+        raise located_error(f"an EMA of the sharded {part}'s weights (distributed.shard_parts) is not supported: "
+                            f"turn ema.enabled off, or leave {part} out of distributed.shard_parts",
+                            "ema", "enabled")
+    if config.train_dtype == "float16":
+        raise located_error(f"float16's loss scaler cannot check the sharded {part}'s gradients "
+                            f"(distributed.shard_parts): use bfloat16 or float32", "train_dtype")

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from modules.trainer.sharding import is_sharded
 from modules.util.torch_utils import resolve_device
 
 
@@ -66,7 +67,9 @@ class Ranks:
         """Sum the ranks' share-weighted gradients and losses; the global loss back. The tensors go
         in flat buckets of one dtype and device (one collective per bucket, not per tensor; at most
         BUCKET_BYTES extra memory). A parameter without a gradient on this rank gets zeros, so every
-        rank reduces the same tensors in the same order."""
+        rank reduces the same tensors in the same order. Sharded weights are left out: FSDP has
+        reduce-scattered theirs (sharding.py)."""
+        params = [param for param in params if not is_sharded(param)]
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)

@@ -48,7 +48,8 @@ from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
-from modules.trainer.sharding import shard_parts_
+from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
+from modules.trainer.sharding import is_sharded, shard_parts_, whole_state_dicts
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import (
@@ -88,6 +89,7 @@ class GenericTrainer:
         self.ema: EMA | None = None
         self.conductors: dict[str, LayerOffloadConductor] = {}
         self.sharded: list[str] = []  # parts split across the processes (sharding.py)
+        self.trains_sharded = False  # whether some of them are trained (a fine-tune)
         self.dataset: TrainDataset | None = None
         self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
 
@@ -199,6 +201,11 @@ class GenericTrainer:
         for method in self.methods:
             method.setup()
         self.sharded = shard_parts_(self)  # after the adapters hook their base modules (sharding.py)
+        if self.sharded:
+            for method in self.methods:
+                method.parameters_replaced()
+        # a fine-tune of a sharded part: its weights, gradients and optimizer state are DTensors
+        self.trains_sharded = any(is_sharded(p) for p in self.trained_parameters())
         if self.ranks.active and any(m.steps_in_backward() for m in self.methods):  # (config.py refuses it too)
             raise ConfigError(["method.fused_backward: steps each weight before the processes' gradients are "
                                "averaged; set it to false to train with several processes"])
@@ -294,7 +301,8 @@ class GenericTrainer:
                 if params:  # (a fused backward's weights have no .grad left: the step skips them)
                     scaler.unscale_(self.optimizer)
                     if schedule.max_grad_norm:
-                        torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
+                        clip = sharded_clip_grad_norm_ if self.trains_sharded else torch.nn.utils.clip_grad_norm_
+                        clip(params, schedule.max_grad_norm)
                     scaler.step(self.optimizer)
                     scaler.update()
                 self.scheduler.step()
@@ -417,16 +425,27 @@ class GenericTrainer:
 
     def backup(self) -> Path | None:
         state = training_state(self)  # (several processes: every rank joins the gather of random states)
+        # sharded trained weights: every rank joins their gathers (sharding.py)
+        weights = joined_state(self.methods) if self.ranks.main or self.trains_sharded else None
         if not self.ranks.main:
             return None
-        folder = write_backup(self.workspace, self.step, joined_state(self.methods), state,
+        folder = write_backup(self.workspace, self.step, weights, state,
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
         return folder
 
+    @property
+    def saves_sharded(self) -> bool:
+        """Whether a save gathers sharded parts (every rank joins it; rank 0 writes)."""
+        return bool(self.sharded) and any(m.saves_model_weights for m in self.methods)
+
     def save(self, path: Path | None = None) -> Path | None:
-        if not self.ranks.main:
-            return None
+        if self.saves_sharded:
+            with whole_state_dicts(self):
+                return self._save(path) if self.ranks.main else None
+        return self._save(path) if self.ranks.main else None
+
+    def _save(self, path: Path | None) -> Path:
         output = self.config.output
         if path is None:
             target = self.output_path
@@ -447,9 +466,10 @@ class GenericTrainer:
         path = None
         # step 0: nothing trained (stopped while loading, or before step 1). A resumed run that
         # stops at once still saves: its adapter is the backup's trained one.
-        if self.step > 0 and self.ranks.main:
+        if self.step > 0 and (self.ranks.main or self.saves_sharded):
             path = self.save(self.output_path)
-            record_output(self.workspace, self.config.output_path, path)
+            if self.ranks.main:
+                record_output(self.workspace, self.config.output_path, path)
         elif self.step == 0:
             self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
                                       f"({self.output_path} is left as it was)")
