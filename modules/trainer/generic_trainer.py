@@ -48,9 +48,9 @@ from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
+from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 from modules.trainer.sharding import is_sharded, shard_parts_, whole_state_dicts
-from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import (
     check_resume_early,

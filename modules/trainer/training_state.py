@@ -13,13 +13,13 @@ from modules.config.errors import ConfigError
 from modules.methods.base import split_state
 from modules.optim.optimizers import build_optimizer
 from modules.saving.backup import newest_backup, read_backup
-from modules.trainer.sharding import full_optimizer_state, reshard_optimizer_state_
 from modules.trainer.resume import (
     apply_current_hyperparameters,
     check_resume_compatible,
     describe_changes,
     follow_current_schedule,
 )
+from modules.trainer.sharding import full_optimizer_state, reshard_optimizer_state_
 
 if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
