@@ -28,6 +28,8 @@ FINE_TUNE = {"method": {"type": "fine_tune", "fused_backward": False}}
      r"optimizer\.type: the fine-tune trains the sharded unet .*adamw_8bit cannot step"),
     ({**SHARD_UNET, **FINE_TUNE, "ema": {"enabled": True}}, r"ema\.enabled: an EMA of the sharded unet"),
     ({**SHARD_UNET, **FINE_TUNE, "train_dtype": "float16"}, r"train_dtype: float16's loss scaler"),
+    ({**SHARD_UNET, "method": {"type": "fine_tune", "fused_backward": False, "stochastic_rounding": True},
+      "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}}}, r"method\.stochastic_rounding: stochastic rounding"),
     ({**SHARD_UNET, "method": {"type": "fine_tune", "fused_backward": True}},
      r"method\.fused_backward: .*set method\.fused_backward to false"),
     ({**SHARD_UNET, "compile": True}, r"compile: torch\.compile of sharded parts"),

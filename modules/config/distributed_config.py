@@ -101,6 +101,12 @@ def _check_sharded_fine_tune(config: TrainConfig, part: str) -> None:
         raise located_error(f"an EMA of the sharded {part}'s weights (distributed.shard_parts) is not supported: "
                             f"turn ema.enabled off, or leave {part} out of distributed.shard_parts",
                             "ema", "enabled")
+    if getattr(config.method, "stochastic_rounding", False) and config.model.parts[part].weight_dtype == "bfloat16":
+        # it steps each weight through a float32 copy put in place of the parameter's data, which a
+        # DTensor parameter does not take
+        raise located_error(f"stochastic rounding of the sharded {part}'s bfloat16 weights "
+                            f"(distributed.shard_parts) is not supported: turn it off (AdamW then steps the "
+                            f"bfloat16 weights directly) or keep {part} in float32", "method", "stochastic_rounding")
     if config.train_dtype == "float16":
         raise located_error(f"float16's loss scaler cannot check the sharded {part}'s gradients "
                             f"(distributed.shard_parts): use bfloat16 or float32", "train_dtype")

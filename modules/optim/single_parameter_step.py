@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from modules.optim.stochastic_rounding import copy_stochastically_
-from modules.trainer.sharding import local_part
 
 
 class SingleParameterStepper:
@@ -57,12 +56,11 @@ class SingleParameterStepper:
             self.active = True
             self.optimizer.step()
             if rounding and self.moves is not None:
-                # (a sharded weight: this rank's slice; the first-step guard asks the other ranks)
-                self.moves[id(parameter)] = not torch.equal(local_part(parameter.data), local_part(stored).float())
+                self.moves[id(parameter)] = not torch.equal(parameter.data, stored.float())
         finally:
             self.active = False
             for group, params in zip(groups, kept):
                 group["params"] = params
             if rounding:
-                copy_stochastically_(local_part(stored), local_part(parameter.data))
+                copy_stochastically_(stored, parameter.data)
                 parameter.data, parameter.grad = stored, gradient
