@@ -18,6 +18,8 @@ How the processes stay one run:
 - Decisions: rank 0 alone samples, validates, logs and saves; which actions run at a step (a
   timed action, a GUI request) and whether to stop are agreed in one small collective per step,
   so a backup (which gathers every rank's random states) is written by all ranks together.
+- Parts too big for one GPU can be split across the ranks instead of held whole by each
+  (`distributed.shard_parts`, FSDP2: sharding.py); their weights' gradients are FSDP's to reduce.
 A single process has world 1 and does none of this: no collective, no extra work per step.
 """
 

@@ -9,7 +9,9 @@ rank holds its shards plus about one block's full weights at a time.
 It runs after the training methods are set up: an adapter hooks its base module's forward and is
 not a child of it (modules/adapters/base.py), so the adapters stay ordinary, replicated tensors,
 their gradients go through the trainer's all-reduce (distributed.py), and their files are written
-as a single process writes them. The frozen base weights are what is split.
+as a single process writes them. The frozen base weights are what is split. In a fine-tune the
+trained weights are split too; the methods look their (new, DTensor) parameters up again
+(`parameters_replaced`), and the second half of this file sums, clips, gathers and re-splits them.
 
 Because every forward of a sharded part is a collective, every rank runs each one: sampling and
 validation run on all ranks with the same prompts and seeds, and only rank 0 writes.
