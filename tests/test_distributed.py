@@ -60,6 +60,27 @@ OFFLOADED_AND_QUANTIZED = {
 }
 
 
+# Runs S and SB: the unet's weights split across the two processes (FSDP2, modules/trainer/sharding.py)
+SHARDED = {"distributed": {"gpus": 2, "shard_parts": ["unet"]}}
+# Adam's eps near the gradients' size makes the step follow their scale, and the clip norm lies
+# between the global gradient's norm (~2: clipped) and half of it (what averaging instead of summing
+# the ranks' gradients would give: not clipped) and above one rank's share of it (what a norm
+# missing the other rank's slice would give)
+SHARDED_FINE_TUNE = {
+    "method": {"type": "fine_tune", "fused_backward": False, "stochastic_rounding": False},
+    "optimizer": {"lr": 1e-3, "eps": 1e-3}, "schedule": {"max_grad_norm": 1.5},
+}
+
+
+def _sampled_and_validated(tmp_path: Path) -> dict:
+    return {
+        "concepts": [{"path": str(tmp_path / "square")}, {"path": str(tmp_path / "wide")},
+                     {"path": str(tmp_path / "square"), "validation": True}],
+        "sampling": {"prompts": [{"prompt": "a red square", "steps": 2, "width": 64, "height": 64}]},
+        "schedule": {"sample_every": "1 epochs", "validate_every": "1 epochs"},
+    }
+
+
 def _dumped(config) -> dict:
     return json.loads(config.model_dump_json())
 
@@ -92,6 +113,7 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
     from modules.trainer.callbacks import TrainCallbacks
     from modules.trainer.commands import TrainCommands
     from modules.trainer.generic_trainer import GenericTrainer
+    from modules.trainer.sharding import shard_bytes
 
     misses, placements = [], []
     try:
@@ -106,7 +128,8 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
                 unet = trainer.conductors.get("unet")
                 placements.append({"parked": len(unet.parked) if unet else 0, "moves": unet.moves if unet else 0,
                                    "quantized": sum(isinstance(m, QuantizedLinear)
-                                                    for m in trainer.family.parts["unet"].modules())})
+                                                    for m in trainer.family.parts["unet"].modules()),
+                                   "unet_bytes": shard_bytes(trainer.family.parts["unet"])})
                 trainer.end()
             finally:
                 trainer.release()
@@ -143,15 +166,30 @@ def two_process_runs(tmp_path_factory, tiny_model):
     b = _dumped(_config(tiny_model, tmp, "b", 1))
     b_resumed = {**b, "backup": {**b["backup"], "resume": True}}
     c = _dumped(_config(tiny_model, tmp, "c", 1, "cache", OFFLOADED_AND_QUANTIZED))
-    _fork_two([([a, a_rank1], None), ([b, b], 4), ([b_resumed, b_resumed], None), ([c, c], None)], tmp / "report")
+    # S: run A with the unet sharded (and a validation concept and a sample, which every rank runs);
+    # rank 1's workspace is its own again. SB: the same stopped at step 4, then resumed.
+    s = _dumped(_config(tiny_model, tmp, "s", 1, "cache", SHARDED, _sampled_and_validated(tmp)))
+    s_rank1 = {**s, "workspace_dir": str(tmp / "s-rank1-ws"), "output": {**s["output"], "path": str(tmp / "s1.safetensors")}}
+    sb = _dumped(_config(tiny_model, tmp, "sb", 1, "cache", SHARDED))
+    sb_resumed = {**sb, "backup": {**sb["backup"], "resume": True}}
+    # F: a fine-tune of the sharded unet (its weights, gradients and optimizer state split); FB:
+    # the same stopped at step 4 (the backup gathers them whole) and resumed (and split again)
+    f = _dumped(_config(tiny_model, tmp, "f", 1, "cache", SHARDED, SHARDED_FINE_TUNE))
+    fb = _dumped(_config(tiny_model, tmp, "fb", 1, "cache", SHARDED, SHARDED_FINE_TUNE))
+    fb_resumed = {**fb, "backup": {**fb["backup"], "resume": True}}
+    _fork_two([([a, a_rank1], None), ([b, b], 4), ([b_resumed, b_resumed], None), ([c, c], None),
+               ([s, s_rank1], None), ([sb, sb], 4), ([sb_resumed, sb_resumed], None),
+               ([f, f], None), ([fb, fb], 4), ([fb_resumed, fb_resumed], None)], tmp / "report")
     enable_fake_device()
     c_reference = load_file(str(run_training(
         _config(tiny_model, tmp, "c-single", 2, "single-cache", OFFLOADED_AND_QUANTIZED), None)))
-    return tmp, a, b, c, reference, c_reference
+    f_reference = load_file(str(run_training(
+        _config(tiny_model, tmp, "f-single", 2, "single-cache", SHARDED_FINE_TUNE), None)))
+    return tmp, a, b, c, reference, c_reference, s, sb, f, fb, f_reference
 
 
 def test_two_processes_equal_one_with_twice_the_batch(two_process_runs):
-    _, a, _, _, reference, _ = two_process_runs
+    _, a, _, _, reference, _ = two_process_runs[:6]
     parallel = load_file(a["output"]["path"])
     assert reference.keys() == parallel.keys()
     for key in reference:
@@ -160,18 +198,18 @@ def test_two_processes_equal_one_with_twice_the_batch(two_process_runs):
 
 
 def test_only_rank_0_writes_and_the_cache_is_built_once(two_process_runs):
-    tmp, a, _, _, _, _ = two_process_runs
+    tmp, a, _, _, _, _ = two_process_runs[:6]
     assert Path(a["output"]["path"]).is_file()
     assert not (tmp / "rank1-ws").exists() and not (tmp / "rank1-out.safetensors").exists()
     ranks = [json.loads((tmp / "report" / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["misses"][0] > 0  # rank 0 encoded the images and captions of run A
-    assert ranks[1]["misses"] == [0, 0, 0, 0]  # rank 1 only ever read what rank 0 had cached
+    assert ranks[1]["misses"] == [0] * 10  # rank 1 only ever read what rank 0 had cached
 
 
 def test_offloaded_quantized_two_process_run_equals_one_with_twice_the_batch(two_process_runs):
-    tmp, _, _, c, _, reference = two_process_runs
+    tmp, _, _, c, _, reference = two_process_runs[:6]
     for rank in (0, 1):  # each rank parked blocks, moved them in and out, and trained on int8 layers
-        placed = json.loads((tmp / "report" / f"rank{rank}.json").read_text())["placements"][-1]
+        placed = json.loads((tmp / "report" / f"rank{rank}.json").read_text())["placements"][3]
         assert placed["parked"] > 0 and placed["moves"] > placed["parked"] and placed["quantized"] > 0, placed
     parallel = load_file(c["output"]["path"])
     assert reference.keys() == parallel.keys()
@@ -180,7 +218,7 @@ def test_offloaded_quantized_two_process_run_equals_one_with_twice_the_batch(two
 
 
 def test_a_resumed_two_process_run_equals_an_uninterrupted_one(two_process_runs):
-    _, a, b, _, _, _ = two_process_runs
+    _, a, b, _, _, _ = two_process_runs[:6]
     backups = sorted((Path(b["workspace_dir"]) / "backup").iterdir())
     assert any("step0000004" in folder.name for folder in backups)
     state = torch.load(next(f for f in backups if "step0000004" in f.name) / "state.pt", weights_only=True)
@@ -229,3 +267,50 @@ def test_gradient_buckets_keep_one_dtype_and_a_size_limit(monkeypatch):
     monkeypatch.setattr(distributed, "BUCKET_BYTES", 40)
     tensors = [torch.zeros(4), torch.zeros(4), torch.zeros(4), torch.zeros(2, dtype=torch.float16), torch.zeros(20)]
     assert [[t.numel() for t in bucket] for bucket in distributed._buckets(tensors)] == [[4, 4], [4], [2], [20]]
+
+
+def test_a_sharded_two_process_lora_equals_one_process_with_twice_the_batch(two_process_runs):
+    tmp, _, _, _, reference, _, s, *_ = two_process_runs
+    parallel = load_file(s["output"]["path"])
+    assert reference.keys() == parallel.keys()
+    for key in reference:
+        torch.testing.assert_close(parallel[key], reference[key], rtol=1e-4, atol=2e-6, msg=key)
+    for rank in (0, 1):  # each rank held about half of the unet's weights (dim 0 split, rows padded)
+        local, full = json.loads((tmp / "report" / f"rank{rank}.json").read_text())["placements"][4]["unet_bytes"]
+        assert 0.45 * full < local < 0.55 * full, (rank, local, full)
+
+
+def test_a_sharded_run_samples_and_validates_on_every_rank_and_rank_0_writes(two_process_runs):
+    tmp, *_, s, _, _, _, _ = two_process_runs
+    samples = sorted(p.name for p in (Path(s["workspace_dir"]) / "samples").iterdir())
+    assert samples == ["step0000003-0.png", "step0000006-0.png"]
+    assert not (tmp / "s-rank1-ws").exists() and not (tmp / "s1.safetensors").exists()
+
+
+def test_a_resumed_sharded_run_equals_an_uninterrupted_one(two_process_runs):
+    _, a, *_, sb, _, _, _ = two_process_runs
+    assert any("step0000004" in folder.name for folder in (Path(sb["workspace_dir"]) / "backup").iterdir())
+    uninterrupted, resumed = load_file(a["output"]["path"]), load_file(sb["output"]["path"])
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-4, atol=2e-6, msg=key)
+
+
+def test_a_sharded_two_process_fine_tune_equals_one_process_with_twice_the_batch(two_process_runs):
+    *_, f, _, reference = two_process_runs
+    parallel = load_file(f["output"]["path"])  # the whole model, written by rank 0 from gathered weights
+    assert reference.keys() == parallel.keys()
+    for key in reference:  # without FSDP's divide factor 1 each rank's half would count half
+        torch.testing.assert_close(parallel[key], reference[key], rtol=1e-4, atol=1e-6, msg=key)
+
+
+def test_a_resumed_sharded_fine_tune_equals_an_uninterrupted_one(two_process_runs):
+    *_, f, fb, _ = two_process_runs
+    [folder] = [d for d in (Path(fb["workspace_dir"]) / "backup").iterdir() if "step0000004" in d.name]
+    weights = load_file(folder / "adapter.safetensors")
+    state = torch.load(folder / "state.pt", weights_only=True)
+    # a single process's backup: whole weights and whole optimizer state
+    conv = weights["fine_tune.unet.conv_in.weight"]
+    assert conv.shape[0] == 32 and state["optimizer"]["state"][0]["exp_avg"].shape == conv.shape
+    uninterrupted, resumed = load_file(f["output"]["path"]), load_file(fb["output"]["path"])
+    for key in uninterrupted:
+        torch.testing.assert_close(resumed[key], uninterrupted[key], rtol=1e-5, atol=1e-7, msg=key)

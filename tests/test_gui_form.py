@@ -98,6 +98,7 @@ NEEDS = {
     "embeddings[0].train": {"embeddings[0].path": "/embeddings/my-style.safetensors"},  # frozen: from a file
     "data.crop_jitter": {"data.cache_latents": False},
     "data.color_jitter": {"data.cache_latents": False},
+    "distributed.shard_parts": {"distributed.gpus": 2},  # sharding splits over 2 or more GPUs
 }
 for _part in ("unet", "text_encoder", "vae"):
     NEEDS[f"model.parts.{_part}.nf4_double_quant"] = {f"model.parts.{_part}.weight_dtype": "nf4"}
@@ -107,7 +108,8 @@ for _part in ("unet", "text_encoder", "vae"):
 
 # values the schema alone cannot pick (free strings with rules, choices from the registry)
 VALUES = {"model.family": "sdxl", "adapter.layer_preset": "attn", "train_device": "cpu", "temp_device": "meta",
-          "adapter.factor": 4, "concepts[0].captions.separator": ";", "data.resolution": [256, 512]}
+          "adapter.factor": 4, "concepts[0].captions.separator": ";", "data.resolution": [256, 512],
+          "distributed.shard_parts": ["unet"]}
 
 
 def new_value(path: str, node: dict, current):

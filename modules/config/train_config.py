@@ -22,6 +22,7 @@ from modules.config.adapter_configs import (  # noqa: F401  (re-exported: the co
     default_adapter_type,
     valid_regexes,
 )
+from modules.config.distributed_config import DistributedConfig, check_distributed  # noqa: F401  (re-exported)
 from modules.config.embedding_config import EmbeddingConfig, check_embeddings
 from modules.config.errors import located_error
 from modules.config.method_configs import (  # noqa: F401  (re-exported: the config's names live here)
@@ -376,13 +377,6 @@ class BackupConfig(StrictModel):
                          "setting, never saved into presets).")
 
 
-class DistributedConfig(StrictModel):
-    gpus: int = Field(1, ge=1, le=64, description="Processes on this machine, one per GPU (data parallel "
-                      "through torchrun; the CPU with gloo where there is no GPU): each trains its share of "
-                      "every step's batches, schedule.batch_size each, and the gradients are averaged. "
-                      "1: one process.")
-
-
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -442,13 +436,8 @@ class TrainConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _fused_step_alone(self) -> "TrainConfig":
-        # a fused backward steps each weight inside the backward pass, before any all-reduce could
-        # average its gradient with the other processes'
-        if self.distributed.gpus > 1 and getattr(self.method, "fused_backward", False):
-            raise located_error("a fused backward steps each weight before the processes' gradients are "
-                                "averaged: set method.fused_backward to false to train on several GPUs",
-                                "method", "fused_backward")
+    def _distributed_fits(self) -> "TrainConfig":
+        check_distributed(self)  # distributed_config.py: what several processes and FSDP sharding support
         return self
 
     @model_validator(mode="after")

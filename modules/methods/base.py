@@ -28,6 +28,8 @@ class TrainingMethod(ABC):
     # its keys in a backup's weights file start with this; "" for the adapter, whose keys were
     # unprefixed before methods existed (backups of those runs still resume)
     state_prefix: ClassVar[str] = ""
+    # whether its saved files hold the model's own weights (then a sharded part is gathered to save)
+    saves_model_weights: ClassVar[bool] = False
 
     def __init__(self, trainer: GenericTrainer):
         self.trainer = trainer
@@ -79,6 +81,11 @@ class TrainingMethod(ABC):
         """The captions as this method's tokens need them before tokenizing (a multi-vector embedding's
         placeholder written out as its tokens); unchanged by default."""
         return captions
+
+    def parameters_replaced(self) -> None:
+        """Called after model parts were sharded (modules/trainer/sharding.py), which puts new
+        (DTensor) parameters in the modules: a method holding the model's own parameters looks them
+        up again."""
 
     def steps_in_backward(self) -> bool:
         """True where the optimizer steps each parameter inside the backward pass (a fused backward):

@@ -22,6 +22,7 @@ from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochas
 from modules.optim.single_parameter_step import SingleParameterStepper
 from modules.saving.model_files import uncopyable_parts, write_pipeline_folder, write_single_file
 from modules.saving.output_folder import folder_for, resolve_output_folder
+from modules.trainer.sharding import copy_into_shard_, full_value
 
 
 def single_file_output(config: TrainConfig) -> bool:
@@ -35,6 +36,7 @@ def single_file_output(config: TrainConfig) -> bool:
 class FineTuneMethod(TrainingMethod):
     name = "fine_tune"
     state_prefix = "fine_tune."
+    saves_model_weights = True
 
     fused: FusedBackward | None = None
 
@@ -75,6 +77,11 @@ class FineTuneMethod(TrainingMethod):
         if self.config.method.fused_backward:
             self.fused = FusedBackward(self.named, self.config.schedule.max_grad_norm)
 
+    def parameters_replaced(self) -> None:
+        current = {f"{part}.{name}": p for part in self.trained_parts()
+                   for name, p in self.family.parts[part].named_parameters()}
+        self.named = [(name, current[name]) for name, _ in self.named]
+
     def optimizer_ready(self, optimizer: torch.optim.Optimizer) -> None:
         stepper = self.stepper = SingleParameterStepper(optimizer, self.config.method.stochastic_rounding)
         keep_float32_state(stepper)
@@ -108,7 +115,8 @@ class FineTuneMethod(TrainingMethod):
         return list(self.named)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {name: parameter.detach() for name, parameter in self.named}
+        # a sharded weight whole (every rank gathers it together): backups are a single process's
+        return {name: full_value(parameter.detach()) for name, parameter in self.named}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor], source: str) -> None:
@@ -122,7 +130,7 @@ class FineTuneMethod(TrainingMethod):
             if state[name].shape != parameter.shape:
                 raise ConfigError([f"backup.resume: {source}: {name} has shape {tuple(state[name].shape)}, "
                                    f"the model {tuple(parameter.shape)}"])
-            parameter.copy_(state[name])
+            copy_into_shard_(parameter, state[name])  # (a sharded weight keeps this rank's slice)
 
     def save(self, path: Path, dtype: torch.dtype, metadata: dict[str, str]) -> list[Path]:
         metadata = {**metadata, "difftrainer.steps": str(self.trainer.step),

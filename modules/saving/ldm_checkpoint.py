@@ -105,9 +105,20 @@ def open_clip_to_ldm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _architecture(module: nn.Module) -> str:
+    """The module's model class name; under a sharded run's FSDP<name> subclass (fully_shard makes
+    one, modules/trainer/sharding.py) the class it was made from."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        cls = next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls.__name__
+
+
 def part_to_ldm(module: nn.Module, state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     """One part's diffusers/transformers state dict under its original names (with `prefix`)."""
-    kind = type(module).__name__
+    kind = _architecture(module)
     if kind == "UNet2DConditionModel":
         converted = unet_to_ldm(module, state)
     elif kind == "AutoencoderKL":

@@ -18,6 +18,8 @@ How the processes stay one run:
 - Decisions: rank 0 alone samples, validates, logs and saves; which actions run at a step (a
   timed action, a GUI request) and whether to stop are agreed in one small collective per step,
   so a backup (which gathers every rank's random states) is written by all ranks together.
+- Parts too big for one GPU can be split across the ranks instead of held whole by each
+  (`distributed.shard_parts`, FSDP2: sharding.py); their weights' gradients are FSDP's to reduce.
 A single process has world 1 and does none of this: no collective, no extra work per step.
 """
 
@@ -31,6 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from modules.trainer.sharding import is_sharded
 from modules.util.torch_utils import resolve_device
 
 
@@ -66,7 +69,9 @@ class Ranks:
         """Sum the ranks' share-weighted gradients and losses; the global loss back. The tensors go
         in flat buckets of one dtype and device (one collective per bucket, not per tensor; at most
         BUCKET_BYTES extra memory). A parameter without a gradient on this rank gets zeros, so every
-        rank reduces the same tensors in the same order."""
+        rank reduces the same tensors in the same order. Sharded weights are left out: FSDP has
+        reduce-scattered theirs (sharding.py)."""
+        params = [param for param in params if not is_sharded(param)]
         for param in params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -97,6 +102,14 @@ class Ranks:
         gathered = [None] * self.world
         dist.all_gather_object(gathered, value)
         return gathered
+
+    def broadcast(self, value):
+        """Rank 0's `value` (a picklable object), on every rank."""
+        if not self.active:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     @property
     def flag_device(self) -> torch.device:

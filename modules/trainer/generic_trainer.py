@@ -25,12 +25,10 @@ from modules.data.prefetch import BatchPrefetcher
 from modules.data.shares import batch_share
 from modules.methods.base import TrainingMethod, build_methods, joined_state
 from modules.model.registry import get_family_class
-from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler
-from modules.quantization.compile_gate import compile_blocker
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
@@ -47,11 +45,12 @@ from modules.trainer.guards import (
     snapshot,
 )
 from modules.trainer.loss import snr_weighting_requested, training_loss
-from modules.trainer.offload_fraction import offload_fraction
+from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
-from modules.trainer.regional_compile import compile_regions_
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
+from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
+from modules.trainer.sharding import is_sharded, shard_parts_, whole_state_dicts
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import (
     check_resume_early,
@@ -89,6 +88,8 @@ class GenericTrainer:
         self.methods: list[TrainingMethod] = []  # config.method first, then its companions
         self.ema: EMA | None = None
         self.conductors: dict[str, LayerOffloadConductor] = {}
+        self.sharded: list[str] = []  # parts split across the processes (sharding.py)
+        self.trains_sharded = False  # whether some of them are trained (a fine-tune)
         self.dataset: TrainDataset | None = None
         self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
 
@@ -152,50 +153,10 @@ class GenericTrainer:
         return resolve_weight_modes(self)
 
     def setup_optimizations(self) -> None:
-        """Per part: weight modes are applied at load (quantized layers replace Linear there);
-        gradient checkpointing (with activation offloading); torch.compile of the repeated blocks
-        where it can work."""
-        parts = self.config.model.parts
-        temp_device = torch.device(self.config.temp_device)
-        for name, part in parts.items():
-            if part.gradient_checkpointing:
-                blocks = self.family.checkpoint_blocks(name)
-                if not blocks:
-                    raise ConfigError([f"model.parts.{name}.gradient_checkpointing: the {self.family.name} family "
-                                       f"lists no blocks to checkpoint in {name}"])
-                checkpoint_blocks_(blocks, temp_device if part.activation_offloading else None)
-        if not self.config.compile:
-            return
-        for part in dict.fromkeys([self.family.denoiser_part, *self.trained_parts]):
-            if parts[part].offload_fraction != 0:
-                blocker = "layer offloading moves weights between blocks, which the compiled graph cannot see"
-            else:
-                blocker = compile_blocker(self.family.weight_mode(part), str(self.device),
-                                          self.family.compute_dtype(part))
-            if blocker:
-                self.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
-                continue
-            compiled = compile_regions_(self.family.parts[part], self.family.checkpoint_blocks(part))
-            self.callbacks.on_status(f"compile: model.parts.{part}: {len(compiled)} block(s) compile on first use")
+        setup_optimizations(self)  # part_setup.py: checkpointing and compile, per part
 
     def setup_train_device(self) -> None:
-        """Move each part to the train device; a part with offload_fraction > 0 gets a
-        LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
-        self.conductors: dict[str, LayerOffloadConductor] = {}
-        for name, module in self.family.parts.items():
-            fraction = offload_fraction(self, name)
-            if fraction > 0:
-                conductor = LayerOffloadConductor(self.family.checkpoint_blocks(name), fraction, self.device,
-                                                  torch.device(self.config.temp_device), name)
-                conductor.start()
-                owned = conductor.owned_modules()
-                for child in module.modules():
-                    if id(child) not in owned:
-                        child._apply(lambda t: t.to(self.device), recurse=False)
-                self.conductors[name] = conductor
-                self.callbacks.on_status(conductor.describe())
-            else:
-                module.to(self.device)
+        self.conductors = setup_train_device(self)  # part_setup.py: each part onto the train device
 
     @contextlib.contextmanager
     def evaluation_weights(self):
@@ -239,6 +200,12 @@ class GenericTrainer:
         config = self.config
         for method in self.methods:
             method.setup()
+        self.sharded = shard_parts_(self)  # after the adapters hook their base modules (sharding.py)
+        if self.sharded:
+            for method in self.methods:
+                method.parameters_replaced()
+        # a fine-tune of a sharded part: its weights, gradients and optimizer state are DTensors
+        self.trains_sharded = any(is_sharded(p) for p in self.trained_parameters())
         if self.ranks.active and any(m.steps_in_backward() for m in self.methods):  # (config.py refuses it too)
             raise ConfigError(["method.fused_backward: steps each weight before the processes' gradients are "
                                "averaged; set it to false to train with several processes"])
@@ -271,7 +238,8 @@ class GenericTrainer:
         with self.ranks.main_first():  # rank 0 fills the caches, then the other ranks read them
             self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                            self.callbacks.on_warning, cache_text)
-            if self.ranks.main and any(c.enabled and c.validation for c in self.config.concepts):
+            # a sharded part's forward needs every rank: then each validates (the same batches)
+            if (self.ranks.main or self.sharded) and any(c.enabled and c.validation for c in self.config.concepts):
                 self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
                                                       self.callbacks.on_warning, cache_text, validation=True)
         self.dataset.split_among(self.ranks.rank, self.ranks.world)
@@ -333,7 +301,8 @@ class GenericTrainer:
                 if params:  # (a fused backward's weights have no .grad left: the step skips them)
                     scaler.unscale_(self.optimizer)
                     if schedule.max_grad_norm:
-                        torch.nn.utils.clip_grad_norm_(params, schedule.max_grad_norm)
+                        clip = sharded_clip_grad_norm_ if self.trains_sharded else torch.nn.utils.clip_grad_norm_
+                        clip(params, schedule.max_grad_norm)
                     scaler.step(self.optimizer)
                     scaler.update()
                 self.scheduler.step()
@@ -414,7 +383,8 @@ class GenericTrainer:
             if due:  # (ranks other than 0 only join a backup's gather of random states)
                 run()
                 action.done()
-        for number, prompt in enumerate(self.commands.take_prompts()):  # "sample now with this prompt"
+        prompts = self.commands.take_prompts()  # rank 0's; a sharded part samples on every rank, with them
+        for number, prompt in enumerate(self.ranks.broadcast(prompts) if self.sharded else prompts):
             self.sample([SamplePromptConfig.model_validate(prompt)], names=[f"now{number}"])
 
     # --- actions -----------------------------------------------------------------------------
@@ -424,42 +394,58 @@ class GenericTrainer:
         if prompts is None:
             chosen = [(str(i), p) for i, p in enumerate(self.config.sampling.prompts) if p.enabled]
             names, prompts = [n for n, _ in chosen], [p for _, p in chosen]
-        if not self.ranks.main:
+        if not self.ranks.main and not self.sharded:  # (sharded: every rank joins the forward passes)
             return []
         if not prompts:
-            self.callbacks.on_warning("sampling.prompts: no enabled prompt to sample")
+            if self.ranks.main:
+                self.callbacks.on_warning("sampling.prompts: no enabled prompt to sample")
             return []
         self.callbacks.on_status("sampling")
         with self.offload_paused(), self.evaluation_weights():
-            paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names)
+            paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names,
+                                   write=self.ranks.main)
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths
 
     def validate(self) -> float | None:
         """The validation loss (validation.py), logged and reported as a `validation` event."""
-        if not self.ranks.main:
+        if not self.ranks.main and not self.sharded:  # (sharded: every rank joins the forward passes)
             return None
         if self.validation_set is None:
-            self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
+            if self.ranks.main:
+                self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
             return None
         loss = validation_loss(self)
+        if not self.ranks.main:
+            return None
         self.scalars.add(self.step, validation_loss=loss)
         self.callbacks.on_validation(self.step, loss)
         return loss
 
     def backup(self) -> Path | None:
         state = training_state(self)  # (several processes: every rank joins the gather of random states)
+        # sharded trained weights: every rank joins their gathers (sharding.py)
+        weights = joined_state(self.methods) if self.ranks.main or self.trains_sharded else None
         if not self.ranks.main:
             return None
-        folder = write_backup(self.workspace, self.step, joined_state(self.methods), state,
+        folder = write_backup(self.workspace, self.step, weights, state,
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
         return folder
 
+    @property
+    def saves_sharded(self) -> bool:
+        """Whether a save gathers sharded parts (every rank joins it; rank 0 writes)."""
+        return bool(self.sharded) and any(m.saves_model_weights for m in self.methods)
+
     def save(self, path: Path | None = None) -> Path | None:
-        if not self.ranks.main:
-            return None
+        if self.saves_sharded:
+            with whole_state_dicts(self):
+                return self._save(path) if self.ranks.main else None
+        return self._save(path) if self.ranks.main else None
+
+    def _save(self, path: Path | None) -> Path:
         output = self.config.output
         if path is None:
             target = self.output_path
@@ -480,9 +466,10 @@ class GenericTrainer:
         path = None
         # step 0: nothing trained (stopped while loading, or before step 1). A resumed run that
         # stops at once still saves: its adapter is the backup's trained one.
-        if self.step > 0 and self.ranks.main:
+        if self.step > 0 and (self.ranks.main or self.saves_sharded):
             path = self.save(self.output_path)
-            record_output(self.workspace, self.config.output_path, path)
+            if self.ranks.main:
+                record_output(self.workspace, self.config.output_path, path)
         elif self.step == 0:
             self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
                                       f"({self.output_path} is left as it was)")

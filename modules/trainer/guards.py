@@ -15,6 +15,9 @@ from modules.errors import UserError
 import math
 
 import torch
+import torch.distributed as dist
+
+from modules.trainer.sharding import any_rank, is_sharded, local_part
 
 
 class TrainingError(UserError, RuntimeError):
@@ -23,7 +26,8 @@ class TrainingError(UserError, RuntimeError):
 
 def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str, torch.Tensor]:
     # in RAM: for a full fine-tune this is a copy of the whole trained model
-    return {name: p.detach().to("cpu", copy=True) for name, p in named_parameters}
+    # (a sharded weight: this rank's slice; check_first_step asks the other ranks about theirs)
+    return {name: local_part(p.detach()).to("cpu", copy=True) for name, p in named_parameters}
 
 
 def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
@@ -35,17 +39,27 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
     the others are compared with `before`."""
     no_grad, not_updated, modules_moved = [], [], {}
     seen, moves = gradients_seen or {}, moves or {}
+    flags = {}  # name -> (moved, gradient non-zero), on this rank's slice of a sharded weight
     for name, parameter in named_parameters:
-        module = name.rsplit(".", 2)[0]
-        moved = moves[name] if name in moves else not torch.equal(parameter.detach().cpu(), before[name])
-        modules_moved[module] = modules_moved.get(module, False) or moved
+        moved = moves[name] if name in moves else not torch.equal(local_part(parameter.detach()).cpu(), before[name])
         if name in seen:
-            nonzero = seen[name]
-        elif parameter.grad is None:
+            flags[name] = (moved, seen[name])
+        elif parameter.grad is not None:
+            flags[name] = (moved, bool(local_part(parameter.grad.detach()).abs().sum() > 0))
+        else:
+            flags[name] = (moved, None)
+    sharded = [name for name, parameter in named_parameters if is_sharded(parameter) and flags[name][1] is not None]
+    if sharded:  # a slice may be empty or unchanged on one rank: the weight as a whole, over the ranks
+        device = dict(named_parameters)[sharded[0]].device if dist.get_backend() == "nccl" else torch.device("cpu")
+        merged = any_rank([flag for name in sharded for flag in flags[name]], device)
+        flags.update({name: (merged[2 * i], merged[2 * i + 1]) for i, name in enumerate(sharded)})
+    for name, _ in named_parameters:
+        module = name.rsplit(".", 2)[0]
+        moved, nonzero = flags[name]
+        modules_moved[module] = modules_moved.get(module, False) or moved
+        if nonzero is None:
             no_grad.append(name)
             continue
-        else:
-            nonzero = bool(parameter.grad.detach().abs().sum() > 0)
         if not moved and nonzero:
             not_updated.append(name)
     frozen_modules = sorted(m for m, moved in modules_moved.items() if not moved)

@@ -19,6 +19,7 @@ from modules.trainer.resume import (
     describe_changes,
     follow_current_schedule,
 )
+from modules.trainer.sharding import full_optimizer_state, reshard_optimizer_state_
 
 if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
@@ -38,7 +39,7 @@ def training_state(trainer: GenericTrainer) -> dict:
     ranks = trainer.ranks.gather(_random_states(trainer)) if trainer.ranks.active else None
     return {
         "ranks": ranks,
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": full_optimizer_state(trainer.optimizer),  # (sharded weights' state gathered whole)
         "scheduler": trainer.scheduler.state_dict(),
         "scaler": trainer.scaler.state_dict(),
         "generator": trainer.generator.get_state(),
@@ -86,6 +87,7 @@ def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
     optimizer = trainer.optimizer
     current_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
+    reshard_optimizer_state_(optimizer)  # a sharded weight's state back to this rank's slice
     apply_current_hyperparameters(optimizer, current_groups, _backup_groups(trainer))
     trainer.scheduler.load_state_dict(state["scheduler"])
     follow_current_schedule(trainer.scheduler)

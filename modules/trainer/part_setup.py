@@ -1,0 +1,68 @@
+"""Each model part made ready for training, in the lifecycle's order (DESIGN.md, steps 3 and 4):
+gradient checkpointing and torch.compile of its blocks, then its place on the train device (with a
+LayerOffloadConductor where part of it is parked on the temp device)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from modules.config.errors import ConfigError
+from modules.offload.checkpointing import checkpoint_blocks_
+from modules.offload.conductor import LayerOffloadConductor
+from modules.quantization.compile_gate import compile_blocker
+from modules.trainer.offload_fraction import offload_fraction
+from modules.trainer.regional_compile import compile_regions_
+
+if TYPE_CHECKING:
+    from modules.trainer.generic_trainer import GenericTrainer
+
+
+def setup_optimizations(trainer: GenericTrainer) -> None:
+    """Per part: weight modes are applied at load (quantized layers replace Linear there);
+    gradient checkpointing (with activation offloading); torch.compile of the repeated blocks
+    where it can work."""
+    parts = trainer.config.model.parts
+    temp_device = torch.device(trainer.config.temp_device)
+    for name, part in parts.items():
+        if part.gradient_checkpointing:
+            blocks = trainer.family.checkpoint_blocks(name)
+            if not blocks:
+                raise ConfigError([f"model.parts.{name}.gradient_checkpointing: the {trainer.family.name} family "
+                                   f"lists no blocks to checkpoint in {name}"])
+            checkpoint_blocks_(blocks, temp_device if part.activation_offloading else None)
+    if not trainer.config.compile:
+        return
+    for part in dict.fromkeys([trainer.family.denoiser_part, *trainer.trained_parts]):
+        if parts[part].offload_fraction != 0:
+            blocker = "layer offloading moves weights between blocks, which the compiled graph cannot see"
+        else:
+            blocker = compile_blocker(trainer.family.weight_mode(part), str(trainer.device),
+                                      trainer.family.compute_dtype(part))
+        if blocker:
+            trainer.callbacks.on_warning(f"compile: off for model.parts.{part} ({blocker})")
+            continue
+        compiled = compile_regions_(trainer.family.parts[part], trainer.family.checkpoint_blocks(part))
+        trainer.callbacks.on_status(f"compile: model.parts.{part}: {len(compiled)} block(s) compile on first use")
+
+
+def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConductor]:
+    """Move each part to the train device; a part with offload_fraction > 0 gets a
+    LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
+    conductors: dict[str, LayerOffloadConductor] = {}
+    for name, module in trainer.family.parts.items():
+        fraction = offload_fraction(trainer, name)
+        if fraction > 0:
+            conductor = LayerOffloadConductor(trainer.family.checkpoint_blocks(name), fraction, trainer.device,
+                                              torch.device(trainer.config.temp_device), name)
+            conductor.start()
+            owned = conductor.owned_modules()
+            for child in module.modules():
+                if id(child) not in owned:
+                    child._apply(lambda t: t.to(trainer.device), recurse=False)
+            conductors[name] = conductor
+            trainer.callbacks.on_status(conductor.describe())
+        else:
+            module.to(trainer.device)
+    return conductors
