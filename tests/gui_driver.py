@@ -128,10 +128,14 @@ if sys.argv[1] == "fail":
     print("Traceback-free log line on stderr", file=sys.stderr, flush=True)
     emit(event="error", message="model.base: /nowhere is not a model folder")
     sys.exit(1)
-# argv[2]: a file to wait for (up to 60 s), so a test decides when the run ends, not the machine's load
-deadline = time.monotonic() + 60
-while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
-    time.sleep(0.05)
+# argv[2]: seconds to run, or a file to wait for (up to 60 s), so that a test, not the machine's
+# load, decides when the run ends
+try:
+    time.sleep(float(sys.argv[2]))
+except ValueError:
+    deadline = time.monotonic() + 60
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 emit(event="progress", step=1, total_steps=2, epoch=0, epochs=1, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=1.0)
 open(sys.argv[3], "w").write("done")
 emit(event="finished")
