@@ -87,9 +87,9 @@ def test_a_mode_this_machine_cannot_run_is_refused_naming_the_part(tmp_path, tin
 
 def test_compile_is_turned_off_with_the_reason_where_the_mode_does_not_trace(tmp_path, tiny_model, shape_images,
                                                                               monkeypatch):
-    import modules.trainer.generic_trainer as generic_trainer
+    import modules.trainer.part_setup as part_setup
 
-    monkeypatch.setattr(generic_trainer, "compile_blocker",
+    monkeypatch.setattr(part_setup, "compile_blocker",
                         lambda mode, device, dtype: f"{mode} weights: 1 graph break(s): opaque kernel" if mode == "nf4" else None)
     config = train_config(tiny_model, shape_images, tmp_path,
                           {"compile": True, "model": {"parts": {"unet": {"weight_dtype": "nf4"}}}})
