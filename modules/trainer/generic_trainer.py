@@ -61,7 +61,6 @@ from modules.trainer.training_state import (
 )
 from modules.trainer.validation import validation_loss
 from modules.trainer.weight_modes import resolve_weight_modes
-from modules.util.memory import return_free_heap_to_os
 from modules.util.torch_utils import autocast, dtype_of, make_generator
 
 
@@ -324,6 +323,12 @@ class GenericTrainer:
                     loss = self._forward(batches[self.batch_in_epoch], compute_dtype, self.batch_in_epoch)
                     scaler.scale(loss / group).backward()
                     loss_sum += loss.detach()
+                    # The loss holds the autograd graph: its nodes and their small metadata survive the
+                    # backward pass, scattered among the step's freed activations. Kept until the next
+                    # forward pass reassigns `loss`, they cut that free memory into pieces too small for
+                    # the next step's activations, and glibc's heap grew by ~700 MB (issue 19: the small
+                    # benchmark's peak RSS 1.05-1.10x the bare loop's, whose graph dies with its step).
+                    del loss
                     self.batch_in_epoch += 1
                 # several processes: gradients and loss averaged over them (distributed.py)
                 self.last_loss = (self.ranks.average_gradients(params, loss_sum) if self.ranks.active
@@ -351,8 +356,6 @@ class GenericTrainer:
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._report(started, steps_at_start)
                 self._on_boundary(epoch_finished)
-                if self.step == steps_at_start + 1:
-                    return_free_heap_to_os()  # once: the first step's freed activations (issue 19)
                 if self.stopping or epoch_finished:
                     break
         if self.stopping and self.step > self.steps_at_start:
