@@ -9,7 +9,8 @@ Goals, per size (README "Benchmark"):
   loop's means the step holds or frees memory differently (issue 19 showed as 0.66x);
 - the same matmul/convolution/attention calls per step, no more bytes saved for backward, no more
   tensors alive as the backward pass begins (but the batches assembled ahead), no autograd graph
-  left once the step has ended, and freed memory reused from step to step (benchmarks/step_work.py; counts, so a busy machine does not blur them);
+  left once the step has ended, and freed memory reused from step to step
+  (benchmarks/step_work.py; counts, so a busy machine does not blur them);
 - with --baseline REF (a git commit, e.g. f008a10, the foundation): the trainer's mean step
   <= 1.05x the trainer at REF, run by REF's own `benchmarks.run` in a temporary git worktree.
 

@@ -323,11 +323,8 @@ class GenericTrainer:
                     loss = self._forward(batches[self.batch_in_epoch], compute_dtype, self.batch_in_epoch)
                     scaler.scale(loss / group).backward()
                     loss_sum += loss.detach()
-                    # The loss holds the autograd graph: its nodes and their small metadata survive the
-                    # backward pass, scattered among the step's freed activations. Kept until the next
-                    # forward pass reassigns `loss`, they cut that free memory into pieces too small for
-                    # the next step's activations, and glibc's heap grew by ~700 MB (issue 19: the small
-                    # benchmark's peak RSS 1.05-1.10x the bare loop's, whose graph dies with its step).
+                    # the graph's nodes outlive the backward pass among the freed activations; kept until the
+                    # next forward reassigns `loss`, they cut that memory up for it (issue 19: heap +700 MB)
                     del loss
                     self.batch_in_epoch += 1
                 # several processes: gradients and loss averaged over them (distributed.py)
