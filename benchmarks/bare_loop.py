@@ -53,8 +53,11 @@ def add_lora(unet: torch.nn.Module) -> torch.nn.ModuleList:
         torch.nn.init.kaiming_uniform_(down.weight, a=math.sqrt(5))  # as nn.Linear / peft
         torch.nn.init.zeros_(up.weight)  # the adapter starts as a no-op
 
+        # scaled at rank width, as the trainer's LoRA does: scaling the full-width output instead
+        # adds one activation-sized temporary per layer, ~150 MB of peak RSS on the small model,
+        # a floor the trainer would beat by 5% (measured at 138d817: 2644 MB against 2522 MB)
         def hook(module, inputs, output, down=down, up=up):
-            return output + up(down(inputs[0])) * scale
+            return output + up(down(inputs[0]) * scale)
 
         layer.register_forward_hook(hook)
         modules.append(torch.nn.Sequential(down, up))

@@ -8,9 +8,11 @@ top) and a walk of the main arena's chunks ([heap] in /proc/self/maps): per regi
 bytes in use, the number of chunks in use, and the largest free chunk. Linux/glibc only (reads
 chunk headers in place; chunks in glibc's per-thread cache and fast bins count as in use).
 
-Written for issue 19: on `small` the trainer's heap grows to ~2.5 GB in step 2 where the bare loop's
-stays at ~1.8-2.1 GB, with the same bytes in use between steps (~250 MB); the table shows the
-free 2.2 GB cut into pieces of at most tens of MB by a few hundred small live chunks per region.
+Written for issue 19: on `small` the trainer's heap grew to ~2.5 GB in step 2 where the bare loop's
+stayed at ~1.8-2.1 GB, with the same bytes in use between steps (~250 MB); the table showed the
+free 2.2 GB cut into pieces of at most tens of MB by a few hundred small live chunks per region:
+the nodes of the step's autograd graph, which the trainer kept until the next forward pass
+(fixed at 138d817; benchmarks/README.md).
 """
 
 from __future__ import annotations

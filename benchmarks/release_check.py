@@ -8,8 +8,9 @@ Goals, per size (README "Benchmark"):
 - peak RSS of the trainer within 5% of the bare loop's, either way: a peak well below the bare
   loop's means the step holds or frees memory differently (issue 19 showed as 0.66x);
 - the same matmul/convolution/attention calls per step, no more bytes saved for backward, no more
-  tensors alive as the backward pass begins (but the batches assembled ahead), and freed memory
-  reused from step to step (benchmarks/step_work.py; counts, so a busy machine does not blur them);
+  tensors alive as the backward pass begins (but the batches assembled ahead), no autograd graph
+  left once the step has ended, and freed memory reused from step to step
+  (benchmarks/step_work.py; counts, so a busy machine does not blur them);
 - with --baseline REF (a git commit, e.g. f008a10, the foundation): the trainer's mean step
   <= 1.05x the trainer at REF, run by REF's own `benchmarks.run` in a temporary git worktree.
 
@@ -118,8 +119,9 @@ def report(size: str, runs: dict[str, list[dict]], counts: dict | None) -> tuple
         rows.append(f"{size:<6} step work: heavy ops trainer {sum(trainer['heavy_ops'].values())} / bare "
                     f"{sum(bare['heavy_ops'].values())}, saved for backward {trainer['saved_bytes'] / 2**20:.1f} / "
                     f"{bare['saved_bytes'] / 2**20:.1f} MiB, held as backward begins {trainer['held_bytes'] / 2**20:.2f} / "
-                    f"{bare['held_bytes'] / 2**20:.2f} MiB, refill faults {trainer['reuse_faults']} / "
-                    f"{bare['reuse_faults']}")
+                    f"{bare['held_bytes'] / 2**20:.2f} MiB, graph nodes after the step "
+                    f"{trainer['graph_nodes_after_step']} / {bare['graph_nodes_after_step']}, refill faults "
+                    f"{trainer['reuse_faults']} / {bare['reuse_faults']}")
         missed += [f"{size}: {problem}" for problem in differences(counts)]
     return rows, missed
 

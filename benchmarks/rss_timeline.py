@@ -4,8 +4,9 @@ status lines and progress events (load, caching, each step).
     python -m benchmarks.rss_timeline [--work DIR] [--size small] [--steps 3]
 
 Same model, images and settings as `benchmarks.run`'s trainer. Linux only (reads /proc). Written
-for issue 19's open question: on `small` the trainer's peak is ~10% over the bare loop's with
-equal step work, and it falls in step 2, not step 1 (see README's Benchmark section).
+for issue 19's question: on `small` the trainer's peak was ~10% over the bare loop's with equal
+step work, and fell in step 2, not step 1 (the step's autograd graph kept into the next step;
+fixed at 138d817, see benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ per implementation:
 - `minor_faults`: the process's minor page faults per step (getrusage), on the steps between
   the two warm-up steps and the counted one (for the record: glibc's own heuristics make the bare
   loop's count vary by 3x from run to run),
+- `graph_nodes_after_step`: autograd graph nodes still reachable from a tensor Python can reach
+  when the counted step has ended (its optimizer step and progress report done): 0 when the step's
+  graph dies with the step, as the bare loop's does. A kept graph frees its saved tensors in the
+  backward pass, but its nodes and their small metadata stay where the forward pass put them,
+  among the freed activations, and cut that memory up for the next step (issue 19: the trainer's
+  `loss` variable kept it until the next forward pass; glibc's heap grew by ~700 MB on `small`),
 - `reuse_faults`: after the steps, the minor page faults of filling and freeing blocks of
   activation size (2, 8 and 24 MiB) once more, after two rounds that let the allocator settle.
   Memory a step frees should serve the next step: 0 faults. When freed blocks go back to the OS
@@ -83,6 +89,17 @@ def live_storages() -> dict[int, int]:
     return storages
 
 
+def graph_nodes_alive() -> int:
+    """Autograd graph nodes reachable from the tensors the garbage collector can reach."""
+    nodes, stack = {}, [t.grad_fn for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is not None and id(node) not in nodes:
+            nodes[id(node)] = node  # kept, so ids stay unique while counting
+            stack.extend(following for following, _ in node.next_functions)
+    return len(nodes)
+
+
 class StepWork:
     """Brackets steps: `begin(step)` before a step starts, `end(step)` after it ends. Counts page
     faults per measured step, and ops and saved bytes on the last one."""
@@ -95,6 +112,7 @@ class StepWork:
         self.saved_bytes = 0
         self.saved_storages: dict[int, int] = {}
         self.held_bytes = 0
+        self.graph_nodes_after_step = 0
         self.counter = OpCounter(self._held_at_backward)
         self._open: list = []
         self._faults_at = 0
@@ -124,6 +142,8 @@ class StepWork:
         for context in reversed(self._open):
             context.__exit__(None, None, None)
         self._open = []
+        if step == self.steps:
+            self.graph_nodes_after_step = graph_nodes_alive()
 
     def result(self) -> dict:
         return {
@@ -132,6 +152,7 @@ class StepWork:
             "ops": sum(self.counter.counts.values()),
             "saved_bytes": self.saved_bytes,
             "held_bytes": self.held_bytes,
+            "graph_nodes_after_step": self.graph_nodes_after_step,
             "minor_faults": self.faults,
             "median_minor_faults": statistics.median(self.faults),
         }
@@ -212,6 +233,11 @@ def differences(work: dict, fault_slack: int = 32, held_slack: int = 4096) -> li
         problems.append(f"tensors alive when the backward pass begins: trainer {trainer['held_bytes']} bytes vs bare "
                         f"loop {bare['held_bytes']} (+ {prefetched} for {trainer['prefetch_batches']} batches "
                         f"assembled ahead): the trainer's forward pass keeps something the bare loop's does not")
+    if trainer["graph_nodes_after_step"] > bare["graph_nodes_after_step"]:
+        problems.append(f"the step's autograd graph outlives it: {trainer['graph_nodes_after_step']} nodes reachable "
+                        f"after the trainer's step vs {bare['graph_nodes_after_step']} after the bare loop's; a tensor "
+                        "with a grad_fn (a loss?) is still referenced, and the graph's small objects cut the freed "
+                        "activations up for the next step (issue 19)")
     if trainer["reuse_faults"] > bare["reuse_faults"] + fault_slack:
         problems.append(f"freed memory is not reused: {trainer['reuse_faults']} page faults to refill blocks of "
                         f"{'/'.join(map(str, REUSE_BLOCKS_MIB))} MiB after the trainer's steps vs {bare['reuse_faults']} "

@@ -1,7 +1,7 @@
 """Guards that used to survive their own deletion, each pinned by a test that fails without it:
 the first-step guard's "did not change at all" branch; compute dtypes from the config, never from a
 parameter; the lifecycle order (train device before adapters); no block deep-copied per forward;
-the mallopt call of the streamed load; the trainer's one malloc_trim after its first step.
+the mallopt call of the streamed load.
 (Compile and SDPA: tests/test_compile.py, tests/test_sdpa.py.)"""
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from conftest import train_config
 from torch import nn
 
 import modules.methods.adapter as adapter_method
-import modules.trainer.generic_trainer as generic_trainer
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
 from modules.model.registry import family_names, get_family_class
@@ -217,45 +216,3 @@ def test_during_a_streamed_load_freed_blocks_go_back_to_the_os(tmp_path):
     during_load = _retained_after_free(tmp_path, load=True)
     assert without_load > 0.8, without_load
     assert during_load < 0.2, during_load
-
-
-# --- after the first step, the heap's free pages go back to the OS once ------------------------------
-
-_TRIMMED = """
-import json, sys
-sys.path.insert(0, {root!r})
-import torch
-from modules.util.memory import process_memory, return_free_heap_to_os
-
-big = torch.ones((24 << 20) // 4)  # freeing it raises glibc's dynamic mmap threshold to 24 MiB
-del big
-base = process_memory()["rss"]
-blocks = [torch.ones((2 << 20) // 4) for _ in range(40)]  # heap blocks now, as a step's activations
-peak = process_memory()["rss"]
-del blocks[:-1]  # the last one keeps the heap's top in place: only a trim gives the rest back
-kept = (process_memory()["rss"] - base) / (peak - base)
-return_free_heap_to_os()
-print(json.dumps([kept, (process_memory()["rss"] - base) / (peak - base)]))
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc and /proc/self")
-def test_returning_the_free_heap_gives_freed_blocks_back_to_the_os():
-    done = subprocess.run([sys.executable, "-c", _TRIMMED.format(root=str(ROOT))], capture_output=True, text=True,
-                          timeout=300, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
-    assert done.returncode == 0, done.stderr[-2000:]
-    kept_before, kept_after = json.loads(done.stdout.strip().splitlines()[-1])
-    assert kept_before > 0.8, kept_before  # freed, yet resident: what the trainer's step 2 paid for
-    assert kept_after < 0.2, kept_after
-
-
-def test_the_trainer_returns_the_free_heap_once_after_its_first_step(tiny_model, one_image, tmp_path, monkeypatch):
-    """Issue 19: the first step's freed activations, left resident, put the small benchmark model's
-    peak RSS ~10% over the bare loop's; returned after every step, each step faults them in again."""
-    trainer = GenericTrainer(train_config(tiny_model, one_image, tmp_path, {
-        "schedule": {"epochs": 3, "batch_size": 1}}), TrainCallbacks())
-    trainer.start()
-    returned_at: list[int] = []
-    monkeypatch.setattr(generic_trainer, "return_free_heap_to_os", lambda: returned_at.append(trainer.step))
-    trainer.train()
-    assert trainer.step == 3 and returned_at == [1]

@@ -55,22 +55,6 @@ def freed_memory_returned_to_os():
         libc.mallopt(_M_TRIM_THRESHOLD, 2 * _DYNAMIC_MMAP_THRESHOLD_MAX)
 
 
-def return_free_heap_to_os() -> None:
-    """Hand the free pages inside glibc's heaps back to the OS (malloc_trim(0)); what is freed
-    later stays resident as usual. Linux/glibc only; elsewhere it does nothing.
-
-    The trainer calls it once, after its first step (issue 19): that step leaves 1.5 GB of freed
-    activations in the heap (small model), and what is allocated after it (optimizer state,
-    tensorboard's writer, ...) lands among them, so the next step's blocks no longer fit the holes
-    and the heap grows by ~600 MB; resident, those holes put the trainer's peak RSS ~10% over a
-    bare loop's. Returned once, only pages a later step touches again count. Every step would
-    return them all and fault them in again: the cost issue 19 removed.
-    """
-    libc = _libc()
-    if libc is not None and hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
-
-
 def process_memory() -> dict[str, int]:
     """Resident and peak-resident bytes of this process (Linux /proc; empty elsewhere)."""
     fields = {"VmRSS": "rss", "VmHWM": "peak_rss", "RssAnon": "rss_anon"}
