@@ -14,7 +14,6 @@ from __future__ import annotations
 import torch
 
 from modules.optim.single_parameter_step import SingleParameterStepper
-from modules.trainer.sharding import is_sharded
 
 
 def step_bfloat16_stochastically(stepper: SingleParameterStepper) -> None:
@@ -51,9 +50,7 @@ def keep_float32_state(stepper: SingleParameterStepper) -> None:
     def before(opt, state_dict):
         for group in opt.param_groups:
             for parameter in group["params"]:
-                # (a sharded weight takes no float32 .data: its state is cut from the backup's own
-                # float32 values afterwards, modules/trainer/sharding.py reshard_optimizer_state_)
-                if stepper.rounds(parameter) and not is_sharded(parameter):
+                if stepper.rounds(parameter):
                     stored.append((parameter, parameter.data))
                     parameter.data = parameter.data.float()  # only its dtype is read while loading
         return None

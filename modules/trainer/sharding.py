@@ -217,26 +217,21 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
     return state
 
 
-def reshard_optimizer_state_(optimizer: torch.optim.Optimizer, whole: dict) -> None:
-    """After optimizer.load_state_dict(whole) of whole tensors: the state of each sharded weight
-    cut back to this rank's slice, as a DTensor like the weight, from `whole`'s own tensors in their
-    own dtype (load_state_dict casts them to the weight's: a bfloat16 weight stepped through float32
-    with stochastic rounding keeps float32 state)."""
+def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
+    """After optimizer.load_state_dict of whole tensors: the state of each sharded weight cut back
+    to this rank's slice, as a DTensor like the weight, in the state's own dtype (a bfloat16 weight
+    stepped through float32 with stochastic rounding keeps float32 moments)."""
     from torch.distributed.tensor import DTensor
 
-    saved_ids = [index for group in whole["param_groups"] for index in group["params"]]
-    params = [parameter for group in optimizer.param_groups for parameter in group["params"]]
-    for parameter, saved_id in zip(params, saved_ids):
-        if not is_sharded(parameter):
-            continue
-        saved = whole["state"].get(saved_id, {})
-        for key, value in optimizer.state.get(parameter, {}).items():
-            if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == parameter.shape:
-                source = saved.get(key, value)
-                local = _slice_like(source, parameter)
-                optimizer.state[parameter][key] = DTensor.from_local(
-                    local, parameter.device_mesh, parameter.placements, run_check=False,
-                    shape=parameter.shape, stride=parameter.stride())
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            if not is_sharded(parameter):
+                continue
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == parameter.shape:
+                    optimizer.state[parameter][key] = DTensor.from_local(
+                        _slice_like(value, parameter), parameter.device_mesh, parameter.placements,
+                        run_check=False, shape=parameter.shape, stride=parameter.stride())
 
 
 @contextlib.contextmanager

@@ -87,7 +87,7 @@ def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
     optimizer = trainer.optimizer
     current_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     optimizer.load_state_dict(state["optimizer"])
-    reshard_optimizer_state_(optimizer, state["optimizer"])  # a sharded weight's state back to this rank's slice
+    reshard_optimizer_state_(optimizer)  # a sharded weight's state back to this rank's slice
     apply_current_hyperparameters(optimizer, current_groups, _backup_groups(trainer))
     trainer.scheduler.load_state_dict(state["scheduler"])
     follow_current_schedule(trainer.scheduler)
