@@ -1,9 +1,10 @@
 """What a sharded denoiser (`distributed.shard_parts`, modules/trainer/sharding.py) trains beyond
-test_distributed.py's LoRA and AdamW fine-tune: every adapter algorithm on the sharded base, and a
-sharded fine-tune with an EMA and gradient accumulation (sampled, stopped and resumed), with Lion
-and with schedule-free AdamW. Each two-process run (batch 1 each, gloo on the CPU) is compared with
-one process of batch 2. All of them run in one pair of spawned processes (test_distributed.py's
-worker), one after another, one epoch each but the EMA run's two.
+test_distributed.py's LoRA and AdamW fine-tune: every adapter algorithm on the sharded base, a
+sharded fine-tune with an EMA and gradient accumulation (sampled), with Lion and with schedule-free
+AdamW, each two-process run (batch 1 each, gloo on the CPU) compared with one process of batch 2;
+and stochastic rounding of the sharded bfloat16 unet, stopped and resumed. All two-process runs go
+one after another in one pair of spawned processes (test_distributed.py's worker), one epoch each,
+while the one-process references train in the test process.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_distributed import SHARDED, SHARDED_FINE_TUNE, _concepts, _config, _dumped, _fork_two
+from test_distributed import SHARDED, SHARDED_FINE_TUNE, _concepts, _config, _dumped, _start_two, _wait_for_two
 
 ONE_EPOCH = {"schedule": {"epochs": 1}}
 ADAPTERS = {
@@ -24,10 +25,11 @@ ADAPTERS = {
     "oft": {"adapter": {"type": "oft", "block_size": 4}},
 }
 # EMA (a fast decay, so the average differs from the weights) with gradient accumulation 2 (the
-# three global batches of an epoch make a step of two and one of one), sampled at each epoch's end
+# three global batches of the epoch make a step of two and one of one), sampled after each step (a
+# training step after a sample: its forward must not reuse the whole weights the sample gathered)
 EMA_AND_ACCUMULATION = {
     **SHARDED_FINE_TUNE, "ema": {"enabled": True, "decay": 0.5},
-    "schedule": {**SHARDED_FINE_TUNE["schedule"], "gradient_accumulation": 2, "sample_every": "1 epochs"},
+    "schedule": {**SHARDED_FINE_TUNE["schedule"], "epochs": 1, "gradient_accumulation": 2, "sample_every": "1 steps"},
 }
 ROUNDED_WITH_EMA = {
     **SHARDED_FINE_TUNE, "method": {**SHARDED_FINE_TUNE["method"], "stochastic_rounding": True},
@@ -68,9 +70,12 @@ def sharded_variants(tmp_path_factory, tiny_model):
         runs.append(([configs[name]] * 2, stop_at))
     stopped = configs["rounded-stopped"]
     runs.append(([{**stopped, "backup": {**stopped["backup"], "resume": True}}] * 2, None))
-    _fork_two(runs, tmp / "report")
-    references = {name: run_training(_config(tiny_model, tmp, f"{name}-single", 2, "single-cache", *overlays), None)
-                  for name, overlays in cases.items()}
+    two = _start_two(runs, tmp / "report")
+    try:  # the references train here meanwhile (the two processes wait in collectives much of the time)
+        references = {name: run_training(_config(tiny_model, tmp, f"{name}-single", 2, "single-cache", *overlays),
+                                         None) for name, overlays in cases.items()}
+    finally:
+        _wait_for_two(two)
     return {name: (configs[name], references.get(name)) for name in configs}
 
 
@@ -92,7 +97,7 @@ def test_a_sharded_fine_tune_with_ema_and_accumulation_equals_one_process(sharde
     # the file holds the average (gathered whole after it was swapped in on every rank)
     _assert_equal_files(config["output"]["path"], reference, atol=1e-6)
     samples = sorted(p.name for p in (Path(config["workspace_dir"]) / "samples").iterdir())
-    assert samples == ["step0000002-0.png", "step0000004-0.png"]  # sampled with the average, every rank
+    assert samples == ["step0000001-0.png", "step0000002-0.png"]  # sampled with the average, every rank
 
 
 def test_stochastic_rounding_of_sharded_bfloat16_weights_trains_and_resumes_exactly(sharded_variants, tiny_model):
