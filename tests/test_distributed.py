@@ -140,10 +140,18 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
 
 
 def _fork_two(runs, report: Path) -> None:
+    _wait_for_two(_start_two(runs, report))
+
+
+def _start_two(runs, report: Path):
+    """The two processes running `runs`, started; the caller may work meanwhile, then waits."""
     import torch.multiprocessing as mp
 
     report.mkdir(parents=True, exist_ok=True)
-    context = mp.spawn(_worker, args=(2, _free_port(), runs, str(report)), nprocs=2, join=False)
+    return mp.spawn(_worker, args=(2, _free_port(), runs, str(report)), nprocs=2, join=False)
+
+
+def _wait_for_two(context) -> None:
     deadline = time.monotonic() + JOIN_TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -25,11 +25,15 @@ FINE_TUNE = {"method": {"type": "fine_tune", "fused_backward": False}}
      r"model\.parts\.unet\.weight_dtype: unet is sharded .*nf4"),
     ({**SHARD_UNET, "model": {"parts": {"unet": {"weight_dtype": "int8"}}}}, r"model\.parts\.unet\.weight_dtype: .*int8"),
     ({**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "adamw_8bit"}},
-     r"optimizer\.type: the fine-tune trains the sharded unet .*adamw_8bit cannot step"),
-    ({**SHARD_UNET, **FINE_TUNE, "ema": {"enabled": True}}, r"ema\.enabled: an EMA of the sharded unet"),
+     r"optimizer\.type: the fine-tune trains the sharded unet .*adamw_8bit cannot step .*bitsandbytes' 8-bit "
+     r"kernels step plain tensors only"),
+    ({**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "adafactor"}},
+     r"optimizer\.type: .*adafactor cannot step .*its factored second moment is per whole weight"),
+    ({**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "came"}},
+     r"optimizer\.type: .*came cannot step .*its factored moments are per whole weight"),
+    ({**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "prodigy"}},
+     r"optimizer\.type: .*prodigy cannot step .*Prodigy's step size d sums products over each whole"),
     ({**SHARD_UNET, **FINE_TUNE, "train_dtype": "float16"}, r"train_dtype: float16's loss scaler"),
-    ({**SHARD_UNET, "method": {"type": "fine_tune", "fused_backward": False, "stochastic_rounding": True},
-      "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}}}, r"method\.stochastic_rounding: stochastic rounding"),
     ({**SHARD_UNET, "method": {"type": "fine_tune", "fused_backward": True}},
      r"method\.fused_backward: .*set method\.fused_backward to false"),
     ({**SHARD_UNET, "compile": True}, r"compile: torch\.compile of sharded parts"),
@@ -43,6 +47,13 @@ def test_sharding_refuses_what_it_does_not_support(tiny_model, tmp_path, monkeyp
 @pytest.mark.parametrize("overlay", [
     SHARD_UNET,  # an adapter on the sharded unet
     {**SHARD_UNET, **FINE_TUNE},  # its own weights, with AdamW
+    # with the other optimizers whose sharded step equals one process's, an EMA, accumulation
+    # (tests/test_sharded_variants.py)
+    {**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "lion"}, "ema": {"enabled": True}},
+    {**SHARD_UNET, **FINE_TUNE, "optimizer": {"type": "schedule_free_adamw"},
+     "schedule": {"gradient_accumulation": 2}},
+    {**SHARD_UNET, "method": {"type": "fine_tune", "fused_backward": False, "stochastic_rounding": True},
+     "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}}}},  # rounded on each rank's slice
     {**SHARD_UNET, **FINE_TUNE, "ema": {"enabled": True}, "model": {"parts": {"unet": {"train": False},
                                                                               "text_encoder": {"train": True}}}},
 ])

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.quantization.base import is_linear, unquantized_weight
+from modules.trainer.sharding import is_sharded
 
 if TYPE_CHECKING:
     from modules.config.adapter_configs import AdapterConfigBase
@@ -182,9 +183,17 @@ class AdapterModule(nn.Module, ABC):
         return next(self.parameters()).device
 
     def base_weight(self, device: torch.device | None = None, module: nn.Module | None = None) -> torch.Tensor:
-        """The base layer's dense weight in float32 on `device` (the adapter's by default)."""
-        return unquantized_weight(module if module is not None else self.base, torch.float32,
-                                  device if device is not None else self.device)
+        """The base layer's dense weight in float32 on `device` (the adapter's by default).
+
+        A base in a sharded part (distributed.shard_parts) holds the whole weight only inside its
+        block's forward, where the hook reads it; anywhere else (a merge, a DoRA norm) it holds this
+        rank's slice, and is gathered whole here: a collective, which every rank must call together."""
+        module = module if module is not None else self.base
+        device = device if device is not None else self.device
+        weight = getattr(module, "weight", None)
+        if is_sharded(weight):
+            return weight.detach().full_tensor().to(device=device, dtype=torch.float32)
+        return unquantized_weight(module, torch.float32, device)
 
     def op(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """The base layer's operation with another weight (same stride, padding, dilation)."""

@@ -85,28 +85,29 @@ def check_sharding(config: TrainConfig) -> None:
                             "distributed.shard_parts empty", "compile")
 
 
-# optimizers known to step DTensor weights (torch's own, which handle them in every code path); the
-# others (bitsandbytes' 8-bit states, Prodigy's and schedule-free's global statistics, the rest
-# untested) are refused for sharded trained weights
-SHARDED_OPTIMIZERS = ("adamw",)
+# optimizers whose step on DTensor weights (each rank's slice) equals a single process's step
+# (tests/test_sharded_variants.py): elementwise updates, and schedule-free's per-group scalars. The
+# others are refused for sharded trained weights, each for its reason (what torch's DTensor or the
+# package does with a weight split across GPUs)
+SHARDED_OPTIMIZERS = ("adamw", "lion", "schedule_free_adamw")
+UNSHARDABLE_OPTIMIZERS = {
+    "prodigy": "Prodigy's step size d sums products over each whole flattened weight, and a weight split "
+               "unevenly across the GPUs cannot be flattened",
+    "adafactor": "its factored second moment is per whole weight (row and column means), which torch's "
+                 "Adafactor cannot compute on the split weights (an in-place step DTensor refuses)",
+    "came": "its factored moments are per whole weight, and CAME mixes them with plain tensors a split "
+            "weight cannot take",
+    "adamw_8bit": "bitsandbytes' 8-bit kernels step plain tensors only, not weights split across GPUs",
+}
 
 
 def _check_sharded_fine_tune(config: TrainConfig, part: str) -> None:
     """A fine-tune of a sharded part trains DTensor weights (sharding.py)."""
     if config.optimizer.type not in SHARDED_OPTIMIZERS:
+        why = UNSHARDABLE_OPTIMIZERS.get(config.optimizer.type, "it is not known to step them")
         raise located_error(f"the fine-tune trains the sharded {part} (distributed.shard_parts), whose weights "
-                            f"{config.optimizer.type} cannot step split across GPUs; choose "
-                            f"{' or '.join(SHARDED_OPTIMIZERS)}", "optimizer", "type")
-    if config.ema.enabled:
-        raise located_error(f"an EMA of the sharded {part}'s weights (distributed.shard_parts) is not supported: "
-                            f"turn ema.enabled off, or leave {part} out of distributed.shard_parts",
-                            "ema", "enabled")
-    if getattr(config.method, "stochastic_rounding", False) and config.model.parts[part].weight_dtype == "bfloat16":
-        # it steps each weight through a float32 copy put in place of the parameter's data, which a
-        # DTensor parameter does not take
-        raise located_error(f"stochastic rounding of the sharded {part}'s bfloat16 weights "
-                            f"(distributed.shard_parts) is not supported: turn it off (AdamW then steps the "
-                            f"bfloat16 weights directly) or keep {part} in float32", "method", "stochastic_rounding")
+                            f"{config.optimizer.type} cannot step split across GPUs: {why}; choose "
+                            f"{', '.join(SHARDED_OPTIMIZERS)}", "optimizer", "type")
     if config.train_dtype == "float16":
         raise located_error(f"float16's loss scaler cannot check the sharded {part}'s gradients "
                             f"(distributed.shard_parts): use bfloat16 or float32", "train_dtype")

@@ -9,6 +9,12 @@ stepped through a float32 copy (its optimizer state is then float32 too) and rou
 stochastically: only one parameter's float32 copy exists at a time, never the model's, which is
 the point of training in bfloat16. Optimizers whose step reads all parameters together (Prodigy,
 schedule-free) are refused by modules/methods/fine_tune_rules.py.
+
+A sharded weight (a DTensor, modules/trainer/sharding.py) does not take a float32 `.data`: it is
+stepped as a float32 stand-in Parameter (a copy of this rank's slice) that holds the weight's
+optimizer state during the step, and its slice is rounded back element by element. The rounding
+noise is this rank's (its own random state, saved per rank in backups), so a sharded run rounds
+differently from one process but resumes exactly.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import torch
 from torch import nn
 
 from modules.optim.stochastic_rounding import copy_stochastically_
+from modules.trainer.sharding import is_sharded, local_part
 
 
 class SingleParameterStepper:
@@ -42,6 +49,9 @@ class SingleParameterStepper:
         the optimizer does not hold is left as it is, as a whole step would leave it)."""
         if id(parameter) not in self.group_of:
             return
+        if self.rounds(parameter) and is_sharded(parameter):
+            self._step_sharded(parameter)
+            return
         groups = self.optimizer.param_groups
         kept = [group["params"] for group in groups]
         stored, gradient = parameter.data, parameter.grad
@@ -64,3 +74,29 @@ class SingleParameterStepper:
             if rounding:
                 copy_stochastically_(stored, parameter.data)
                 parameter.data, parameter.grad = stored, gradient
+
+    def _step_sharded(self, parameter: nn.Parameter) -> None:
+        """`step` of a sharded bfloat16 weight: through a float32 stand-in holding its state."""
+        optimizer, groups = self.optimizer, self.optimizer.param_groups
+        kept = [group["params"] for group in groups]
+        stand_in = nn.Parameter(parameter.detach().float())  # a DTensor of this rank's slice, float32
+        stand_in.grad = parameter.grad.float()
+        state = optimizer.state
+        if parameter in state:
+            state[stand_in] = state.pop(parameter)
+        try:
+            for group in groups:
+                group["params"] = []
+            groups[self.group_of[id(parameter)]]["params"] = [stand_in]
+            self.active = True
+            optimizer.step()
+        finally:
+            self.active = False
+            for group, params in zip(groups, kept):
+                group["params"] = params
+            if stand_in in state:
+                state[parameter] = state.pop(stand_in)
+        stepped, stored = local_part(stand_in.detach()), local_part(parameter.detach())
+        if self.moves is not None:
+            self.moves[id(parameter)] = not torch.equal(stepped, stored.float())
+        copy_stochastically_(stored, stepped)

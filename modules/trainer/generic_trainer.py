@@ -50,7 +50,7 @@ from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
-from modules.trainer.sharding import is_sharded, shard_parts_, whole_state_dicts
+from modules.trainer.sharding import is_sharded, reshard_, shard_parts_, whole_state_dicts
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import (
     check_resume_early,
@@ -161,8 +161,14 @@ class GenericTrainer:
     def evaluation_weights(self):
         """The adapter weights samples and saved files use: the EMA when on, and a schedule-free
         optimizer's averaged point; the trained values come back after."""
-        with evaluation_weights(self.optimizer), (self.ema.swapped_in() if self.ema else contextlib.nullcontext()):
-            yield
+        if self.sharded:  # the next forward gathers what the slices hold then (sharding.py)
+            reshard_(self)
+        try:
+            with evaluation_weights(self.optimizer), (self.ema.swapped_in() if self.ema else contextlib.nullcontext()):
+                yield
+        finally:
+            if self.sharded:
+                reshard_(self)
 
     @contextlib.contextmanager
     def offload_paused(self):
@@ -441,17 +447,19 @@ class GenericTrainer:
 
     def save(self, path: Path | None = None) -> Path | None:
         if self.saves_sharded:
-            with whole_state_dicts(self):
-                return self._save(path) if self.ranks.main else None
+            # the evaluation weights (EMA, schedule-free's average) go in on every rank before the
+            # gather, which copies what the sharded weights hold then
+            with self.evaluation_weights(), whole_state_dicts(self):
+                return self._save(path, swapped=True) if self.ranks.main else None
         return self._save(path) if self.ranks.main else None
 
-    def _save(self, path: Path | None) -> Path:
+    def _save(self, path: Path | None, swapped: bool = False) -> Path:
         output = self.config.output
         if path is None:
             target = self.output_path
             path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
         metadata = {"difftrainer.family": self.family.name, "difftrainer.method": self.config.method.type}
-        with self.evaluation_weights():
+        with contextlib.nullcontext() if swapped else self.evaluation_weights():
             saved = [file for method in self.methods
                      for file in method.save(path, dtype_of(output.dtype), metadata)]
         for file in saved:

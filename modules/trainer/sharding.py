@@ -71,6 +71,20 @@ def _deepest_first(root: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
     return sorted(blocks, key=lambda block: -depth.get(id(block), 0))
 
 
+def reshard_(trainer: GenericTrainer) -> None:
+    """Free the whole weights FSDP still holds. The root of a sharded part keeps its all-gathered
+    weights after a forward until a backward (FSDP2 does not reshard the root after its forward), and
+    the next forward reuses them without gathering again: after a forward-only pass (a sample, a
+    validation) whose weights were then changed in the slices (the EMA or schedule-free's average
+    swapped in or out), that next forward would run on stale values."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for part in trainer.sharded:
+        for module in trainer.family.parts[part].modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def is_sharded(tensor: torch.Tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -164,12 +178,30 @@ def copy_into_shard_(parameter: torch.Tensor, full: torch.Tensor) -> None:
     local_part(parameter).copy_(_slice_like(full, parameter))
 
 
+def slice_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of `full` as `like` (a sharded tensor of full's shape) cuts it; `full`
+    itself for an ordinary `like`. No communication, in full's dtype."""
+    return _slice_like(full, like) if is_sharded(like) else full
+
+
+def rejoined(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's slice, cut as `like`'s) as a DTensor sharded like `like`, for
+    `full_value`; `local` itself for an ordinary `like`."""
+    if not is_sharded(like):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    # the collective runs where the mesh is (a slice kept in RAM goes there for the gather)
+    return DTensor.from_local(local.to(like.to_local().device), like.device_mesh, like.placements,
+                              run_check=False, shape=like.shape, stride=like.stride())
+
+
 def _slice_like(full: torch.Tensor, like) -> torch.Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     local = like.to_local()
-    # FSDP2's shards are DTensor Shard(0) chunks: the same slice distribute_tensor cuts
-    return distribute_tensor(full.to(local.device, local.dtype), like.device_mesh, like.placements,
+    # FSDP2's shards are DTensor Shard(0) chunks: the same slice distribute_tensor cuts (in full's dtype)
+    return distribute_tensor(full.to(local.device), like.device_mesh, like.placements,
                              src_data_rank=None).to_local()
 
 
@@ -187,7 +219,8 @@ def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
 
 def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
     """After optimizer.load_state_dict of whole tensors: the state of each sharded weight cut back
-    to this rank's slice, as a DTensor like the weight."""
+    to this rank's slice, as a DTensor like the weight, in the state's own dtype (a bfloat16 weight
+    stepped through float32 with stochastic rounding keeps float32 moments)."""
     from torch.distributed.tensor import DTensor
 
     for group in optimizer.param_groups:
@@ -196,10 +229,9 @@ def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
                 continue
             for key, value in optimizer.state.get(parameter, {}).items():
                 if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == parameter.shape:
-                    local = _slice_like(value, parameter).to(value.dtype)
                     optimizer.state[parameter][key] = DTensor.from_local(
-                        local, parameter.device_mesh, parameter.placements, run_check=False,
-                        shape=parameter.shape, stride=parameter.stride())
+                        _slice_like(value, parameter), parameter.device_mesh, parameter.placements,
+                        run_check=False, shape=parameter.shape, stride=parameter.stride())
 
 
 @contextlib.contextmanager
