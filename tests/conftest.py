@@ -182,3 +182,15 @@ def home(tmp_path_factory):
         del os.environ["DIFFTRAINER_HOME"]
     else:
         os.environ["DIFFTRAINER_HOME"] = old
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _tk_garbage_collected_on_the_main_thread(request):
+    """After a GUI test file: collect its leftover Tk objects here, on the main thread. Left to a
+    later collection, one can run on another test's worker thread (a command reader), where each
+    tkinter Variable's __del__ waits ~1 s for a main loop that never comes."""
+    yield
+    if request.module.__name__.startswith("test_gui"):
+        import gc
+
+        gc.collect()
