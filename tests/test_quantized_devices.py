@@ -92,12 +92,7 @@ def test_layer_moved_to_the_device_keeps_everything_together(case, second_device
     assert {name: t.dtype for name, t in tensors.items()} == dtypes
     assert plain_tensor_attributes(layer) == []
 
-    x_dev = x.to(second_device).requires_grad_()
-    out = layer(x_dev)
-    assert same_device(out.device, second_device)
-    assert relative_error(out, expected) < tolerance
-    out.sum().backward()
-    assert same_device(x_dev.grad.device, second_device)
+    _forward_and_backward_on(second_device, layer, x, expected, tolerance)
 
     # moved back (every tensor rebound), a changed scale is still the one read
     layer.to("cpu")
@@ -110,16 +105,22 @@ def test_layer_moved_to_the_device_keeps_everything_together(case, second_device
     torch.testing.assert_close(layer(x) - bias, 2 * (before - bias), rtol=1e-5, atol=1e-5)
 
 
+def _forward_and_backward_on(device, layer, x, expected, tolerance):
+    """The layer's output and input gradient land on `device`, the output close to `expected`."""
+    x_dev = x.to(device).requires_grad_()
+    out = layer(x_dev)
+    assert same_device(out.device, device)
+    assert relative_error(out, expected) < tolerance
+    out.sum().backward()
+    assert same_device(x_dev.grad.device, device)
+    return x_dev, out
+
+
 def test_layer_parked_on_cpu_runs_on_the_device_of_its_input(case, second_device):
     layer = make_layer(case)
     x = make_input()
     expected, tolerance = expected_on(second_device, case, layer, x)
-    x_dev = x.to(second_device).requires_grad_()
-    out = layer(x_dev)
-    assert same_device(out.device, second_device)
-    assert relative_error(out, expected) < tolerance
-    out.sum().backward()
-    assert same_device(x_dev.grad.device, second_device)
+    x_dev, out = _forward_and_backward_on(second_device, layer, x, expected, tolerance)
     torch.testing.assert_close(x_dev.grad.cpu(), torch.ones_like(out).cpu() @ layer.unquantized_weight(torch.float32, "cpu"),
                                rtol=1e-4, atol=1e-4)
     assert all(t.device == torch.device("cpu") for t in layer.offload_tensors().values())
