@@ -19,14 +19,17 @@ def tiny_flux2(tiny_family_model):
     return tiny_family_model("flux2")
 
 
-@pytest.fixture(scope="module")
-def family(tmp_path_factory, tiny_flux2, shape_images):
+def _loaded_family(model, shape_images, workspace):
     from modules.model.flux2 import Flux2Family
 
-    family = Flux2Family(train_config(tiny_flux2, shape_images, tmp_path_factory.mktemp("flux2"),
-                                      {"model": {"family": "flux2"}}))
+    family = Flux2Family(train_config(model, shape_images, workspace, {"model": {"family": "flux2"}}))
     family.load()
     return family
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory, tiny_flux2, shape_images):
+    return _loaded_family(tiny_flux2, shape_images, tmp_path_factory.mktemp("flux2"))
 
 
 @pytest.fixture(scope="module")
@@ -319,12 +322,7 @@ def tiny_flux2_dev(tiny_family_model):
 
 @pytest.fixture(scope="module")
 def dev_family(tmp_path_factory, tiny_flux2_dev, shape_images):
-    from modules.model.flux2 import Flux2Family
-
-    family = Flux2Family(train_config(tiny_flux2_dev, shape_images, tmp_path_factory.mktemp("flux2dev"),
-                                      {"model": {"family": "flux2"}}))
-    family.load()
-    return family
+    return _loaded_family(tiny_flux2_dev, shape_images, tmp_path_factory.mktemp("flux2dev"))
 
 
 @pytest.fixture(scope="module")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modules.quantization.base import is_linear, unquantized_weight
-from modules.trainer.sharding import is_sharded
+from modules.util.sharded_tensors import is_sharded
 
 if TYPE_CHECKING:
     from modules.config.adapter_configs import AdapterConfigBase

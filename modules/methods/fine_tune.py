@@ -22,7 +22,7 @@ from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochas
 from modules.optim.single_parameter_step import SingleParameterStepper
 from modules.saving.model_files import uncopyable_parts, write_pipeline_folder, write_single_file
 from modules.saving.output_folder import folder_for, resolve_output_folder
-from modules.trainer.sharding import copy_into_shard_, full_value
+from modules.util.sharded_tensors import copy_into_shard_, full_value
 
 
 def single_file_output(config: TrainConfig) -> bool:

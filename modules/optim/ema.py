@@ -19,7 +19,7 @@ import contextlib
 import torch
 from torch import nn
 
-from modules.trainer.sharding import full_value, local_part, rejoined, slice_of
+from modules.util.sharded_tensors import full_value, local_part, rejoined, slice_of
 
 
 class EMA:

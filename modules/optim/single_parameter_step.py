@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from modules.optim.stochastic_rounding import copy_stochastically_
-from modules.trainer.sharding import is_sharded, local_part
+from modules.util.sharded_tensors import is_sharded, local_part
 
 
 class SingleParameterStepper:

@@ -33,7 +33,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from modules.trainer.sharding import is_sharded
+from modules.util.sharded_tensors import is_sharded
 from modules.util.torch_utils import resolve_device
 
 
@@ -138,6 +138,11 @@ def _buckets(tensors: list[torch.Tensor]):
         size += nbytes
     if bucket:
         yield bucket
+
+
+def reduce_device(device: torch.device) -> torch.device:
+    """Where the backend reduces a tensor kept on `device`: NCCL there (a GPU), gloo on the CPU."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def join_process_group(train_device: str) -> Ranks:

@@ -50,7 +50,8 @@ from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
-from modules.trainer.sharding import is_sharded, reshard_, shard_parts_, whole_state_dicts
+from modules.trainer.sharding import reshard_, shard_parts_, whole_state_dicts
+from modules.util.sharded_tensors import is_sharded
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import (
     check_resume_early,

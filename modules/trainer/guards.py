@@ -15,9 +15,10 @@ from modules.errors import UserError
 import math
 
 import torch
-import torch.distributed as dist
 
-from modules.trainer.sharding import any_rank, is_sharded, local_part
+from modules.trainer.distributed import reduce_device
+from modules.trainer.sharding import any_rank
+from modules.util.sharded_tensors import is_sharded, local_part
 
 
 class TrainingError(UserError, RuntimeError):
@@ -50,7 +51,7 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
             flags[name] = (moved, None)
     sharded = [name for name, parameter in named_parameters if is_sharded(parameter) and flags[name][1] is not None]
     if sharded:  # a slice may be empty or unchanged on one rank: the weight as a whole, over the ranks
-        device = dict(named_parameters)[sharded[0]].device if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = reduce_device(dict(named_parameters)[sharded[0]].device)
         merged = any_rank([flag for name in sharded for flag in flags[name]], device)
         flags.update({name: (merged[2 * i], merged[2 * i + 1]) for i, name in enumerate(sharded)})
     for name, _ in named_parameters:

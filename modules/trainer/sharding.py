@@ -27,6 +27,8 @@ from torch import nn
 
 from modules.config.errors import ConfigError
 from modules.quantization.weight_modes import get_weight_mode
+from modules.trainer.distributed import reduce_device
+from modules.util.sharded_tensors import full_value, is_sharded, local_part, slice_of
 
 if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
@@ -85,17 +87,6 @@ def reshard_(trainer: GenericTrainer) -> None:
                 module.reshard()
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's own values of a sharded tensor; an ordinary tensor itself."""
-    return tensor.to_local() if is_sharded(tensor) else tensor
-
-
 def shard_bytes(module: nn.Module) -> tuple[int, int]:
     """(bytes of `module`'s parameters this rank holds, bytes of the whole parameters)."""
     local = full = 0
@@ -122,12 +113,6 @@ def sum_gradients_(module: nn.Module) -> None:
             child.set_force_sum_reduction_for_comms(True)
 
 
-def _flag_device(tensor: torch.Tensor) -> torch.device:
-    import torch.distributed as dist
-
-    return tensor.device if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def any_rank(flags: list[bool], device: torch.device) -> list[bool]:
     """Each flag true on any rank (one collective)."""
     import torch.distributed as dist
@@ -152,7 +137,7 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
     squares = torch.zeros((), device=device, dtype=torch.float32)
     for grad in sharded:
         squares += grad.float().square().sum().to(device)
-    reduced = squares.to(_flag_device(squares))
+    reduced = squares.to(reduce_device(squares.device))
     dist.all_reduce(reduced, op=dist.ReduceOp.SUM)
     squares = reduced.to(device)
     for grad in plain:
@@ -162,47 +147,6 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor
     for grad in sharded + plain:
         grad.mul_(scale.to(grad.device, grad.dtype))
     return norm
-
-
-def full_value(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of a sharded one, in RAM (a collective: every rank calls it together)."""
-    return tensor.full_tensor().cpu() if is_sharded(tensor) else tensor
-
-
-@torch.no_grad()
-def copy_into_shard_(parameter: torch.Tensor, full: torch.Tensor) -> None:
-    """`parameter` = `full`, each rank keeping its own slice (no communication: every rank has `full`)."""
-    if not is_sharded(parameter):
-        parameter.copy_(full)
-        return
-    local_part(parameter).copy_(_slice_like(full, parameter))
-
-
-def slice_of(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """This rank's slice of `full` as `like` (a sharded tensor of full's shape) cuts it; `full`
-    itself for an ordinary `like`. No communication, in full's dtype."""
-    return _slice_like(full, like) if is_sharded(like) else full
-
-
-def rejoined(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`local` (this rank's slice, cut as `like`'s) as a DTensor sharded like `like`, for
-    `full_value`; `local` itself for an ordinary `like`."""
-    if not is_sharded(like):
-        return local
-    from torch.distributed.tensor import DTensor
-
-    # the collective runs where the mesh is (a slice kept in RAM goes there for the gather)
-    return DTensor.from_local(local.to(like.to_local().device), like.device_mesh, like.placements,
-                              run_check=False, shape=like.shape, stride=like.stride())
-
-
-def _slice_like(full: torch.Tensor, like) -> torch.Tensor:
-    from torch.distributed.tensor import distribute_tensor
-
-    local = like.to_local()
-    # FSDP2's shards are DTensor Shard(0) chunks: the same slice distribute_tensor cuts (in full's dtype)
-    return distribute_tensor(full.to(local.device), like.device_mesh, like.placements,
-                             src_data_rank=None).to_local()
 
 
 def full_optimizer_state(optimizer: torch.optim.Optimizer) -> dict:
@@ -230,7 +174,7 @@ def reshard_optimizer_state_(optimizer: torch.optim.Optimizer) -> None:
             for key, value in optimizer.state.get(parameter, {}).items():
                 if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == parameter.shape:
                     optimizer.state[parameter][key] = DTensor.from_local(
-                        _slice_like(value, parameter), parameter.device_mesh, parameter.placements,
+                        slice_of(value, parameter), parameter.device_mesh, parameter.placements,
                         run_check=False, shape=parameter.shape, stride=parameter.stride())
 
 
