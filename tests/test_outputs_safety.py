@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ROOT, train_config
 
 from modules.cli.train_command import run_training
@@ -216,6 +217,21 @@ def test_written_files_have_the_umask_s_permissions_not_0600(tmp_path):
         os.umask(0o002)
         write_text(tmp_path / "b.json", "{}")
         assert (tmp_path / "b.json").stat().st_mode & 0o777 == 0o664
+    finally:
+        os.umask(old)
+
+
+def test_safetensors_writes_have_the_umask_s_permissions_too(tmp_path):
+    # safetensors' save_file replaces the temp file it is given with a 0o600 file of its own
+    from safetensors.torch import save_file
+
+    from modules.saving.atomic import write_with
+
+    old = os.umask(0o022)
+    try:
+        target = tmp_path / "lora.safetensors"
+        write_with(target, lambda temp: save_file({"w": torch.zeros(2)}, str(temp)))
+        assert target.stat().st_mode & 0o777 == 0o644
     finally:
         os.umask(old)
 

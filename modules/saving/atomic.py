@@ -49,10 +49,13 @@ def atomic_path(target: str | Path) -> Iterator[Path]:
         handle, temp_name = tempfile.mkstemp(prefix=f".{target.name[:32]}.", suffix=".tmp", dir=target.parent)
     os.close(handle)
     temp = Path(temp_name)
-    os.chmod(temp, _plain_file_mode())  # others may read outputs as they may any file the user writes
+    mode = _plain_file_mode()
+    os.chmod(temp, mode)  # others may read outputs as they may any file the user writes
     try:
         with write_errors(target):
             yield temp
+            # again after the writer: safetensors' save_file replaces the temp with a 0o600 file of its own
+            os.chmod(temp, mode)
             with open(temp, "rb") as written:
                 os.fsync(written.fileno())
             os.replace(temp, target)
