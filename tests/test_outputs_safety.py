@@ -245,3 +245,29 @@ def test_a_lock_whose_pid_now_names_another_program_is_reclaimed(tmp_path):
     lock.acquire()
     assert len(warnings) == 1 and "reclaimed" in warnings[0]
     lock.release()
+
+
+def test_a_workspace_gone_read_only_reports_the_write_that_stopped_the_run_not_the_lock(
+        tmp_path, tiny_model, one_image, monkeypatch):
+    import errno
+
+    from modules.errors import NotWritableError
+    from modules.trainer import generic_trainer
+
+    def backup_refused(workspace, *args, **kwargs):
+        raise NotWritableError(f"cannot write {workspace}/backups/step-1: read-only file system")
+
+    original_unlink = Path.unlink
+
+    def unlink(self, *args, **kwargs):
+        if self.name == LOCK_NAME:
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return original_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(generic_trainer, "write_backup", backup_refused)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    config = train_config(tiny_model, one_image, tmp_path, {"schedule": {"backup_every": 1, "max_steps": 1}})
+    recorder = Recorder()
+    with pytest.raises(NotWritableError, match="backups/step-1"):
+        run_training(config, recorder)
+    assert any("could not remove the lock file" in w for w in recorder.warnings)

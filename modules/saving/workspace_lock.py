@@ -99,6 +99,12 @@ class WorkspaceLock:
         if not self.held:
             return
         owner = _read(self.path)
-        if owner and owner.get("pid") == os.getpid():
-            self.path.unlink(missing_ok=True)
         self.held = False
+        if owner and owner.get("pid") == os.getpid():
+            try:
+                self.path.unlink(missing_ok=True)
+            except OSError as error:
+                # release runs as a failed run unwinds (a workspace gone read-only): raising here would
+                # hide the write that stopped the run; a lock left behind is reclaimed by the next run
+                self.warn(f"workspace_dir: could not remove the lock file {self.path} ({error.strerror or error}); "
+                          "the next run reclaims it, as this process will have ended")
