@@ -271,3 +271,22 @@ def test_a_workspace_gone_read_only_reports_the_write_that_stopped_the_run_not_t
     with pytest.raises(NotWritableError, match="backups/step-1"):
         run_training(config, recorder)
     assert any("could not remove the lock file" in w for w in recorder.warnings)
+
+
+def test_the_cache_command_takes_the_workspace_lock_a_training_run_takes(tmp_path, tiny_model, one_image):
+    from modules.cli.cache_command import build_caches
+
+    config = train_config(tiny_model, one_image, tmp_path)
+    lock = Path(config.workspace_dir) / LOCK_NAME
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a train, alive
+    try:
+        write_text(lock, json.dumps({"pid": owner.pid, "host": os.uname().nodename, "started": "earlier"}))
+        with pytest.raises(WorkspaceBusyError, match=f"PID {owner.pid}"):
+            build_caches(config)
+        assert not (Path(config.workspace_dir) / "cache").exists()  # refused before it encoded anything
+    finally:
+        owner.kill()
+        owner.wait()
+    lock.unlink()
+    build_caches(config)  # free: it takes the lock, and gives it back when done
+    assert not lock.exists()

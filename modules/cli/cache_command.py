@@ -5,7 +5,8 @@ train device). A following `launch.py train` with the same config encodes nothin
 It loads the encoders as training would (the same weight modes, so the cache keys are the ones the
 run computes) and every other part only as its architecture on the meta device (the denoiser, the
 largest part, is never read), moves the encoders to the train device, and builds the caches of the
-training and the validation concepts. Interrupted, it keeps every entry written; run again, it goes on.
+training and the validation concepts. It holds the workspace lock a training run holds, so it never
+runs beside a train of the same workspace. Interrupted, it keeps every entry written; run again, it goes on.
 """
 
 from __future__ import annotations
@@ -35,13 +36,23 @@ class CacheReport:
 
 def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> CacheReport:
     from modules.data.concepts import check_concepts
-    from modules.data.dataset import caches_text, prepare_dataset
-    from modules.model.registry import get_family_class
     from modules.trainer.generic_trainer import GenericTrainer
 
     callbacks = callbacks or TrainCallbacks()
     check_concepts(config.concepts)  # before the slow model load
     trainer = GenericTrainer(config, callbacks)  # for its cache folder, device and weight-mode resolution
+    # the workspace lock a training run takes: a train of the same workspace writes the same caches
+    trainer.lock.acquire()
+    try:
+        return _fill(config, callbacks, trainer)
+    finally:
+        trainer.lock.release()
+
+
+def _fill(config: TrainConfig, callbacks: TrainCallbacks, trainer) -> CacheReport:
+    from modules.data.dataset import caches_text, prepare_dataset
+    from modules.model.registry import get_family_class
+
     family = get_family_class(config.model.family)(config)
     trainer.family = family
     family.weight_modes = trainer.resolve_weight_modes()
