@@ -290,3 +290,17 @@ def test_the_cache_command_takes_the_workspace_lock_a_training_run_takes(tmp_pat
     lock.unlink()
     build_caches(config)  # free: it takes the lock, and gives it back when done
     assert not lock.exists()
+
+
+def test_the_cache_command_refuses_an_empty_workspace_and_a_device_output_is_refused_at_resolve(tmp_path):
+    from modules.cli.cache_command import build_caches
+    from modules.config.loading import build_config
+    from modules.errors import UserError
+    from modules.saving.output_target import resolve_output
+
+    config = build_config([{"workspace_dir": "", "concepts": [{"path": str(tmp_path)}]}])
+    with pytest.raises(UserError, match="^workspace_dir: empty"):
+        build_caches(config)
+    # the remote run resolves its output here too: /dev/null is not versioned into /dev/null-2
+    with pytest.raises(UserError, match="^output.path: /dev/null is not a regular file"):
+        resolve_output(Path("/dev/null"), "version", tmp_path, False, lambda text: None)

@@ -65,6 +65,42 @@ def test_an_output_path_that_is_a_folder(tmp_path, tiny_model, shape_images):
     assert f"{folder} is a folder" in line and str(folder / "lora.safetensors") in line
 
 
+@pytest.mark.parametrize("path, said", [("/dev/null", "is not a regular file"),
+                                         ("out/lora.pt", "does not end in .safetensors"),
+                                         ("out/lora", "does not end in .safetensors")])
+def test_an_output_path_that_is_a_device_or_lacks_the_suffix_is_refused(tmp_path, tiny_model, shape_images, path,
+                                                                       said):
+    # no /dev/null-2 written into /dev; a name without .safetensors is refused, not renamed
+    target = path if path.startswith("/") else str(tmp_path / path)
+    config = train_config(tiny_model, shape_images, tmp_path, {"output": {"path": target}})
+    (line,) = field_lines(preflight_problems(config), "output.path")
+    assert said in line and target in line
+
+
+def test_an_empty_workspace_is_refused_not_taken_as_the_current_folder(tmp_path, tiny_model, shape_images,
+                                                                      monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = train_config(tiny_model, shape_images, tmp_path, {"workspace_dir": ""})
+    (line,) = field_lines(preflight_problems(config), "workspace_dir")
+    assert "empty" in line and str(tmp_path) in line
+
+
+def test_a_pickled_model_base_is_one_problem_not_one_per_part(tmp_path, shape_images):
+    pickled = tmp_path / "model.ckpt"
+    pickled.write_bytes(b"not read")
+    config = train_config(pickled, shape_images, tmp_path)
+    (line,) = preflight_problems(config)
+    assert line.startswith("model.base: model.ckpt: only .safetensors")
+
+
+def test_a_pickled_init_from_is_refused_before_the_model_loads(tmp_path, tiny_model, shape_images):
+    pickled = tmp_path / "old.pt"
+    pickled.write_bytes(b"not read")
+    config = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"init_from": str(pickled)}})
+    assert preflight_problems(config) == ["adapter.init_from: old.pt: only .safetensors adapter files are read "
+                                          "(pickled .pt/.ckpt files can run code when loaded)"]
+
+
 def test_a_workspace_that_is_a_file(tmp_path, tiny_model, shape_images):
     (tmp_path / "ws").write_text("not a folder")
     config = train_config(tiny_model, shape_images, tmp_path)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from modules.config.train_config import TrainConfig
+from modules.errors import UserError
 from modules.trainer.callbacks import TrainCallbacks
 
 
@@ -37,8 +38,12 @@ class CacheReport:
 def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> CacheReport:
     from modules.data.concepts import check_concepts
     from modules.trainer.generic_trainer import GenericTrainer
+    from modules.trainer.preflight import workspace_problem
 
     callbacks = callbacks or TrainCallbacks()
+    problem = workspace_problem(config)
+    if problem:
+        raise UserError(problem)
     check_concepts(config.concepts)  # before the slow model load
     trainer = GenericTrainer(config, callbacks)  # for its cache folder, device and weight-mode resolution
     # the workspace lock a training run takes: a train of the same workspace writes the same caches

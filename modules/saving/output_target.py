@@ -10,6 +10,7 @@ may replace exactly that file.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
@@ -47,6 +48,21 @@ def workspace_output(workspace: Path, requested: Path) -> Path | None:
         return None
 
 
+def output_file_problem(path: Path, raw: str) -> str | None:
+    """Why `path` (`output.path`, typed as `raw`) cannot take the saved file, or None. Every method
+    and output.format writes safetensors, so a path without that suffix is refused rather than
+    renamed behind the user's back (a `.pt` or `.ckpt` name would promise a pickle)."""
+    if path.is_dir() or raw.endswith(("/", os.sep)):
+        return f"output.path: {path} is a folder; name the file to write, e.g. {path / 'lora.safetensors'}"
+    if path.exists() and not path.is_file():  # /dev/null, a FIFO, a socket: versioning would write beside it
+        return (f"output.path: {path} is not a regular file (a device, pipe or socket); "
+                "name a .safetensors file in a folder of yours")
+    if path.suffix != ".safetensors":
+        return (f"output.path: {path} does not end in .safetensors, the format every saved file is written "
+                f"in; name it e.g. {path.with_name(path.name + '.safetensors')}")
+    return None
+
+
 def versioned(path: Path) -> Path:
     """The first of name-2.ext, name-3.ext, ... that does not exist."""
     number = 2
@@ -67,6 +83,9 @@ def resolve_output(path: Path, policy: str, workspace: Path, resuming: bool,
     if path.is_dir():
         raise UserError(f"{path} is a folder; give the adapter's file name (e.g. {path / 'lora.safetensors'})",
                         field="output.path")
+    if path.exists() and not path.is_file():
+        raise UserError(f"{path} is not a regular file (a device, pipe or socket); name a .safetensors file "
+                        "in a folder of yours", field="output.path")
     if not path.exists():
         return path
     if policy == "overwrite":

@@ -53,7 +53,8 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch, captions = _concept_problems(config)
-    problems = device_problems + place_problems + model_problems + caption_problems + _loss_problems(config)
+    problems = (device_problems + place_problems + model_problems + _init_from_problems(config) + caption_problems
+                + _loss_problems(config))
     if config.embeddings:
         from modules.methods.embedding_files import embedding_problems
 
@@ -144,19 +145,30 @@ def _write_problem(field: str, folder: Path) -> str | None:
 
 
 def _output_problems(config: TrainConfig) -> list[str]:
-    raw = config.output.path  # empty: the workspace's own default file (config.output_path)
-    path = config.output_path
-    if path.is_dir() or raw.endswith(("/", os.sep)):
-        return [f"output.path: {path} is a folder; name the file to write, e.g. {path / 'lora.safetensors'}"]
-    problem = _write_problem("output.path", path.parent)
+    from modules.saving.output_target import output_file_problem
+
+    # empty output.path: the workspace's own default file (config.output_path)
+    problem = output_file_problem(config.output_path, config.output.path)
+    if problem is None:
+        problem = _write_problem("output.path", config.output_path.parent)
     return [problem] if problem else []
 
 
+def workspace_problem(config: TrainConfig) -> str | None:
+    """An empty workspace_dir would be the current folder: a run started from a checkout would
+    write its cache, backups and lock into the project."""
+    if not config.workspace_dir.strip():
+        return (f"workspace_dir: empty, which would put the run's files in the current folder ({Path.cwd()}); "
+                "name a folder for this run, e.g. workspace/my-run")
+    return None
+
+
 def _folder_problems(config: TrainConfig) -> list[str]:
-    folders = [("workspace_dir", Path(config.workspace_dir))]
+    problem = workspace_problem(config)
+    problems = [problem] if problem else []
+    folders = [] if problem else [("workspace_dir", Path(config.workspace_dir))]
     if config.cache_dir:
         folders.append(("cache_dir", Path(config.cache_dir)))
-    problems = []
     for field, folder in folders:
         if folder.exists() and not folder.is_dir():
             problems.append(f"{field}: {folder} is a file, not a folder")
@@ -189,8 +201,24 @@ def _model_problems(config: TrainConfig):
         try:
             _check_weight_files(family, spec.name)
         except UserError as error:
-            problems.append(error)
+            # parts read from one single file fail its checks alike: that file's problem, once
+            if str(error) not in map(str, problems):
+                problems.append(error)
     return problems, (family if not problems else None)
+
+
+def _init_from_problems(config: TrainConfig) -> list[str]:
+    """adapter.init_from is read only after the model has loaded: a missing file or a pickle's
+    suffix is told here, before that."""
+    from modules.adapters.formats.files import AdapterFileError, check_adapter_file
+
+    if not config.adapter.init_from or config.method.type != "adapter":
+        return []
+    try:
+        check_adapter_file(config.adapter.init_from)
+    except AdapterFileError as error:
+        return [str(error)]
+    return []
 
 
 def _check_weight_files(family, part: str) -> None:

@@ -201,14 +201,21 @@ def save_adapter_file(path: str | Path, adapters: AdapterSet, family: ModelFamil
 
 # --- loading ---------------------------------------------------------------------------------
 
-def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tuple[dict[str, torch.Tensor], dict]:
-    """Tensors and the header metadata of a .safetensors file (never unpickles anything)."""
+def check_adapter_file(path: str | Path, where: str = "adapter.init_from") -> None:
+    """What a file's name says before it is read: an existing .safetensors file (preflight asks
+    this before the model loads)."""
     path = Path(path)
     if not path.is_file():
         raise AdapterFileError(f"{where}: {path} is not a file")
     if path.suffix != ".safetensors":
         raise AdapterFileError(f"{where}: {path.name}: only .safetensors adapter files are read "
                                "(pickled .pt/.ckpt files can run code when loaded)")
+
+
+def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tuple[dict[str, torch.Tensor], dict]:
+    """Tensors and the header metadata of a .safetensors file (never unpickles anything)."""
+    path = Path(path)
+    check_adapter_file(path, where)
     try:
         with safe_open(str(path), "pt") as file:
             metadata = file.metadata() or {}
