@@ -17,6 +17,8 @@ from typing import Callable
 from modules.config.train_config import ConceptConfig
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
+# image files a user may expect to train that are not read (a .gif's frames, formats Pillow may lack)
+UNREAD_IMAGE_SUFFIXES = {".gif", ".bmp", ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl"}
 
 
 class DataError(UserError, ValueError):
@@ -62,10 +64,13 @@ def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None]
     if not folder.is_dir():
         raise DataError(f"{where}.path: {folder} is not a folder")
     pattern = "**/*" if concept.include_subfolders else "*"
-    images = sorted(
-        p for p in folder.glob(pattern)
-        if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.stem.endswith("-masklabel")
-    )
+    files = [p for p in folder.glob(pattern) if p.is_file()]
+    images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES and not p.stem.endswith("-masklabel"))
+    unread = sorted({p.suffix.lower() for p in files if p.suffix.lower() in UNREAD_IMAGE_SUFFIXES})
+    if unread:
+        count = sum(p.suffix.lower() in UNREAD_IMAGE_SUFFIXES for p in files)
+        warn(f"{where}: {count} {'/'.join(unread)} file(s) in {folder} are not read (training reads "
+             f"{', '.join(sorted(IMAGE_SUFFIXES))}); convert them to .png to train on them")
     shared_caption = None
     if concept.caption_source == "file":
         caption_path = folder / concept.caption_file

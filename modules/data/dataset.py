@@ -27,6 +27,7 @@ from modules.data.cache import TensorCache, cache_key
 from modules.data.cache_build import fill_latents, fill_texts
 from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
+from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
@@ -281,6 +282,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                  "file; they train with full weight everywhere")
         if usable == 0:
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
+    _warn_of_surprises(config, family, entries, validation, warn)
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
@@ -303,6 +305,18 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}
     return dataset
+
+
+def _warn_of_surprises(config: TrainConfig, family: ModelFamily, entries: list[Entry], validation: bool,
+                       warn: Callable[[str], None]) -> None:
+    """What trains otherwise than the config reads (data_notes.py), each said once."""
+    def where(index: int) -> str:
+        return f"concepts[{index}] ({config.concepts[index].path})"
+
+    notes = [] if validation else resolution_notes(config.data.resolutions, family.bucket_quantum, family.label)
+    notes += upscale_notes(entries, where) + caption_notes(entries, family, where) + duplicate_notes(entries, where)
+    for note in notes:
+        warn(note)
 
 
 def _latent_index(entries: list[Entry], name: str) -> dict[str, tuple[str, str]]:

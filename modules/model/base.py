@@ -135,6 +135,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Conditioning tensors, batch first (what the text cache stores per caption)."""
 
+    def caption_windows(self) -> list[tuple[object, int]]:
+        """(tokenizer, token count) of each window the family cuts every caption to, when the cut loses
+        text the model sees nowhere else (the data warns of captions longer than it); loaded tokenizers.
+        Empty: no such cut (a long T5 or LLM window beside CLIP's)."""
+        return []
+
     @property
     @abstractmethod
     def text_parts(self) -> tuple[str, ...]:

@@ -97,6 +97,9 @@ class SD15Family(DDPMTraining, ModelFamily):
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         return {"input_ids": clip_input_ids(self.tokenizer, captions)}
 
+    def caption_windows(self) -> list[tuple[object, int]]:
+        return [(self.tokenizer, self.tokenizer.model_max_length)]  # CLIP's 77 (SDXL: both encoders alike)
+
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         text_encoder = self.parts["text_encoder"]
         hidden = text_encoder(tokens["input_ids"].to(text_encoder.device))[0]

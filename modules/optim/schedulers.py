@@ -32,5 +32,14 @@ def lr_factor(config: LrSchedulerConfig, step: int, total_steps: int) -> float:
     return config.min_factor + (1.0 - config.min_factor) * decay
 
 
+def warmup_note(config: LrSchedulerConfig, total_steps: int) -> str | None:
+    """A warning when warmup outlasts the run: the learning rate then never reaches the one configured."""
+    if config.warmup_steps <= total_steps or total_steps <= 0:
+        return None
+    last = lr_factor(config, total_steps - 1, total_steps)
+    return (f"lr_scheduler.warmup_steps: {config.warmup_steps} is longer than the whole run ({total_steps} step(s)): "
+            f"the learning rate never reaches optimizer.lr (it ends at {last:.0%} of it); lower warmup_steps")
+
+
 def build_scheduler(config: LrSchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(config, step, total_steps))

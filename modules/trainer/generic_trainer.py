@@ -28,7 +28,7 @@ from modules.model.registry import get_family_class
 from modules.offload.conductor import LayerOffloadConductor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
-from modules.optim.schedulers import build_scheduler
+from modules.optim.schedulers import build_scheduler, warmup_note
 from modules.sampling.sampler import sample_prompts
 from modules.saving.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
@@ -261,6 +261,9 @@ class GenericTrainer:
         if schedule.max_steps:
             self.total_steps = min(self.total_steps, schedule.max_steps)
         self.scheduler = build_scheduler(self.config.lr_scheduler, self.optimizer, self.total_steps)
+        warmup = warmup_note(self.config.lr_scheduler, self.total_steps)
+        if warmup and self.ranks.main:
+            self.callbacks.on_warning(warmup)
         self.generator = make_generator(self.device, self.config.seed)
         if self.resume_state is not None:
             restore_training_state(self, self.resume_state)
