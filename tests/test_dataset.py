@@ -174,8 +174,12 @@ class FakeFamily:
     """What prepare_dataset asks of a model family, without a model: latents are the mean colour."""
 
     bucket_quantum = 32
+    label = "Fake"
     image_parts = ("vae",)
     text_parts = ("text_encoder",)
+
+    def caption_windows(self) -> list:
+        return []  # no tokenizer: no caption is cut
 
     def __init__(self, identity: str = "v1"):
         self.identity = identity
