@@ -98,7 +98,7 @@ class SD15Family(DDPMTraining, ModelFamily):
         return {"input_ids": clip_input_ids(self.tokenizer, captions)}
 
     def caption_windows(self) -> list[tuple[object, int]]:
-        return [(self.tokenizer, self.tokenizer.model_max_length)]  # CLIP's 77 (SDXL: both encoders alike)
+        return [(self.tokenizer, self.tokenizer.model_max_length)]  # CLIP's 77 (SDXL inherits it: both its encoders cut alike)
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         text_encoder = self.parts["text_encoder"]

@@ -105,9 +105,6 @@ class SDXLFamily(SD15Family):
         return {"input_ids": clip_input_ids(self.tokenizer, captions),
                 "input_ids_2": clip_input_ids(self.tokenizer_2, captions)}
 
-    def caption_windows(self) -> list[tuple[object, int]]:
-        return [(self.tokenizer, self.tokenizer.model_max_length)]  # CLIP's 77 (SDXL: both encoders alike)
-
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # as StableDiffusionXLPipeline.encode_prompt: the penultimate hidden states of both encoders,
         # side by side, and the second encoder's pooled projection
