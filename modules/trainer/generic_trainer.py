@@ -261,8 +261,7 @@ class GenericTrainer:
         if schedule.max_steps:
             self.total_steps = min(self.total_steps, schedule.max_steps)
         self.scheduler = build_scheduler(self.config.lr_scheduler, self.optimizer, self.total_steps)
-        warmup = warmup_note(self.config.lr_scheduler, self.total_steps)
-        if warmup and self.ranks.main:
+        if self.ranks.main and (warmup := warmup_note(self.config.lr_scheduler, self.total_steps)):
             self.callbacks.on_warning(warmup)
         self.generator = make_generator(self.device, self.config.seed)
         if self.resume_state is not None:
