@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from modules.data.cache import TensorCache
+from modules.data.cache_layout import expected_latent_layout, fits, measure_grid
 from modules.data.images import load_cropped
 from modules.data.masks import latent_mask, load_mask
 
@@ -96,15 +97,24 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
     ready: set[str] = set()
     todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
     seen: set[str] = set()
+    grid, stale = None, 0
     for entry in entries:
         if entry.latent_key in seen:
             continue
         seen.add(entry.latent_key)
-        names = cache.names(entry.latent_key)
-        if names is not None and needed_latent_names(entry) <= names:
-            ready.add(entry.latent_key)
-        else:
-            todo[entry.bucket].append(entry)
+        layout = cache.layout(entry.latent_key)
+        if layout is not None and needed_latent_names(entry) <= set(layout):
+            grid = grid or measure_grid(family, device)  # (once, for the first entry found)
+            if fits(layout, expected_latent_layout(entry, grid)):
+                ready.add(entry.latent_key)
+                continue
+            cache.count_stale()
+            stale += 1
+        todo[entry.bucket].append(entry)
+    if stale:
+        warn(f"{stale} latent cache entr{'y' if stale == 1 else 'ies'} in {cache.folder} held tensors of other "
+             "shapes or dtypes than their image, bucket and model give (damaged, or written by another "
+             "program?); encoding them again")
     chunks = [(group[start:start + ENCODE_BATCH], *bucket)
               for bucket, group in todo.items() for start in range(0, len(group), ENCODE_BATCH)]
     bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
