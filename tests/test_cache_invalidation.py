@@ -96,3 +96,19 @@ def test_an_entry_of_another_shape_or_dtype_is_encoded_again(setup, change):
     batch = dataset.collate(list(range(len(dataset.entries))), torch.device("cpu"))
     assert batch.latents.shape == (4, *good.shape)
     assert torch.allclose(load_file(entries[0])["latents"], good, atol=1e-5)  # (encoded alone, not in a batch of 4)
+
+
+def test_a_text_entry_of_another_shape_is_encoded_again(setup):
+    from safetensors.torch import load_file, save_file
+
+    config, family, cache_dir, _, _ = setup
+    entries = sorted((cache_dir / "text").rglob("*.safetensors"))
+    good = load_file(entries[0])
+    save_file({name: tensor[:-1].contiguous() for name, tensor in good.items()}, str(entries[0]))
+    warnings = []
+    dataset = prepare_dataset(config, family, torch.device("cpu"), cache_dir, warnings.append, cache_text=True)
+    assert dataset.cache_stats["text"] == (3, 1)
+    assert warnings == [f"1 text cache entry in {cache_dir / 'text'} held tensors of other shapes or dtypes than "
+                        "the text encoders give (damaged, or written by another program?); encoding them again"]
+    batch = dataset.collate(list(range(len(dataset.entries))), torch.device("cpu"))
+    assert {name: tuple(t.shape[1:]) for name, t in batch.text.items()} == {n: tuple(t.shape) for n, t in good.items()}

@@ -1,13 +1,15 @@
-"""What a latent cache entry must hold, by name, dtype and shape, to be used as it is.
+"""What a latent or text cache entry must hold, by name, dtype and shape, to be used as it is.
 
-The entry's key hashes the image, its bucket and the encoder, so a good entry always has this
-layout; one that does not (a file damaged, hand-made, or written by a bug) would be accepted by
+An entry's key hashes its input (image and bucket, or caption) and the encoder, so a good entry
+always has this layout; one that does not (a file damaged, hand-made, or written by a bug) would be accepted by
 its names alone and fail where a batch stacks it (`stack expects each tensor to be equal size`).
 It is treated as stale and encoded again.
 
 The latent grid of a bucket is learned from the family itself, by encoding one small blank image
 (the channels, and the downscale from its size): no family has to declare its VAE's geometry, and
-a patchifying one (FLUX.2: 128 channels at 1/16) is measured like the others.
+a patchifying one (FLUX.2: 128 channels at 1/16) is measured like the others. A text entry's
+layout is that of one caption encoded now (every family pads its tokens to a fixed length, so all
+captions give the same shapes; the batches stack them).
 """
 
 from __future__ import annotations
@@ -58,3 +60,10 @@ def expected_latent_layout(entry: Entry, grid: LatentGrid) -> Layout:
 def fits(found: Layout, expected: Layout) -> bool:
     """Every expected tensor is there with its dtype and shape (more tensors do no harm)."""
     return all(found.get(name) == want for name, want in expected.items())
+
+
+@torch.no_grad()
+def measure_text_layout(family: ModelFamily, caption: str) -> Layout:
+    """The layout cache_build writes for a caption: each conditioning tensor's row, as float32."""
+    encoded = family.encode_text(family.tokenize([caption]))
+    return {name: (STORED_DTYPE, tuple(tensor.shape[1:])) for name, tensor in encoded.items()}
