@@ -110,7 +110,8 @@ def newest_backup(workspace: Path) -> Path | None:
 
 
 def damaged(folder: Path, problem: str) -> BackupError:
-    """The error for a backup that cannot be resumed, with the way out (delete it: the resume then takes the one before)."""
+    """The error for a backup that cannot be resumed, with the way out (delete it: the resume then
+    takes the one before)."""
     return BackupError(f"backup.resume: {problem}; delete {folder} to resume from the backup before it")
 
 

@@ -66,7 +66,8 @@ def _state_problem(state: dict) -> str | None:
         return f"lacks {', '.join(missing)}"
     for key, kind in _STATE_LAYOUT.items():
         if not isinstance(state[key], kind) or kind is int and (isinstance(state[key], bool) or state[key] < 0):
-            return f"holds {type(state[key]).__name__} as {key!r}, not {'a whole number >= 0' if kind is int else kind.__name__}"
+            wanted = "a whole number >= 0" if kind is int else kind.__name__
+            return f"holds {type(state[key]).__name__} as {key!r}, not {wanted}"
     ranks = state.get("ranks") or []
     if not (isinstance(ranks, list) and all(isinstance(r, dict) and isinstance(r.get("generator"), torch.Tensor)
                                             and isinstance(r.get("torch_rng"), torch.Tensor) for r in ranks)):
