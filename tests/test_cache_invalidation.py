@@ -74,3 +74,41 @@ def test_changed_model_weights_re_encode(setup):
     text_weights = model / "text_encoder" / "model.safetensors"
     os.utime(text_weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2 * 10**9))
     assert counted(config, family, cache_dir) == ((4, 0), (0, 4))
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype"])
+def test_an_entry_of_another_shape_or_dtype_is_encoded_again(setup, change):
+    """A valid safetensors file whose names are right but whose tensor is not what the image and
+    bucket give (its shape or dtype) is stale, not a batch's `stack expects each tensor to be equal size`."""
+    from safetensors.torch import load_file, save_file
+
+    config, family, cache_dir, _, _ = setup
+    entries = sorted((cache_dir / "latents").rglob("*.safetensors"))
+    good = load_file(entries[0])["latents"]
+    stored = good[:, ::2, ::2] if change == "shape" else good.half()
+    save_file({"latents": stored.contiguous()}, str(entries[0]))
+    warnings = []
+    dataset = prepare_dataset(config, family, torch.device("cpu"), cache_dir, warnings.append, cache_text=True)
+    assert dataset.cache_stats["latents"] == (3, 1)
+    assert warnings == [f"1 latent cache entry in {cache_dir / 'latents'} held tensors of other shapes or dtypes "
+                        "than their image, bucket and model give (damaged, or written by another program?); "
+                        "encoding them again"]
+    batch = dataset.collate(list(range(len(dataset.entries))), torch.device("cpu"))
+    assert batch.latents.shape == (4, *good.shape)
+    assert torch.allclose(load_file(entries[0])["latents"], good, atol=1e-5)  # (encoded alone, not in a batch of 4)
+
+
+def test_a_text_entry_of_another_shape_is_encoded_again(setup):
+    from safetensors.torch import load_file, save_file
+
+    config, family, cache_dir, _, _ = setup
+    entries = sorted((cache_dir / "text").rglob("*.safetensors"))
+    good = load_file(entries[0])
+    save_file({name: tensor[:-1].contiguous() for name, tensor in good.items()}, str(entries[0]))
+    warnings = []
+    dataset = prepare_dataset(config, family, torch.device("cpu"), cache_dir, warnings.append, cache_text=True)
+    assert dataset.cache_stats["text"] == (3, 1)
+    assert warnings == [f"1 text cache entry in {cache_dir / 'text'} held tensors of other shapes or dtypes than "
+                        "the text encoders give (damaged, or written by another program?); encoding them again"]
+    batch = dataset.collate(list(range(len(dataset.entries))), torch.device("cpu"))
+    assert {name: tuple(t.shape[1:]) for name, t in batch.text.items()} == {n: tuple(t.shape) for n, t in good.items()}

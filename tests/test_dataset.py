@@ -231,7 +231,8 @@ def test_prepare_encodes_once_then_serves_from_the_cache(tmp_path):
 
     again = FakeFamily()
     cached, _ = prepare(fake_config(images), again, tmp_path / "cache")
-    assert (again.encoded_images, again.encoded_texts) == (0, 0)
+    # nothing but the probes: one blank image and one caption, whose shapes the cached entries must have
+    assert (again.encoded_images, again.encoded_texts) == (1, 1)
     for key, latent in dataset.latents.items():
         assert torch.equal(cached.latents[key], latent)
 
@@ -248,7 +249,7 @@ def test_prepare_reencodes_what_changed(tmp_path):
     paths[1].with_suffix(".txt").write_text("a new caption", encoding="utf-8")
     family = FakeFamily()
     prepare(fake_config(images), family, tmp_path / "cache")
-    assert (family.encoded_images, family.encoded_texts) == (1, 1)
+    assert (family.encoded_images, family.encoded_texts) == (1 + 1, 1 + 1)  # (and the layout probes)
     family = FakeFamily()
     prepare(fake_config(images, resolution=96), family, tmp_path / "cache")  # other bucket sizes
     assert family.encoded_images == 3

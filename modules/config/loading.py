@@ -57,6 +57,23 @@ def merge_layer(base: dict, overlay: dict) -> dict:
     return deep_merge(base, overlay)
 
 
+# far more than any config needs (about 5), far less than what would exhaust the recursion of the
+# copies and validation that follow (Python's limit is ~1,000 frames)
+MAX_NESTING = 100
+_TOO_DEEP = object()  # json.loads gave up: deeper than its recursion allows
+
+
+def _too_deep(data: Any) -> bool:
+    """Whether objects and lists nest deeper than MAX_NESTING (walked without recursion)."""
+    level = [data]
+    for _ in range(MAX_NESTING):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return False
+    return any(isinstance(node, (dict, list)) for node in level)
+
+
 def read_json_file(path: str | Path) -> dict:
     path = Path(path)
     try:
@@ -71,6 +88,11 @@ def read_json_file(path: str | Path) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ConfigError([f"{path}: not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"]) from None
+    except RecursionError:  # json's parser recurses per level (at ~1,000 levels here)
+        data = _TOO_DEEP
+    if data is _TOO_DEEP or _too_deep(data):
+        raise ConfigError([f"{path}: nested deeper than {MAX_NESTING} levels; a config is a few levels deep "
+                           "(is this the file you meant?)"])
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: must hold a JSON object at the top level"])
     return migrate(data, source=str(path))
@@ -105,6 +127,10 @@ def set_override(data: dict, assignment: str) -> dict:
         value: Any = json.loads(raw)
     except json.JSONDecodeError:
         value = raw
+    except RecursionError:
+        value = _TOO_DEEP
+    if value is _TOO_DEEP or _too_deep(value):
+        raise ConfigError([f"--set {key.strip()}: the value is nested deeper than {MAX_NESTING} levels"])
     steps = parse_dotted(key.strip())
     root = json.loads(json.dumps(data))  # a deep copy of plain JSON
     tagged = _tagged_members()

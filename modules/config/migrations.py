@@ -15,11 +15,28 @@ from modules.config.errors import ConfigError
 from modules.config.train_config import CURRENT_VERSION
 
 
-def _set(tree: dict, dotted: str, value: Any) -> None:
+def _set(tree: dict, dotted: str, value: Any, origin: str, owners: dict[str, str], above: str = "") -> None:
+    """tree[dotted] = value for version 0's key `origin`; objects merge, and a place another key of
+    the file already holds (`"model": "abc"` beside `model_family`) is refused, naming both keys.
+    `owners`: which key of the file set each place so far."""
     keys = dotted.split(".")
-    for key in keys[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[keys[-1]] = value
+    for depth, key in enumerate(keys):
+        place = above + ".".join(keys[:depth + 1])
+        last = depth == len(keys) - 1
+        if key not in tree:
+            owners[place] = origin
+            if last:
+                tree[key] = value
+                return
+            tree[key] = {}
+        elif last and isinstance(tree[key], dict) and isinstance(value, dict):
+            for inner, item in value.items():
+                _set(tree[key], inner, item, origin, owners, place + ".")
+            return
+        elif last or not isinstance(tree[key], dict):
+            raise ConfigError([f"{place}: set by both {owners.get(place, '?')!r} and {origin!r} of this version-0 "
+                               f"file (version 0's keys move into the current layout); keep one of them"])
+        tree = tree[key]
 
 
 # v0 was the flat layout of the first presets (OneTrainer-like names at the top level).
@@ -50,30 +67,32 @@ _V0_FLAT_KEYS = {
 
 def _v0_to_v1(old: dict) -> dict:
     new: dict = {}
+    owners: dict[str, str] = {}
     for key, value in old.items():
         if key == "version":
             continue
         if key in _V0_FLAT_KEYS:
-            _set(new, _V0_FLAT_KEYS[key], value)
+            _set(new, _V0_FLAT_KEYS[key], value, key, owners)
         elif key == "train_text_encoder":
-            _set(new, "model.parts.text_encoder.train", value)
+            _set(new, "model.parts.text_encoder.train", value, key, owners)
         elif key == "text_encoder_learning_rate":
-            _set(new, "model.parts.text_encoder.learning_rate", value)
+            _set(new, "model.parts.text_encoder.learning_rate", value, key, owners)
         elif key == "unet_learning_rate":
-            _set(new, "model.parts.unet.learning_rate", value)
+            _set(new, "model.parts.unet.learning_rate", value, key, owners)
         elif key == "weight_dtype":
             for part in ("text_encoder", "unet", "vae"):
-                _set(new, f"model.parts.{part}.weight_dtype", value)
+                _set(new, f"model.parts.{part}.weight_dtype", value, key, owners)
         elif key in ("sample_every_n_steps", "save_every_n_steps", "backup_every_n_steps"):
             action = key.split("_every")[0]
-            _set(new, f"schedule.{action}_every", {"value": value, "unit": "steps"})
+            _set(new, f"schedule.{action}_every", {"value": value, "unit": "steps"}, key, owners)
         elif key == "concepts" and isinstance(value, list):
+            _set(new, "concepts", value, key, owners)  # (a list is one value: nothing else moves into it)
             new["concepts"] = [
                 {("path" if k == "folder" else k): v for k, v in concept.items()} if isinstance(concept, dict) else concept
                 for concept in value
             ]
         else:
-            new[key] = value  # unknown in v0 too: validation will name it
+            _set(new, key, value, key, owners)  # unknown in v0 too: validation will name it
     new["version"] = 1
     return new
 
@@ -141,7 +160,10 @@ def migrate(data: dict, source: str | None = None) -> dict:
         raise ConfigError([f"version: must be >= 0 (got {version})"], source)
     data = copy.deepcopy(data)
     while version < CURRENT_VERSION:
-        data = MIGRATIONS[version](data)
+        try:
+            data = MIGRATIONS[version](data)
+        except ConfigError as error:  # a step names the key; the file is named here
+            raise ConfigError(error.problems, source) from None
         version += 1
     data["version"] = CURRENT_VERSION
     return data

@@ -57,15 +57,27 @@ class TensorCache:
         """The tensor names an entry holds, from its header alone (no tensor is read); None when
         the entry is absent or unreadable (a truncated file fails here: safetensors checks that
         the header's offsets cover the file)."""
+        layout = self.layout(key)
+        return None if layout is None else set(layout)
+
+    def layout(self, key: str) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+        """Each tensor's (safetensors dtype name, shape) in an entry, from its header alone; None
+        as for names()."""
         path = self.path(key)
         try:
             with safe_open(str(path), framework="pt") as opened:
-                names = set(opened.keys())
+                slices = {name: opened.get_slice(name) for name in opened.keys()}
+                layout = {name: (part.get_dtype(), tuple(part.get_shape())) for name, part in slices.items()}
         except (SafetensorError, OSError):
             self.misses += 1
             return None
         self.hits += 1
-        return names
+        return layout
+
+    def count_stale(self) -> None:
+        """An entry found (and counted as a hit) that is not what its key must hold: a miss, rebuilt."""
+        self.hits -= 1
+        self.misses += 1
 
     def read(self, key: str) -> dict[str, torch.Tensor]:
         """The entry's tensors, for an entry known to exist (a training batch needs it)."""

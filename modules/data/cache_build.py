@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from modules.data.cache import TensorCache
+from modules.data.cache_layout import expected_latent_layout, fits, measure_grid, measure_text_layout
 from modules.data.images import load_cropped
 from modules.data.masks import latent_mask, load_mask
 
@@ -96,15 +97,24 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
     ready: set[str] = set()
     todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
     seen: set[str] = set()
+    grid, stale = None, 0
     for entry in entries:
         if entry.latent_key in seen:
             continue
         seen.add(entry.latent_key)
-        names = cache.names(entry.latent_key)
-        if names is not None and needed_latent_names(entry) <= names:
-            ready.add(entry.latent_key)
-        else:
-            todo[entry.bucket].append(entry)
+        layout = cache.layout(entry.latent_key)
+        if layout is not None and needed_latent_names(entry) <= set(layout):
+            grid = grid or measure_grid(family, device)  # (once, for the first entry found)
+            if fits(layout, expected_latent_layout(entry, grid)):
+                ready.add(entry.latent_key)
+                continue
+            cache.count_stale()
+            stale += 1
+        todo[entry.bucket].append(entry)
+    if stale:
+        warn(f"{stale} latent cache entr{'y' if stale == 1 else 'ies'} in {cache.folder} held tensors of other "
+             "shapes or dtypes than their image, bucket and model give (damaged, or written by another "
+             "program?); encoding them again")
     chunks = [(group[start:start + ENCODE_BATCH], *bucket)
               for bucket, group in todo.items() for start in range(0, len(group), ENCODE_BATCH)]
     bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
@@ -146,17 +156,27 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
 
 
 @torch.no_grad()
-def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache) -> set[str]:
+def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
+               warn: Callable[[str], None]) -> set[str]:
     """Encode and write the conditioning of every caption the cache lacks; the text keys present."""
     ready: set[str] = set()
     todo: dict[str, str] = {}
+    reference, stale = None, 0
     for entry in entries:
         if entry.text_key in ready or entry.text_key in todo:
             continue
-        if cache.names(entry.text_key):  # an empty entry is as good as none
-            ready.add(entry.text_key)
-        else:
-            todo[entry.text_key] = entry.item.caption
+        layout = cache.layout(entry.text_key)
+        if layout:  # an empty entry is as good as none
+            reference = reference or measure_text_layout(family, entry.item.caption)  # (once)
+            if fits(layout, reference):
+                ready.add(entry.text_key)
+                continue
+            cache.count_stale()
+            stale += 1
+        todo[entry.text_key] = entry.item.caption
+    if stale:
+        warn(f"{stale} text cache entr{'y' if stale == 1 else 'ies'} in {cache.folder} held tensors of other shapes "
+             "or dtypes than the text encoders give (damaged, or written by another program?); encoding them again")
     keys = list(todo)
     bar = caching_progress(len(keys), "encoding captions", "caption")
     writer = _Writer(cache)

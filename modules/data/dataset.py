@@ -299,7 +299,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     texts: Mapping = {}
     if cache_text:
-        fill_texts(entries, family, text_cache)
+        fill_texts(entries, family, text_cache, warn)
         texts = CachedTensors(reader, text_cache, {e.text_key: (e.text_key, None) for e in entries})
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),

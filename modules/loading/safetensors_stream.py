@@ -14,6 +14,7 @@ from __future__ import annotations
 from modules.errors import UserError
 
 import json
+import math
 import struct
 from pathlib import Path
 
@@ -32,6 +33,31 @@ class SafetensorsError(UserError, ValueError):
     pass
 
 
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _entry_problem(entry: object) -> str | None:
+    """What is wrong with one tensor's header entry (dtype, shape, data_offsets), or None."""
+    if not isinstance(entry, dict):
+        return "not a JSON object"
+    missing = [key for key in ("dtype", "shape", "data_offsets") if key not in entry]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not (isinstance(shape, list) and all(_whole(size) for size in shape)):
+        return f"shape {shape!r} is not a list of whole numbers >= 0"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_whole(offset) for offset in offsets)):
+        return f"data_offsets {offsets!r} is not two whole numbers >= 0"
+    if entry["dtype"] not in _DTYPES:
+        return None  # a dtype this reader lacks: named as such by the caller
+    begin, end = offsets
+    expected = math.prod(shape) * _DTYPES[entry["dtype"]].itemsize
+    if end - begin != expected:
+        return f"data_offsets {offsets!r} span {end - begin} bytes, its {entry['dtype']} shape {shape} needs {expected}"
+    return None
+
+
 class SafetensorsStream:
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -46,18 +72,29 @@ class SafetensorsStream:
                 header = json.loads(file.read(length))
             except (UnicodeDecodeError, json.JSONDecodeError) as error:
                 raise SafetensorsError(f"{self.path}: unreadable safetensors header: {error}") from None
+            except RecursionError:
+                raise SafetensorsError(f"{self.path}: unreadable safetensors header: nested too deeply") from None
         if not isinstance(header, dict):
             raise SafetensorsError(f"{self.path}: not a safetensors file (its header is not a JSON object)")
-        self.metadata: dict[str, str] = header.pop("__metadata__", None) or {}
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise SafetensorsError(f"{self.path}: not a safetensors file (its __metadata__ is not a JSON object)")
+        self.metadata: dict[str, str] = metadata
         self._entries: dict[str, dict] = header
         self._data_start = 8 + length
         for name, entry in header.items():
-            if not (isinstance(entry, dict) and isinstance(entry.get("data_offsets"), list)
-                    and len(entry["data_offsets"]) == 2 and isinstance(entry.get("shape"), list)):
-                raise SafetensorsError(f"{self.path}: not a safetensors file (entry {name!r} of its header "
-                                       "lacks dtype, shape or data_offsets)")
-            if entry.get("dtype") not in _DTYPES:
-                raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+            problem = _entry_problem(entry)
+            if problem:
+                raise SafetensorsError(f"{self.path}: not a safetensors file (tensor {name!r} of its header: "
+                                       f"{problem}); a damaged or hand-edited file? Download or copy it again")
+            if entry["dtype"] not in _DTYPES:
+                raise SafetensorsError(f"{self.path}: tensor {name!r} has unsupported dtype {entry['dtype']!r}")
+        # in file order, tensors must follow one another without overlapping (what safetensors writes)
+        spans = sorted((entry["data_offsets"], name) for name, entry in header.items())
+        for ((_, end), before), ((begin, _), name) in zip(spans, spans[1:]):
+            if begin < end:
+                raise SafetensorsError(f"{self.path}: not a safetensors file (the bytes of tensors {before!r} and "
+                                       f"{name!r} overlap); a damaged or hand-edited file? Download or copy it again")
         # a cut-off download or copy shows here, before any tensor is read
         needed = max((entry["data_offsets"][1] for entry in header.values()), default=0)
         held = self.path.stat().st_size - self._data_start

@@ -100,6 +100,30 @@ def send_pairs(out, pairs: list[tuple[str, str]]) -> None:
     out.flush()
 
 
+def frame_header(line: bytes) -> dict:
+    """One file's header line, checked: {"path": text, "size": whole number, "mtime": number}, or
+    the end mark. ValueError (what the receiving side reports) naming what is wrong."""
+    try:
+        meta = json.loads(line)
+    except (ValueError, RecursionError):  # JSON and UTF-8 errors are ValueErrors
+        raise ValueError(f"a file header of the stream is not JSON: {line[:80]!r}") from None
+    if isinstance(meta, dict) and meta.get("end") is True:
+        return meta
+    if not isinstance(meta, dict):
+        raise ValueError(f"a file header of the stream is not a JSON object: {line[:80]!r}")
+    missing = [key for key in ("path", "size", "mtime") if key not in meta]
+    if missing:
+        raise ValueError(f"a file header of the stream lacks {', '.join(missing)}: {line[:80]!r}")
+    path, size, mtime = meta["path"], meta["size"], meta["mtime"]
+    if not isinstance(path, str):
+        raise ValueError(f"a file header's path is not text: {path!r}")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        raise ValueError(f"the file header of {path!r} has size {size!r}, not a whole number >= 0")
+    if not (isinstance(mtime, (int, float)) and not isinstance(mtime, bool) and abs(mtime) < 1e11):
+        raise ValueError(f"the file header of {path!r} has mtime {mtime!r}, not a time in seconds")
+    return meta
+
+
 def receive_files(stream, root: str, on_file=None) -> list[str]:
     """Write framed files from `stream` under root (each to a temp name, then renamed); their relative paths."""
     received = []
@@ -107,10 +131,10 @@ def receive_files(stream, root: str, on_file=None) -> list[str]:
         header = stream.readline()
         if not header:
             raise EOFError("the file stream ended early (connection lost?)")
-        meta = json.loads(header)
+        meta = frame_header(header)
         if meta.get("end"):
             return received
-        rel, size = meta["path"], int(meta["size"])
+        rel, size = meta["path"], meta["size"]
         target = os.path.join(root, safe_relative(rel))
         os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
         temp = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.{os.getpid()}.tmp")

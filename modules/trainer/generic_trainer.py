@@ -81,6 +81,7 @@ class GenericTrainer:
         self.output_path = config.output_path  # settled in start(): output.if_exists may version it
         self.scalars: ScalarLog | None = None
         self.backup_config: dict | None = None  # the config a resumed backup was written with
+        self.resume_folder: Path | None = None  # the backup resumed from
         self.epoch = 0
         self.batch_in_epoch = 0  # batches of `epoch` already trained
         self.last_loss = float("nan")

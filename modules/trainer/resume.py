@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from modules.config.adapter_configs import DEFAULT_ADAPTER_TYPE, AdapterConfigBase, resolve_dora_axis
+from modules.config.errors import ConfigError
 from modules.config.migrations import migrate
 from modules.config.train_config import TrainConfig
 from modules.trainer.guards import TrainingError
@@ -54,6 +55,43 @@ def _trained_embeddings(embeddings: list[dict]) -> list[str]:
     """The trained embeddings as `placeholder x vectors` (a start file brings its own count: `from file`)."""
     return [f"{e.get('placeholder')} x {'from file' if e.get('path') else e.get('vectors', 1)}"
             for e in embeddings if e.get("train", True)]
+
+
+def _shape_problem(value, default, path: str) -> str | None:
+    """Where `value` (a dumped config) has a scalar or list where `default` has an object, or the reverse."""
+    if isinstance(default, dict):
+        if not isinstance(value, dict):
+            return f"{path or 'the file'} is {type(value).__name__}, not an object"
+        for key in value.keys() & default.keys():
+            problem = _shape_problem(value[key], default[key], f"{path}.{key}" if path else key)
+            if problem:
+                return problem
+    elif isinstance(default, list) and not isinstance(value, list):
+        return f"{path} is {type(value).__name__}, not a list"
+    return None
+
+
+def backup_config_problem(backup_config: dict) -> str | None:
+    """Why the comparisons below cannot read a backup's config.json (objects where they read keys),
+    or None. Fields unknown to this trainer pass: an older backup may have them."""
+    try:
+        backup_config = migrate(backup_config)
+    except ConfigError as error:
+        return "; ".join(error.problems)
+    problem = _shape_problem(backup_config, TrainConfig().model_dump(mode="json"), "")
+    if problem:
+        return problem
+    # objects of per-part objects (their keys are the family's parts); an adapter part may be null
+    for path, may_be_null in (("model.parts", False), ("adapter.parts", True)):
+        named = _get(backup_config, tuple(path.split(".")), {}) or {}
+        if not isinstance(named, dict):
+            return f"{path} is not an object"
+        bad = [key for key, item in named.items() if not (isinstance(item, dict) or may_be_null and item is None)]
+        if bad:
+            return f"{path}.{bad[0]} is not an object"
+    if not all(isinstance(item, dict) for item in backup_config.get("embeddings") or []):
+        return "embeddings holds an item that is not an object"
+    return None
 
 
 def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:

@@ -4,7 +4,8 @@ run's changed hyperparameters apply (modules/trainer/resume.py says which change
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,9 +13,10 @@ import torch
 from modules.config.errors import ConfigError
 from modules.methods.base import split_state
 from modules.optim.optimizers import build_optimizer
-from modules.saving.backup import newest_backup, read_backup
+from modules.saving.backup import damaged, newest_backup, read_backup, read_backup_config
 from modules.trainer.resume import (
     apply_current_hyperparameters,
+    backup_config_problem,
     check_resume_compatible,
     describe_changes,
     follow_current_schedule,
@@ -52,12 +54,38 @@ def training_state(trainer: GenericTrainer) -> dict:
     }
 
 
+# what training_state() writes and restore_training_state() needs, by type ("ranks", "scaler",
+# "cuda_rng" and "ema" may be None or absent)
+_STATE_LAYOUT = {"optimizer": dict, "scheduler": dict, "generator": torch.Tensor, "torch_rng": torch.Tensor,
+                 "step": int, "epoch": int, "batch_in_epoch": int}
+
+
+def _state_problem(state: dict) -> str | None:
+    missing = [key for key in _STATE_LAYOUT if key not in state]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for key, kind in _STATE_LAYOUT.items():
+        if not isinstance(state[key], kind) or kind is int and (isinstance(state[key], bool) or state[key] < 0):
+            wanted = "a whole number >= 0" if kind is int else kind.__name__
+            return f"holds {type(state[key]).__name__} as {key!r}, not {wanted}"
+    ranks = state.get("ranks") or []
+    if not (isinstance(ranks, list) and all(isinstance(r, dict) and isinstance(r.get("generator"), torch.Tensor)
+                                            and isinstance(r.get("torch_rng"), torch.Tensor) for r in ranks)):
+        return "holds 'ranks' that are not each rank's random states"
+    return None
+
+
 def check_resume_early(trainer: GenericTrainer) -> None:
-    """A change the backup cannot follow is refused before the (slow) model load."""
+    """A change the backup cannot follow, or a backup that is incomplete or whose config is damaged,
+    is refused before the (slow) model load."""
     folder = newest_backup(trainer.workspace)
-    if folder is not None:
-        check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
-                                trainer.config, folder)
+    if folder is None:
+        return
+    backup_config = read_backup_config(folder)
+    problem = backup_config_problem(backup_config)
+    if problem:
+        raise damaged(folder, f"{folder / 'config.json'} is not a config this trainer wrote ({problem})")
+    check_resume_compatible(backup_config, trainer.config, folder)
 
 
 def load_resume_state(trainer: GenericTrainer) -> dict | None:
@@ -70,6 +98,9 @@ def load_resume_state(trainer: GenericTrainer) -> dict | None:
                                      "starting from step 0")
         return None
     weights, state, config_json = read_backup(folder)
+    problem = _state_problem(state)
+    if problem:
+        raise damaged(folder, f"{folder / 'state.pt'} is not a training state this trainer wrote (it {problem})")
     for method, own in zip(trainer.methods, split_state(trainer.methods, weights)):
         method.load_state_dict(own, source=str(folder / "adapter.safetensors"))
     trainer.callbacks.on_status(f"resuming from {folder}")
@@ -78,7 +109,21 @@ def load_resume_state(trainer: GenericTrainer) -> dict | None:
         trainer.callbacks.on_warning(f"resume: changed since the backup (this run's values apply from step "
                                      f"{state['step'] + 1}): " + "; ".join(changes))
     trainer.backup_config = config_json
+    trainer.resume_folder = folder
     return state
+
+
+@contextmanager
+def _fitting(trainer: GenericTrainer, what: str) -> Iterator[None]:
+    """A part of state.pt that its loader refuses (a damaged or foreign file) named with the way out."""
+    try:
+        yield
+    except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as error:
+        if isinstance(error, torch.OutOfMemoryError):
+            raise
+        folder = trainer.resume_folder
+        raise damaged(folder, f"{folder / 'state.pt'}: its {what} does not fit this run "
+                              f"({type(error).__name__}: {error})") from None
 
 
 def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
@@ -86,27 +131,32 @@ def restore_training_state(trainer: GenericTrainer, state: dict) -> None:
     # the ones this run's config changed are put back, and the schedule follows this run's config
     optimizer = trainer.optimizer
     current_groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    with _fitting(trainer, "optimizer state"):
+        optimizer.load_state_dict(state["optimizer"])
     reshard_optimizer_state_(optimizer)  # a sharded weight's state back to this rank's slice
     apply_current_hyperparameters(optimizer, current_groups, _backup_groups(trainer))
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    follow_current_schedule(trainer.scheduler)
+    with _fitting(trainer, "LR scheduler state"):
+        trainer.scheduler.load_state_dict(state["scheduler"])
+        follow_current_schedule(trainer.scheduler)
     if state.get("scaler"):
-        trainer.scaler.load_state_dict(state["scaler"])
+        with _fitting(trainer, "loss scaler state"):
+            trainer.scaler.load_state_dict(state["scaler"])
     # this rank's own states where the backup has them (a run of as many processes), else rank 0's
     own = state.get("ranks") or []
     randoms = own[trainer.ranks.rank] if trainer.ranks.rank < len(own) else state
-    trainer.generator.set_state(randoms["generator"])
-    torch.set_rng_state(randoms["torch_rng"])
-    if trainer.device.type == "cuda" and randoms.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(randoms["cuda_rng"], trainer.device)
+    with _fitting(trainer, "random state"):
+        trainer.generator.set_state(randoms["generator"])
+        torch.set_rng_state(randoms["torch_rng"])
+        if trainer.device.type == "cuda" and randoms.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(randoms["cuda_rng"], trainer.device)
     trainer.step, trainer.epoch, trainer.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
     if trainer.ema is not None:
         if state.get("ema") is None:
             trainer.callbacks.on_warning("ema.enabled: the backup has no EMA; the average starts from the "
                                          "resumed weights")
         else:
-            trainer.ema.load_state_dict(state["ema"])
+            with _fitting(trainer, "EMA state"):
+                trainer.ema.load_state_dict(state["ema"])
 
 
 def _backup_groups(trainer: GenericTrainer) -> list[dict] | None:
