@@ -7,8 +7,10 @@ product runs on an 8-bit kernel where one exists:
 - int8: `torch._int_mm` (int8 x int8 -> int32). It runs on CPU for any shape; on CUDA it needs more
   than 16 rows and both matrix dims a multiple of 8.
 - fp8: `torch._scaled_mm` with row-wise scales, on CUDA with compute capability >= 8.9 and dims a
-  multiple of 16. A GPU/torch build that still refuses (row-wise scaling came later than fp8 itself)
-  is remembered and falls back from then on.
+  multiple of 16. Row-wise scaling came later than fp8 itself and some builds take only bf16/fp16
+  output with it (RTX 40xx/50xx raise ValueError for float32), so the kernel is probed once per
+  device and compute dtype with exactly this call (`fp8_output_dtype`): a float32 compute dtype
+  computes in bfloat16 there and the result is cast back; a device that refuses both falls back.
 
 Everywhere else (other devices, small or odd shapes, `USE_KERNELS = False`) the weight is dequantized
 and F.linear runs on the unquantized activations: slower, and slightly more exact than the kernel.
@@ -37,8 +39,11 @@ USE_KERNELS = True
 WEIGHT_FORMATS = {"int8": torch.int8, "fp8": FP8_DTYPE}
 INT8_MAX = 127.0
 
-# devices (as strings, "cuda:0") where torch._scaled_mm raised once: not retried on every call
-_FP8_KERNEL_REFUSED: set[str] = set()
+# (device as a string, compute dtype) -> the output dtype torch._scaled_mm's row-wise kernel gives
+# there for that compute dtype, or None where it refuses: probed once, not on every call
+_FP8_OUTPUT_DTYPE: dict[tuple[str, torch.dtype], torch.dtype | None] = {}
+# what torch._scaled_mm raises where it does not run (ValueError: a refused output dtype)
+_KERNEL_ERRORS = (RuntimeError, ValueError, TypeError, NotImplementedError, AttributeError)
 
 
 def quantize_rows(x: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +72,9 @@ def int8_kernel_runs(device: torch.device, m: int, k: int, n: int) -> bool:
 
 
 def fp8_kernel_runs(device: torch.device, m: int, k: int, n: int) -> bool:
-    """Whether to try torch._scaled_mm for an (m, k) x (k, n) product on `device`."""
-    if device.type != "cuda" or str(device) in _FP8_KERNEL_REFUSED:
+    """Whether torch._scaled_mm may take an (m, k) x (k, n) product on `device` (device and shape;
+    `fp8_output_dtype` says whether this build really runs it)."""
+    if device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(device) < (8, 9):
         return False
@@ -88,6 +94,32 @@ def fp8_matmul(x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Tens
     """(x_codes * x_scale[:, None]) @ (w_codes * w_scale[:, None])^T via torch._scaled_mm (row-wise scales)."""
     return torch._scaled_mm(x_codes, w_codes.t(), scale_a=x_scale[:, None].contiguous(),
                             scale_b=w_scale[None, :].contiguous(), out_dtype=out_dtype)
+
+
+def rowwise_scaled_mm_runs(device: torch.device, out_dtype: torch.dtype) -> bool:
+    """One tiny fp8_matmul, row-wise scales as the layer passes them, giving `out_dtype`."""
+    try:
+        a = torch.ones(32, 64, device=device).to(FP8_DTYPE)
+        b = torch.ones(32, 64, device=device).to(FP8_DTYPE)
+        scale = torch.full((32,), 0.5, device=device)
+        out = fp8_matmul(a, scale, b, scale, out_dtype)
+        return out.dtype == out_dtype and float(out[0, 0].item()) == 16.0  # 64 x 0.5 x 0.5
+    except _KERNEL_ERRORS:
+        return False
+
+
+def fp8_output_dtype(device: torch.device, compute_dtype: torch.dtype) -> torch.dtype | None:
+    """The output dtype the fp8 kernel computes in on `device` for `compute_dtype` (itself, or
+    bfloat16 where float32 output is refused), None where the kernel does not run; probed once."""
+    key = (str(device), compute_dtype)
+    if key not in _FP8_OUTPUT_DTYPE:
+        candidates = [compute_dtype] + ([torch.bfloat16] if compute_dtype == torch.float32 else [])
+        _FP8_OUTPUT_DTYPE[key] = next((dtype for dtype in candidates if rowwise_scaled_mm_runs(device, dtype)),
+                                      None)
+        if _FP8_OUTPUT_DTYPE[key] not in (None, compute_dtype):
+            logger.info("torch._scaled_mm takes no %s output with row-wise scales on %s: fp8 W8A8 computes in "
+                        "%s there and casts back", compute_dtype, device, _FP8_OUTPUT_DTYPE[key])
+    return _FP8_OUTPUT_DTYPE[key]
 
 
 class LinearW8A8(QuantizedLinear):
@@ -115,6 +147,10 @@ class LinearW8A8(QuantizedLinear):
             torch.zeros(out_features, in_features, dtype=WEIGHT_FORMATS[weight_format], device=device),
             requires_grad=False)
         self.register_buffer("scale", torch.ones(out_features, dtype=torch.float32, device=device))
+        # the path the last eager forward took ("int_mm", "scaled_mm", "dense") and the dtype the
+        # kernel computed in: what a test or a benchmark asks to know the fast kernel really ran
+        self.last_kernel: str | None = None
+        self.last_kernel_dtype: torch.dtype | None = None
 
     @torch.no_grad()
     def quantize_weight(self, weight: torch.Tensor) -> None:
@@ -134,28 +170,41 @@ class LinearW8A8(QuantizedLinear):
         m, k = x2d.shape
         if self.weight_format == "int8":
             return "int_mm" if int8_kernel_runs(x2d.device, m, k, self.out_features) else "dense"
-        return "scaled_mm" if fp8_kernel_runs(x2d.device, m, k, self.out_features) else "dense"
+        if fp8_kernel_runs(x2d.device, m, k, self.out_features) and fp8_output_dtype(
+                x2d.device, self.compute_dtype) is not None:
+            return "scaled_mm"
+        return "dense"
+
+    def _record(self, path: str, dtype: torch.dtype) -> None:
+        if not torch.compiler.is_compiling():  # an attribute write inside a traced graph is a side effect
+            self.last_kernel, self.last_kernel_dtype = path, dtype
 
     def quantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W^T without bias, `x` in the compute dtype; no autograd (runs inside the Function)."""
         x2d = x.reshape(-1, self.in_features)
         path = self.kernel_path(x2d)
         if path == "dense":
+            self._record("dense", self.compute_dtype)
             return self.dense_matmul(x)
         # the weight follows the input (layer parked in RAM, input on the GPU), as in the fallback
         w_codes = self.weight.to(x.device)
         w_scale = self.scale.to(x.device)
         x_codes, x_scale = quantize_rows(x2d, self.weight_format)
         if path == "int_mm":
-            out = int8_matmul(x_codes, x_scale, w_codes, w_scale, self.compute_dtype)
+            out_dtype = self.compute_dtype
+            out = int8_matmul(x_codes, x_scale, w_codes, w_scale, out_dtype)
         else:
+            out_dtype = fp8_output_dtype(x.device, self.compute_dtype)
             try:
-                out = fp8_matmul(x_codes, x_scale, w_codes, w_scale, self.compute_dtype)
-            except RuntimeError as error:
-                _FP8_KERNEL_REFUSED.add(str(x.device))
+                out = fp8_matmul(x_codes, x_scale, w_codes, w_scale, out_dtype).to(self.compute_dtype)
+            except _KERNEL_ERRORS as error:
+                # the probe passed but this shape did not: not retried on this device and dtype
+                _FP8_OUTPUT_DTYPE[(str(x.device), self.compute_dtype)] = None
                 logger.warning("torch._scaled_mm refused on %s (%s); fp8 W8A8 falls back to "
                                "dequantize + F.linear there", x.device, error)
+                self._record("dense", self.compute_dtype)
                 return self.dense_matmul(x)
+        self._record(path, out_dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
