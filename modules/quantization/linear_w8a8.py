@@ -29,7 +29,13 @@ import torch
 from torch import nn
 
 from modules.quantization.base import FrozenWeightMatmul, QuantizedLinear
-from modules.quantization.linear_fp8 import FP8_DTYPE, FP8_MAX, scaled_dequantize
+from modules.quantization.linear_fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    bfloat16_exact_ceil,
+    dequantize_through_float32,
+    scaled_dequantize,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +59,11 @@ def quantize_rows(x: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, to
     amax = dense.abs().amax(dim=1)
     # an all-zero row has no range to map; any positive scale reproduces it
     scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    if weight_format == "fp8":
+        # bfloat16-exact: the weight dequantizes straight into bfloat16 without a float32 copy
+        # (linear_fp8.bfloat16_exact_ceil); int8 keeps the exact scale (its 255 levels would show
+        # the up to 2^-8 coarser step) and dequantizes through float32
+        scale = bfloat16_exact_ceil(scale)
     scaled = dense / scale[:, None]
     if weight_format == "int8":
         codes = scaled.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -161,7 +172,8 @@ class LinearW8A8(QuantizedLinear):
         self.scale.copy_(scale)
 
     def unquantized_weight(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        return scaled_dequantize(self.weight, self.scale[:, None], dtype, device)
+        dequantize = scaled_dequantize if self.weight_format == "fp8" else dequantize_through_float32
+        return dequantize(self.weight, self.scale[:, None], dtype, device)
 
     def kernel_path(self, x2d: torch.Tensor) -> str:
         """"int_mm", "scaled_mm" or "dense" for a flattened (tokens, in_features) input."""
