@@ -86,7 +86,8 @@ def bfloat16_exact_ceil(scale: torch.Tensor) -> torch.Tensor:
     """
     bits = scale.to(torch.float32).contiguous().view(torch.int32)
     # bfloat16 is float32's upper 16 bits: carry any low bits into them, then drop the low bits
-    return ((bits + 0xFFFF) & -0x10000).view(torch.float32)
+    # (shifts, which every backend has; the scale is positive, so the sign bit stays 0)
+    return (((bits + 0xFFFF) >> 16) << 16).view(torch.float32)
 
 
 def scaled_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
