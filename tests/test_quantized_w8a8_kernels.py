@@ -78,7 +78,7 @@ def fp8_kernel_on_cpu(monkeypatch):
         return real(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, **options)
 
     monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
-    monkeypatch.setattr(w8a8, "fp8_kernel_runs", lambda device, m, k, n: m > 0 and k % 16 == 0 and n % 16 == 0)
+    monkeypatch.setattr(w8a8, "fp8_kernel_device", lambda device: True)  # the CPU stands in for an sm_89 GPU
     monkeypatch.setattr(w8a8, "_FP8_OUTPUT_DTYPE", {}, raising=False)  # nothing probed yet
     return asked
 
@@ -175,3 +175,11 @@ def test_capability_probe_asks_for_row_wise_scaling(monkeypatch):
     assert capabilities._scaled_mm_works(torch.device("cpu"))  # torch 2.13 CPU runs row-wise scales
     monkeypatch.setattr(torch, "_scaled_mm", tensor_wise_only)
     assert not capabilities._scaled_mm_works(torch.device("cpu"))
+
+
+def test_the_fp8_probe_runs_when_the_layer_arrives_so_a_compiled_forward_has_no_graph_break(fp8_kernel_on_cpu):
+    from modules.quantization.compile_gate import graph_blocker
+
+    layer = LinearW8A8Fp8.from_linear(dense_linear(bias=False), torch.float32).to("cpu")
+    assert w8a8._FP8_OUTPUT_DTYPE == {("cpu", torch.float32): torch.bfloat16}  # probed by .to(), eagerly
+    assert graph_blocker(layer, make_input()) is None  # the traced forward only reads the cached answer

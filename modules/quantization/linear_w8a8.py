@@ -85,11 +85,12 @@ def int8_kernel_runs(device: torch.device, m: int, k: int, n: int) -> bool:
 def fp8_kernel_runs(device: torch.device, m: int, k: int, n: int) -> bool:
     """Whether torch._scaled_mm may take an (m, k) x (k, n) product on `device` (device and shape;
     `fp8_output_dtype` says whether this build really runs it)."""
-    if device.type != "cuda":
-        return False
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return False
-    return m > 0 and k % 16 == 0 and n % 16 == 0
+    return fp8_kernel_device(device) and m > 0 and k % 16 == 0 and n % 16 == 0
+
+
+def fp8_kernel_device(device: torch.device) -> bool:
+    """A device with fp8 tensor cores: CUDA with compute capability >= 8.9."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def int8_matmul(x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
@@ -174,6 +175,16 @@ class LinearW8A8(QuantizedLinear):
     def unquantized_weight(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
         dequantize = scaled_dequantize if self.weight_format == "fp8" else dequantize_through_float32
         return dequantize(self.weight, self.scale[:, None], dtype, device)
+
+    def _apply(self, fn, recurse=True):
+        moved = super()._apply(fn, recurse)
+        device = self.weight.device
+        eager = not torch.compiler.is_compiling()
+        if self.weight_format == "fp8" and USE_KERNELS and eager and fp8_kernel_device(device):
+            # probe the kernel now, eagerly, so a compiled forward finds the answer cached: a probe
+            # traced inside torch.compile would break the graph (it reads a result back)
+            fp8_output_dtype(device, self.compute_dtype)
+        return moved
 
     def kernel_path(self, x2d: torch.Tensor) -> str:
         """"int_mm", "scaled_mm" or "dense" for a flattened (tokens, in_features) input."""
