@@ -122,6 +122,7 @@ def test_training_on_a_second_device_keeps_every_tensor_there(mode, fake_device,
     })
     trainer = GenericTrainer(config, Log())
     trainer.start()
+    assert trainer.family.quantize_device == trainer.device  # quantized there at load (test_quantize_on_device.py)
     unet = trainer.family.parts["unet"]
     before_weights = base_weights(unet)
     trainer.train()

@@ -152,8 +152,9 @@ def _dequantize_scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode: str,
                   compute_dtype: torch.dtype, quantize_skip: list[str] | None = None,
                   nf4_double_quant: bool = True, rename: Callable[[str], str] | None = None,
-                  ignore_unexpected: list[str] | None = None,
-                  sources: list | None = None) -> tuple[nn.Module, QuantizationReport | None]:
+                  ignore_unexpected: list[str] | None = None, sources: list | None = None,
+                  quantize_device: torch.device | None = None,
+                  quantized_home: torch.device | None = None) -> tuple[nn.Module, QuantizationReport | None]:
     """Fill the meta `model` from the checkpoint in `folder` (or from `sources`: objects with
     keys(), __contains__ and read(), such as single_file.ConvertedPart; `folder` then only names
     where the weights came from in messages).
@@ -161,6 +162,11 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     mode: a dense dtype name (float32/bfloat16/float16), or a quantized mode whose Linear layers
     compute in `compute_dtype` while every other floating tensor is stored in `compute_dtype` too.
     `_keep_in_fp32_modules` of the model class stay float32 in every mode.
+
+    quantize_device: an accelerator to quantize each Linear on, one layer at a time (None: where
+    the layer is stored); quantized_home: where the quantized layers are stored (the train device
+    for a part that stays there, the temp device for one that will be parked; None: the CPU).
+    Everything else is loaded onto the CPU.
     """
     dense = DENSE_MODES.get(mode, compute_dtype)
     expected = {key: tensor.shape for key, tensor in model.state_dict().items()}
@@ -170,7 +176,8 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
         report = QuantizationReport(mode)
         targets, report.skipped = plan_layers(model, part, quantize_skip or [])
         for name in targets:
-            layer = new_quantized_layer(mode, model.get_submodule(name), compute_dtype, nf4_double_quant)
+            layer = new_quantized_layer(mode, model.get_submodule(name), compute_dtype, nf4_double_quant,
+                                        device=quantized_home or "cpu")
             model.set_submodule(name, layer)
             quantized[name] = layer
         report.quantized = targets
@@ -205,7 +212,8 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
                     layer.set_quantized(*value)  # the checkpoint's own fp8 codes and scale, kept as they are
                 else:
                     dense_value = _dequantize_scaled(*value) if isinstance(value, tuple) else value
-                    load_dense_weight(layer, attr, dense_value, compute_dtype)
+                    load_dense_weight(layer, attr, dense_value, compute_dtype, work_device=quantize_device)
+                    del dense_value  # before the next tensor is read: one dense weight at a time
             else:
                 dense_value = _dequantize_scaled(*value) if isinstance(value, tuple) else value
                 _assign(model, key, dense_value.to(_target_dtype(model, key, dense_value.dtype, dense)))

@@ -30,6 +30,9 @@ class PartLoading:
     # (the denoiser while `launch.py cache` encodes), so load() still runs unchanged and code that
     # reads such a part's `.config` keeps working, while a 24 GB transformer costs nothing
     skeleton_parts: frozenset[str] = frozenset()
+    # the accelerator quantized layers are quantized on at load (the trainer sets its train device
+    # when that is not the CPU); None: on the CPU, where the layers are stored
+    quantize_device: torch.device | None = None
 
     # --- loading -----------------------------------------------------------------------------
 
@@ -153,11 +156,22 @@ class PartLoading:
             model, folder, part=part, where=where, mode=self.weight_mode(part),
             compute_dtype=self.compute_dtype(part), quantize_skip=part_config.quantize_skip,
             nf4_double_quant=part_config.nf4_double_quant, rename=rename, ignore_unexpected=ignore_unexpected,
-            sources=sources,
+            sources=sources, quantize_device=self.quantize_device, quantized_home=self.quantized_home(part),
         )
         if report is not None:
             self.quantization_reports[part] = report
         return model
+
+    def quantized_home(self, part: str) -> torch.device | None:
+        """Where the part's quantized layers are stored once quantized on `quantize_device`: there,
+        when the whole part will sit on it (offload_fraction 0); else on the temp device, where its
+        parked blocks wait (the conductor brings the resident ones over), so the train device
+        never holds more than its plan while loading. None: no quantize device, the CPU."""
+        if self.quantize_device is None:
+            return None
+        if self.config.model.parts[part].offload_fraction == 0:
+            return torch.device(self.quantize_device)
+        return torch.device(self.config.temp_device)
 
     def fingerprint(self, *parts: str) -> str:
         """Identity of the named parts' weights and dtypes, for cache keys."""

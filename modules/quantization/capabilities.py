@@ -4,7 +4,7 @@ Every answer here comes from *running* a tiny piece of the real code path, never
 numbers or "the import succeeded": a torchao whose `quantize_` is a no-op imports cleanly, a
 CPU build may lack a float8 cast, and `torch._int_mm` / `torch._scaled_mm` exist as names on
 builds and devices where they raise. The probes are small (a 32x32 Linear at most) and the
-device-independent ones (torchao, bitsandbytes) are cached per process.
+ones of the installed libraries (torchao; bitsandbytes per device) are cached per process.
 
 `detect_capabilities()` does all the device calls; `working_modes()` and `mode_support()` are
 pure functions of the resulting `Capabilities`, so the precision policy (policy.py) and the
@@ -35,7 +35,7 @@ QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
 ALL_MODES = ModeNames(lambda mode: True)
 
 
-# --- device-independent probes (cached: the answer cannot change within a process) ------------
+# --- library probes (cached: the answer cannot change within a process) ------------------------
 
 def _private_rng():
     """Probes build random layers; a run that calls detect_capabilities() after seeding must get
@@ -101,20 +101,26 @@ def has_functional_torchao() -> bool:
     return _probe_torchao()
 
 
-def _probe_bitsandbytes() -> bool:
-    """Uncached: bitsandbytes imports and an nf4 quantize/dequantize round trip on the CPU works."""
+def _probe_bitsandbytes(device: str = "cpu") -> bool:
+    """Uncached: bitsandbytes imports and an nf4 quantize/dequantize round trip through LinearNf4
+    works on `device` (the train device: bitsandbytes' CPU and CUDA kernels are separate builds,
+    so a CPU answer says nothing about the GPU; on devices it has no kernels for LinearNf4 does
+    the math on the CPU, and so does this probe)."""
     try:
-        import bitsandbytes.functional as bnb_functional
+        import bitsandbytes.functional  # noqa: F401
     except Exception:  # noqa: BLE001 - bitsandbytes raises more than ImportError when its native lib is missing
         return False
     try:
+        from modules.quantization.linear_nf4 import LinearNf4
+
         with _private_rng():
             weight = torch.randn(64, 64)
-        packed, state = bnb_functional.quantize_4bit(weight, quant_type="nf4", compress_statistics=True)
-        restored = bnb_functional.dequantize_4bit(packed, state).float()
+        layer = LinearNf4(64, 64, False, torch.float32, device=device)
+        layer.quantize_weight(weight.to(device))
+        restored = layer.unquantized_weight(torch.float32, device).float().cpu()
         # nf4 is lossy (~10% relative error on Gaussian weights); 30% means "it computed something real"
         return bool(
-            packed.numel() * packed.element_size() < weight.numel() * weight.element_size()
+            layer.weight.numel() * layer.weight.element_size() < weight.numel() * weight.element_size()
             and restored.shape == weight.shape
             and (restored - weight).norm() <= 0.3 * weight.norm()
         )
@@ -123,9 +129,9 @@ def _probe_bitsandbytes() -> bool:
 
 
 @functools.cache
-def has_bitsandbytes() -> bool:
-    """bitsandbytes imports and nf4 round-trips on the CPU (cached; see `_probe_bitsandbytes`)."""
-    return _probe_bitsandbytes()
+def has_bitsandbytes(device: str = "cpu") -> bool:
+    """bitsandbytes imports and nf4 round-trips on `device` (cached per device; see `_probe_bitsandbytes`)."""
+    return _probe_bitsandbytes(device)
 
 
 # --- per-device probes ---------------------------------------------------------------------
@@ -162,16 +168,11 @@ def _int_mm_works(device: torch.device) -> bool:
 
 
 def _scaled_mm_works(device: torch.device) -> bool:
-    # the second operand must be column-major (a transposed row-major tensor), dims multiples of 16
-    try:
-        dtype = torch.float8_e4m3fn
-        a = torch.ones(32, 64, device=device).to(dtype)
-        b = torch.ones(32, 64, device=device).to(dtype).t()
-        one = torch.ones((), device=device)
-        out = torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return float(out[0, 0].item()) == 64.0
-    except (RuntimeError, TypeError, NotImplementedError, AttributeError):
-        return False
+    # the call LinearW8A8 makes: row-wise scales (a tensor-wise probe passes on builds that refuse
+    # them), bfloat16 output; a float32 compute dtype falls back to that output (linear_w8a8.py)
+    from modules.quantization.linear_w8a8 import rowwise_scaled_mm_runs
+
+    return rowwise_scaled_mm_runs(device, torch.bfloat16)
 
 
 def _system_memory() -> tuple[int | None, int | None]:
@@ -218,7 +219,7 @@ class Capabilities:
     dense_dtypes: tuple[str, ...]  # which of float32/bfloat16/float16 run a Linear on the device
     float8_dtypes: bool  # torch.float8_e4m3fn exists and casts round-trip on the device
     torchao_int8: bool  # has_functional_torchao()
-    bitsandbytes: bool  # has_bitsandbytes()
+    bitsandbytes: bool  # has_bitsandbytes(device)
     int_mm: bool  # torch._int_mm runs on the device (W8A8 int8's fast path)
     scaled_mm: bool  # torch._scaled_mm runs on the device (W8A8 fp8's fast path, where fast: see below)
 
@@ -265,7 +266,7 @@ def _detect(device: torch.device) -> Capabilities:
         ),
         float8_dtypes=_float8_works(device),
         torchao_int8=has_functional_torchao(),
-        bitsandbytes=has_bitsandbytes(),
+        bitsandbytes=has_bitsandbytes(str(device)),
         int_mm=_int_mm_works(device),
         scaled_mm=_scaled_mm_works(device),
     )

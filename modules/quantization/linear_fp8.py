@@ -36,7 +36,7 @@ class LinearFp8(QuantizedLinear):
         dense = weight.detach().to(device=self.weight.device, dtype=torch.float32)
         amax = dense.abs().amax()
         # an all-zero weight has no range to map; any positive scale reproduces it, 1.0 keeps it finite
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        scale = bfloat16_exact_ceil(torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
         # clamp: float8_e4m3fn has no inf, an out-of-range cast would give NaN
         codes = (dense / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
         self.weight.copy_(codes)
@@ -76,15 +76,38 @@ class LinearFp8(QuantizedLinear):
         return scaled_dequantize(self.weight, self.scale, dtype, device)
 
 
+def bfloat16_exact_ceil(scale: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16-representable float32 >= each positive finite `scale` (float32).
+
+    A scale bfloat16 holds exactly makes `codes.to(bf16) * scale.to(bf16)` the float32 product
+    rounded once (e4m3 and int8 codes times an 8-bit mantissa fit float32's 24 bits), so
+    dequantizing never needs a float32 copy of the weight and has no per-channel gain error.
+    Rounding up, not to nearest, keeps amax / scale within the codes' range.
+    """
+    bits = scale.to(torch.float32).contiguous().view(torch.int32)
+    # bfloat16 is float32's upper 16 bits: carry any low bits into them, then drop the low bits
+    # (shifts, which every backend has; the scale is positive, so the sign bit stays 0)
+    return (((bits + 0xFFFF) >> 16) << 16).view(torch.float32)
+
+
 def scaled_dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                       device: torch.device | str) -> torch.Tensor:
     """`codes * scale` (scale broadcast against codes) as a new tensor on `device` in `dtype`."""
+    if dtype == torch.float16:
+        # float16 underflows small scales (below 6e-5 it keeps few mantissa bits)
+        return dequantize_through_float32(codes, scale, dtype, device)
     # move the 1-byte codes before widening them: the transfer is a quarter of float32's
     codes = codes.detach().to(device=device)
-    scale = scale.detach().to(device=device)
-    if dtype.itemsize < 4:
-        # multiply in float32 and round once: a scale rounded to bf16 first would be off by up to
-        # 2^-8, the same way for a whole channel (a gain error, not noise), and fp16 underflows
-        # small scales. The price is a transient float32 copy of the weight.
-        return (codes.to(torch.float32) * scale.to(torch.float32)).to(dtype)
-    return codes.to(dtype) * scale.to(dtype)
+    # straight into the compute dtype (bfloat16: 3 bytes a weight written and read, not float32's
+    # 19); exact for a bfloat16-representable scale (what the quantizers here store, see
+    # bfloat16_exact_ceil); a checkpoint's own float32 scale is rounded to bfloat16 first
+    # (a gain error of at most 2^-9 on the layer)
+    return codes.to(dtype).mul_(scale.detach().to(device=device, dtype=dtype))
+
+
+def dequantize_through_float32(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                               device: torch.device | str) -> torch.Tensor:
+    """`codes * scale` multiplied in float32 and rounded once to `dtype`, for a scale `dtype` does
+    not hold exactly; the price is a transient float32 copy of the weight."""
+    codes = codes.detach().to(device=device)
+    return (codes.to(torch.float32) * scale.detach().to(device=device, dtype=torch.float32)).to(dtype)

@@ -52,23 +52,36 @@ def plan_layers(model: nn.Module, part: str, user_skip: list[str]) -> tuple[list
 
 
 def new_quantized_layer(mode: str, linear: nn.Linear, compute_dtype: torch.dtype,
-                        nf4_double_quant: bool = True) -> QuantizedLinear:
-    """An empty layer of `mode` shaped like `linear`, with its (small) storage on the CPU: the
+                        nf4_double_quant: bool = True, device: torch.device | str = "cpu") -> QuantizedLinear:
+    """An empty layer of `mode` shaped like `linear`, with its (small) storage on `device`: the
     mode's layer factory (weight_modes.py)."""
     factory = get_weight_mode(mode).layer_factory
     if factory is None:
         raise ValueError(f"{mode!r} is a dense dtype, not a quantized weight mode")
-    return factory(linear, compute_dtype, LayerOptions(nf4_double_quant=nf4_double_quant))
+    return factory(linear, compute_dtype, LayerOptions(nf4_double_quant=nf4_double_quant, device=str(device)))
 
 
 @torch.no_grad()
-def load_dense_weight(layer: QuantizedLinear, name: str, tensor: torch.Tensor, compute_dtype: torch.dtype) -> None:
+def load_dense_weight(layer: QuantizedLinear, name: str, tensor: torch.Tensor, compute_dtype: torch.dtype,
+                      work_device: torch.device | None = None) -> None:
     """Give a layer made by new_quantized_layer its `weight` (quantized at once, so the dense copy
-    can go) or `bias` from a dense tensor."""
-    if name == "weight":
-        layer.quantize_weight(tensor)
-    else:
+    can go) or `bias` from a dense tensor.
+
+    With `work_device` (an accelerator) the weight is quantized there, not where the layer is
+    stored: bitsandbytes and torchao take milliseconds on a GPU for what costs seconds on the CPU.
+    A layer stored elsewhere (the temp device: it will be parked) visits the work device for its
+    own quantization only and goes back, so the device holds one layer's dense weight at a time.
+    """
+    if name != "weight":
         layer.set_bias(tensor)
+        return
+    if work_device is None:
+        layer.quantize_weight(tensor)
+        return
+    home = layer.storage_device()
+    layer.to(work_device)  # no copy where the layer is stored there already
+    layer.quantize_weight(tensor.to(work_device))
+    layer.to(home)
 
 
 @torch.no_grad()

@@ -17,7 +17,7 @@ from torch import nn
 
 from modules.errors import UserError
 from modules.quantization.base import QuantizedLinear
-from modules.quantization.linear_fp8 import scaled_dequantize
+from modules.quantization.linear_fp8 import dequantize_through_float32
 
 
 class QuantizationError(UserError, RuntimeError):
@@ -74,5 +74,6 @@ class LinearInt8(QuantizedLinear):
         return F.linear(x, self._torchao_weight(x.device))
 
     def unquantized_weight(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        # what torchao's dequantize() computes (codes x float32 scale, rounded once), for any dtype
-        return scaled_dequantize(self.weight, self.scale, dtype, device)
+        # what torchao's dequantize() computes (codes x float32 scale, rounded once), for any dtype:
+        # torchao's scales are not bfloat16-exact, so the straight path would add a gain error
+        return dequantize_through_float32(self.weight, self.scale, dtype, device)

@@ -36,13 +36,16 @@ SCALED_MM_MIN_CAPABILITY = (8, 9)
 
 @dataclass(frozen=True)
 class LayerOptions:
-    """The per-part options a layer factory may use (model.parts.<part>.*)."""
+    """The per-part options a layer factory may use (model.parts.<part>.*), and where the layer's
+    storage is made (the streamed loader: the CPU, or the train device for a part kept there)."""
 
     nf4_double_quant: bool = True
+    device: str = "cpu"
 
 
-# an empty layer of the mode shaped like `linear` (in/out features, bias), storage on the CPU;
-# the weight arrives later through `quantize_weight` (so the streamed loader never holds a dense copy)
+# an empty layer of the mode shaped like `linear` (in/out features, bias), storage on
+# `options.device`; the weight arrives later through `quantize_weight` (so the streamed loader
+# never holds a dense copy)
 LayerFactory = Callable[["nn.Linear", "torch.dtype", LayerOptions], "QuantizedLinear"]
 Probe = Callable[["Capabilities"], "str | None"]
 
@@ -175,30 +178,32 @@ def _dense(name: str, itemsize: int, auto_preference: int | None) -> WeightMode:
 
 def _fp8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
     from modules.quantization.linear_fp8 import LinearFp8
-    return LinearFp8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device="cpu")
+    return LinearFp8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
+                     device=options.device)
 
 
 def _int8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
     from modules.quantization.torchao_int8 import LinearInt8
-    return LinearInt8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device="cpu")
+    return LinearInt8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
+                      device=options.device)
 
 
 def _w8a8_int8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
     from modules.quantization.linear_w8a8 import LinearW8A8Int8
     return LinearW8A8Int8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                          device="cpu")
+                          device=options.device)
 
 
 def _w8a8_fp8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
     from modules.quantization.linear_w8a8 import LinearW8A8Fp8
     return LinearW8A8Fp8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                         device="cpu")
+                         device=options.device)
 
 
 def _nf4_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
     from modules.quantization.linear_nf4 import LinearNf4
-    return LinearNf4(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype, device="cpu",
-                     double_quant=options.nf4_double_quant)
+    return LinearNf4(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
+                     device=options.device, double_quant=options.nf4_double_quant)
 
 
 def _needs_float8(name: str) -> Probe:

@@ -60,7 +60,7 @@ from modules.trainer.training_state import (
     training_state,
 )
 from modules.trainer.validation import validation_loss
-from modules.trainer.weight_modes import resolve_weight_modes
+from modules.trainer.weight_modes import quantize_device, resolve_weight_modes
 from modules.util.torch_utils import autocast, dtype_of, make_generator
 
 
@@ -127,6 +127,7 @@ class GenericTrainer:
             raise ConfigError([f"{weighting}: SNR weighting is for epsilon and v-prediction models; "
                                f"{config.model.family} trains with flow matching"])
         self.family.weight_modes = self.resolve_weight_modes()
+        self.family.quantize_device = quantize_device(self)  # each quantized layer on the train device
         self.family.load()
         if self.stopping:
             return self._stopped_while_loading()
