@@ -27,6 +27,7 @@ class Context:
     size: str  # "dry": the smallest sizes, on the CPU; "full": the GPU sizes
     work: Path  # scratch space of this part
     budget_s: float  # the part's time; a part with several cases stops starting new ones near its end
+    result_file: Path | None = None  # where the result goes; partial results too, so a timeout keeps them
 
     @property
     def dry(self) -> bool:
@@ -37,6 +38,11 @@ class Context:
         import torch
 
         return torch.device("cpu" if self.dry or not torch.cuda.is_available() else "cuda")
+
+    def save_partial(self, cases: list[dict]) -> None:
+        """The cases finished so far, for the runner to report if the part is stopped at its budget."""
+        if self.result_file is not None:
+            self.result_file.with_suffix(".partial.json").write_text(json.dumps({"cases": cases}, default=str))
 
     def time_left(self, started: float) -> float:
         return self.budget_s - (time.monotonic() - started)
@@ -60,19 +66,19 @@ def main() -> int:
     parser.add_argument("--result", required=True)
     parser.add_argument("--budget", type=float, default=60)
     args = parser.parse_args()
-    Path(args.result).write_text(json.dumps(run_named(args.name, args.size, Path(args.work), args.budget),
-                                            default=str))
+    result = run_named(args.name, args.size, Path(args.work), args.budget, Path(args.result))
+    Path(args.result).write_text(json.dumps(result, default=str))
     return 0
 
 
-def run_named(name: str, size: str, work: Path, budget: float) -> dict:
+def run_named(name: str, size: str, work: Path, budget: float, result_file: Path | None = None) -> dict:
     """Run part `name` in this process; its result, or failed with the traceback of what it raised."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     os.chdir(REPO)
     import launch  # noqa: F401  (its environment: offline hubs, the CUDA allocator, quiet library logs)
 
-    context = Context(size, work, budget)
+    context = Context(size, work, budget, result_file)
     context.work.mkdir(parents=True, exist_ok=True)
     try:
         return importlib.import_module(f"tools.gpu_check.parts.{name}").run(context)

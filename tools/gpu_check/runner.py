@@ -54,7 +54,9 @@ def run_part(name: str, budget: float, work: Path) -> dict:
     if result_file.exists():
         result = json.loads(result_file.read_text())
     elif timed_out:
-        result = {"status": "timeout", "reason": f"still running after its budget of {budget:.0f} s"}
+        partial = result_file.with_suffix(".partial.json")  # the cases it finished (part.py's save_partial)
+        result = {"status": "timeout", "reason": f"still running after its budget of {budget:.0f} s",
+                  **(json.loads(partial.read_text()) if partial.exists() else {})}
     else:
         result = {"status": "failed", "reason": "the part's process ended without a result (crashed)"}
     if result["status"] in ("failed", "timeout") and not result.get("error"):

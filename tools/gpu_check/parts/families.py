@@ -95,4 +95,5 @@ def run(context) -> dict:
         except Exception as error:  # noqa: BLE001  (one family's failure is its case)
             case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
         cases.append({"name": family, **case})
+        context.save_partial(cases)
     return {**summary(cases), "cases": cases}

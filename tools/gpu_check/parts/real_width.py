@@ -136,4 +136,5 @@ def run(context) -> dict:
             cases.append({"name": name, "status": "passed", "figures": measure(build, context, 2 if context.dry else 4)})
         except Exception as error:  # noqa: BLE001  (one model's failure is its case)
             cases.append({"name": name, "status": "failed", "reason": f"{type(error).__name__}: {str(error)[:400]}"})
+        context.save_partial(cases)
     return {**summary(cases), "cases": cases}

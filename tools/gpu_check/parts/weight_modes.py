@@ -72,6 +72,7 @@ def run(context) -> dict:
             except Exception as error:  # noqa: BLE001  (one mode's failure is its case)
                 case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
             cases.append({"name": name, **case})
+            context.save_partial(cases)
             if context.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {**summary(cases), "cases": cases}
