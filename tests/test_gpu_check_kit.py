@@ -80,3 +80,16 @@ def test_repacking_a_wheel_keeps_only_the_named_libraries(tmp_path):
         assert "cuda126" not in archive.read("pkg-1.0.dist-info/RECORD").decode()
     with pytest.raises(SystemExit, match="no library matches"):
         repack(str(wheel), ["libpkg_cuda999"])
+
+
+def test_names_are_looked_up_in_another_torchs_wheel(tmp_path):
+    from tools.gpu_check.torch_names_in_wheel import absent, wheel_identifiers
+
+    wheel = tmp_path / "torch-2.11.0-cp312-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("torch/__init__.py", "from torch import nn\ndef compile(model): ...\n")
+        archive.writestr("torch/nn/__init__.py", "class Linear: ...\n")
+        archive.writestr("torch/lib/libtorch.dylib", "new_api")  # not a source file
+    known = wheel_identifiers(str(wheel))
+    used = {"torch.nn.Linear", "torch.compile", "torch.new_api", "torch.nn.NewLayer"}
+    assert absent(used, known) == ["torch.new_api", "torch.nn.NewLayer"]

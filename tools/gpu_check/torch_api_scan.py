@@ -26,6 +26,7 @@ class ScanResult:
     missing: list[str] = field(default_factory=list)  # unguarded uses the running torch lacks
     guarded_missing: list[str] = field(default_factory=list)  # guarded, and lacking here (fine)
     guarded: int = 0  # uses under a guard
+    names: set[str] = field(default_factory=set)  # every dotted torch name used, unguarded
 
 
 def _resolves(dotted: str) -> bool:
@@ -93,6 +94,8 @@ def scan_file(path: Path, result: ScanResult, root: Path) -> None:
         result.uses += 1
         guarded = _guarded(parents, source)
         result.guarded += guarded
+        if not guarded:
+            result.names.add(dotted)
         if not _resolves(dotted):
             (result.guarded_missing if guarded else result.missing).append(f"{where}:{node.lineno}: {dotted}")
 

@@ -49,8 +49,11 @@ def memory_figures(device: torch.device) -> dict:
     host_stats = getattr(torch.cuda, "host_memory_stats", None)  # (torch >= 2.7)
     if host_stats is not None:
         stats = host_stats()
-        figures["pinned_host_gib"] = round(stats.get("allocated_bytes.current", 0) / 2**30, 3)
-        figures["pinned_reserved_gib"] = round(stats.get("reserved_bytes.current", 0) / 2**30, 3)
+        # owned: every pinned block torch's host allocator holds (rounded sizes, cached ones too);
+        # active: those handed out now
+        for key, name in (("allocated_bytes.current", "pinned_owned_gib"), ("active_bytes.current", "pinned_active_gib")):
+            if key in stats:
+                figures[name] = round(stats[key] / 2**30, 3)
     return figures
 
 
