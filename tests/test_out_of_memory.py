@@ -35,6 +35,7 @@ def test_an_out_of_memory_step_is_one_message_naming_what_to_change(tiny_model, 
                   "model.parts.unet.weight_dtype (now float32)", "schedule.batch_size (now 2)",
                   "data.resolution (now 64)", "train_dtype (now float32)"):
         assert field in message
+    assert "model.parts.vae" not in message  # no blocks to offload, nothing quantized
 
 
 def test_the_message_names_only_fields_that_can_still_change(tiny_model, shape_images, tmp_path):

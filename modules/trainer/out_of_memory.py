@@ -57,10 +57,14 @@ def _where(trainer, traceback: TracebackType | None) -> str:
     return f"in training step {trainer.step + 1}"
 
 
-def fitting_fields(config: TrainConfig) -> list[str]:
-    """The settings that lower the train device's peak, with this run's values."""
+def fitting_fields(config: TrainConfig, has_blocks=lambda part: True) -> list[str]:
+    """The settings that lower the train device's peak, with this run's values. Offloading and the
+    weight modes are named for the parts with blocks (`has_blocks`: the family's checkpoint blocks;
+    a VAE has none, and its convolutions are not quantized)."""
     fields = []
     for name, part in config.model.parts.items():
+        if not has_blocks(name):
+            continue
         at = f"model.parts.{name}"
         if part.offload_fraction != "auto" and part.offload_fraction < 1:
             fields.append(f"{at}.offload_fraction (now {part.offload_fraction}): raise it toward 1, or "
@@ -84,7 +88,9 @@ def fitting_fields(config: TrainConfig) -> list[str]:
 
 def out_of_memory_error(error: BaseException, trainer) -> OutOfMemory:
     """The one message a training run's torch.OutOfMemoryError becomes."""
-    device = trainer.device
-    fields = "\n  ".join(fitting_fields(trainer.config))
+    device, family = trainer.device, getattr(trainer, "family", None)
+    has_blocks = (lambda part: bool(family.checkpoint_blocks(part))) if getattr(family, "parts", None) else (
+        lambda part: True)  # (before the model is loaded: every part)
+    fields = "\n  ".join(fitting_fields(trainer.config, has_blocks))
     return OutOfMemory(f"out of memory on {device} {_where(trainer, error.__traceback__)}: "
-                       f"{_what_was_free(error, device)}. Settings that make it fit:\n  {fields}")
+                       f"{_what_was_free(error, device)}. To fit, change one or more of these settings:\n  {fields}")

@@ -4,7 +4,8 @@ a LoRA-like step (base frozen, gradients flow back through every block to the in
 project's gradient checkpointing, without and with the LayerOffloadConductor at offload 0.5.
 
 Figures per model and offload: steps/s, peak allocated and reserved GPU memory, pinned host memory
-(torch's host allocator) and parked bytes, bytes brought to the GPU per step, and the offload
+(torch's host allocator) over parked bytes, the parked share of the block bytes, bytes brought to
+the GPU per step (counted at the conductor's block moves), and the offload
 overhead (step time with offload / without). The dry run: the same code at tiny widths on the CPU.
 """
 
@@ -76,12 +77,14 @@ def build_flux_slice(device, dtype, dry: bool):
     return model, [*model.transformer_blocks, *model.single_transformer_blocks], step
 
 
-def _bytes_brought(conductor, blocks) -> list[int]:
+def _bytes_brought(conductor, blocks) -> list[int] | None:
     """A counter of the bytes the conductor brings to the train device (it counts blocks, not bytes)."""
     from modules.offload.layer_tensors import block_bytes
 
     sizes, total = [block_bytes(block) for block in blocks], [0]
-    bring = conductor._bring
+    bring = getattr(conductor, "_bring", None)
+    if bring is None:  # the conductor changed: no count (the figure is left out)
+        return None
 
     def counted(index, *args, **kwargs):
         total[0] += sizes[index]
@@ -94,6 +97,7 @@ def _bytes_brought(conductor, blocks) -> list[int]:
 def measure(build, context, steps: int) -> dict:
     from modules.offload.checkpointing import checkpoint_blocks_
     from modules.offload.conductor import LayerOffloadConductor
+    from modules.offload.layer_tensors import block_bytes
     from tools.gpu_check.parts.measure import memory_figures, reset_memory, timed_steps
 
     device = context.device
@@ -106,18 +110,24 @@ def measure(build, context, steps: int) -> dict:
     reset_memory(device)
     plain = timed_steps(step, steps + 1, device)[1:]  # the first warms up
     figures["plain"] = {"steps_per_s": round(1 / statistics.median(plain), 3), **memory_figures(device)}
+    sizes = [block_bytes(block) for block in blocks]
     conductor = LayerOffloadConductor(blocks, 0.5, device, torch.device("cpu"), "slice")
     conductor.start()
     brought = _bytes_brought(conductor, blocks)
     reset_memory(device)
     timed_steps(step, 1, device)
-    brought[0] = 0
+    if brought:
+        brought[0] = 0
     offloaded = timed_steps(step, steps, device)
-    home = getattr(conductor, "_home", {})
-    parked_bytes = sum(t.numel() * t.element_size() for values in home.values() for t in values)
-    figures["offload_0.5"] = {"steps_per_s": round(1 / statistics.median(offloaded), 3), **memory_figures(device),
-                              "blocks_parked": len(conductor.parked), "parked_gib": round(parked_bytes / 2**30, 3),
-                              "brought_gib_per_step": round(brought[0] / steps / 2**30, 3)}
+    parked = sum(sizes[index] for index in conductor.parked)
+    offload = {"steps_per_s": round(1 / statistics.median(offloaded), 3), **memory_figures(device),
+               "blocks_parked": len(conductor.parked), "parked_gib": round(parked / 2**30, 3),
+               "parked_share_of_block_bytes": round(parked / sum(sizes), 3)}
+    if "pinned_owned_gib" in offload and parked:
+        offload["pinned_over_parked"] = round(offload["pinned_owned_gib"] * 2**30 / parked, 3)
+    if brought:
+        offload["brought_gib_per_step"] = round(brought[0] / steps / 2**30, 3)
+    figures["offload_0.5"] = offload
     figures["offload_overhead"] = round(statistics.median(offloaded) / statistics.median(plain), 3)
     conductor.stop()
     del model, blocks, step, conductor

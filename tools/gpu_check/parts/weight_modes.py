@@ -24,7 +24,7 @@ def run_case(model, images, mode: str, fraction: float, context, clock_cls) -> d
                   "parts": {"unet": {"weight_dtype": mode, "gradient_checkpointing": True, "offload_fraction": fraction}}},
         "concepts": [{"path": str(images)}], "data": {"resolution": 64}, "adapter": {"rank": 4},
         "schedule": {"max_steps": 2 if context.dry else STEPS, "batch_size": 1}, "train_dtype": "float32" if context.dry else "bfloat16",
-        "train_device": str(device), "workspace_dir": str(work / "ws"),
+        "train_device": str(device), "workspace_dir": str(work / "ws"), "cache_dir": str(context.work / "cache"),
         "output": {"path": str(work / "out.safetensors")}, "tensorboard": False}])
     reset_memory(device)
     clock = clock_cls()
