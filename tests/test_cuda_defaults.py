@@ -35,6 +35,7 @@ def test_a_cuda_train_device_gets_tf32_matmuls(matmul_precision, device):
 
     setup_train_device(fake_trainer(device, tf32=True))
     assert torch.get_float32_matmul_precision() == "high"  # TF32 for float32 matmuls
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # what cuBLAS is told
 
 
 def test_tf32_false_keeps_full_float32(matmul_precision):
