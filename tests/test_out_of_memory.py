@@ -48,3 +48,23 @@ def test_the_message_names_only_fields_that_can_still_change(tiny_model, shape_i
     assert "unet.offload_fraction" not in text and "unet.gradient_checkpointing" not in text
     assert "unet.weight_dtype" not in text and "schedule.batch_size" not in text and "train_dtype" not in text
     assert "data.resolution (now 64)" in text
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_out_of_memory_error_is_read():
+    """torch's own CUDA message (its wording on the torch this runs) still gives what was asked and free."""
+    import re
+    from types import SimpleNamespace
+
+    from modules.config.loading import build_config
+    from modules.trainer.out_of_memory import out_of_memory_error
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    device = torch.device("cuda", 0)
+    _, total = torch.cuda.mem_get_info(device)
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        torch.empty(total * 2, dtype=torch.uint8, device=device)
+    trainer = SimpleNamespace(device=device, config=build_config([{}]), step=0, dataset=object(), family=None)
+    message = str(out_of_memory_error(caught.value, trainer))
+    assert re.search(r"in training step 1: asked for [\d.]+ [KMGTP]?i?B, [\d.]+ [KMGTP]?i?B was free of ", message), message
