@@ -32,6 +32,15 @@ def _command(command: list[str]) -> str | None:
     return (done.stdout + done.stderr)[-4000:]
 
 
+def _commit() -> str | None:
+    """The checkout's commit (a copied tree without .git has none)."""
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
 def run(context) -> dict:
     import torch
 
@@ -39,10 +48,8 @@ def run(context) -> dict:
     figures = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                "cuda_available": torch.cuda.is_available(), "packages": versions,
                "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-               "commit": _command(["git", "rev-parse", "--short", "HEAD"]),
+               "commit": _commit(),
                "cpu_count": os.cpu_count()}
-    if figures["commit"]:
-        figures["commit"] = figures["commit"].strip()
     if torch.cuda.is_available():
         properties = torch.cuda.get_device_properties(0)
         figures.update(device=properties.name, capability=".".join(map(str, torch.cuda.get_device_capability(0))),
