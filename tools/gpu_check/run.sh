@@ -22,7 +22,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 # the wheels only where the project's packages are missing (a machine with requirements.txt needs none)
-if ! "$python" -c "import pydantic, diffusers, torchao, bitsandbytes" > /dev/null 2>&1 \
+if ! "$python" -c "import importlib.util as u, sys
+sys.exit(any(u.find_spec(name) is None for name in ('pydantic', 'diffusers', 'torchao', 'bitsandbytes', 'prodigyopt')))" \
         && ls "$repo"/.whl/*.whl > /dev/null 2>&1; then
     site="${GPU_CHECK_SITE:-/tmp/difftrainer-gpu-check-site}"
     if [ ! -e "$site/.installed" ]; then
