@@ -23,7 +23,8 @@ def dry_run(tmp_path_factory) -> tuple[dict, Path, subprocess.CompletedProcess]:
     out = tmp_path_factory.mktemp("gpu-check")
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(out)}
     command = [str(ROOT / "tools" / "gpu_check" / "run.sh"), "--cpu-dry-run", "--work", str(out / "work")]
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=850,
+                          stdin=subprocess.DEVNULL)  # (the train CLI reads commands from stdin)
     return json.loads((out / "report.json").read_text()), out, done
 
 
