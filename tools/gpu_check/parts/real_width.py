@@ -1,5 +1,5 @@
-"""A real-width SDXL UNet and a real-width FLUX.1 slice (2 double and 4 single blocks), random
-weights built on the GPU from resources/model_configs (nothing downloaded), bf16, 1024 px, batch 1:
+"""A real-width SDXL UNet (bf16, and nf4 with its quantization timed) and a real-width FLUX.1 slice
+(2 double and 4 single blocks), random weights built on the GPU from resources/model_configs (nothing downloaded), bf16, 1024 px, batch 1:
 a LoRA-like step (base frozen, gradients flow back through every block to the input) with the
 project's gradient checkpointing, without and with the LayerOffloadConductor at offload 0.5.
 
@@ -94,7 +94,14 @@ def _bytes_brought(conductor, blocks) -> list[int] | None:
     return total
 
 
-def measure(build, context, steps: int) -> dict:
+def quantize_nf4(model, dtype) -> None:
+    """The project's nf4 quantization (modules/quantization/replace.py) of the model where it sits."""
+    from modules.quantization.replace import quantize_model_
+
+    quantize_model_(model, "unet", "nf4", dtype)
+
+
+def measure(build, context, steps: int, prepare=None) -> dict:
     from modules.offload.checkpointing import checkpoint_blocks_
     from modules.offload.conductor import LayerOffloadConductor
     from modules.offload.layer_tensors import block_bytes
@@ -106,6 +113,12 @@ def measure(build, context, steps: int) -> dict:
     model, blocks, step = build(device, dtype, context.dry)
     figures = {"parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                "build_s": round(time.perf_counter() - started, 2), "blocks": len(blocks)}
+    if prepare is not None:  # (timed apart: a real-width nf4 part's quantization)
+        started = time.perf_counter()
+        prepare(model, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        figures["prepare_s"] = round(time.perf_counter() - started, 2)
     checkpoint_blocks_(blocks)
     reset_memory(device)
     plain = timed_steps(step, steps + 1, device)[1:]  # the first warms up
@@ -121,12 +134,12 @@ def measure(build, context, steps: int) -> dict:
     offloaded = timed_steps(step, steps, device)
     parked = sum(sizes[index] for index in conductor.parked)
     offload = {"steps_per_s": round(1 / statistics.median(offloaded), 3), **memory_figures(device),
-               "blocks_parked": len(conductor.parked), "parked_gib": round(parked / 2**30, 3),
+               "blocks_parked": len(conductor.parked), "parked_gib": round(parked / 2**30, 4),
                "parked_share_of_block_bytes": round(parked / sum(sizes), 3)}
     if "pinned_owned_gib" in offload and parked:
         offload["pinned_over_parked"] = round(offload["pinned_owned_gib"] * 2**30 / parked, 3)
     if brought:
-        offload["brought_gib_per_step"] = round(brought[0] / steps / 2**30, 3)
+        offload["brought_gib_per_step"] = round(brought[0] / steps / 2**30, 4)
     figures["offload_0.5"] = offload
     figures["offload_overhead"] = round(statistics.median(offloaded) / statistics.median(plain), 3)
     conductor.stop()
@@ -140,10 +153,18 @@ def run(context) -> dict:
 
     if not context.dry and context.device.type != "cuda":
         return {"status": "skipped", "reason": "no CUDA device"}
+    from modules.quantization.capabilities import detect_capabilities, mode_support
+
+    nf4 = mode_support(detect_capabilities(context.device))["nf4"]
     cases = []
-    for name, build in (("sdxl_unet", build_sdxl), ("flux1_slice", build_flux_slice)):
+    for name, build, prepare in (("sdxl_unet", build_sdxl, None), ("flux1_slice", build_flux_slice, None),
+                                 ("sdxl_unet_nf4", build_sdxl, quantize_nf4)):
+        if prepare is quantize_nf4 and not nf4.works:
+            cases.append({"name": name, "status": "skipped", "reason": f"nf4: {nf4.why}"})
+            continue
         try:
-            cases.append({"name": name, "status": "passed", "figures": measure(build, context, 2 if context.dry else 4)})
+            figures = measure(build, context, 2 if context.dry else 4, prepare)
+            cases.append({"name": name, "status": "passed", "figures": figures})
         except Exception as error:  # noqa: BLE001  (one model's failure is its case)
             cases.append({"name": name, "status": "failed", "reason": f"{type(error).__name__}: {str(error)[:400]}"})
         context.save_partial(cases)
