@@ -95,3 +95,17 @@ def test_names_are_looked_up_in_another_torchs_wheel(tmp_path):
     known = wheel_identifiers(str(wheel))
     used = {"torch.nn.Linear", "torch.compile", "torch.new_api", "torch.nn.NewLayer"}
     assert absent(used, known) == ["torch.new_api", "torch.nn.NewLayer"]
+
+
+def test_a_part_stopped_at_its_budget_keeps_the_cases_it_finished(tmp_path, monkeypatch):
+    from tools.gpu_check import runner
+
+    def stopped(command, **kwargs):  # the part wrote one case, then ran past its budget
+        result = Path(command[command.index("--result") + 1])
+        result.with_suffix(".partial.json").write_text(json.dumps({"cases": [{"name": "sd15", "status": "passed"}]}))
+        raise subprocess.TimeoutExpired(command, kwargs["timeout"])
+
+    monkeypatch.setattr(runner.subprocess, "run", stopped)
+    result = runner.run_part("families", 7, tmp_path)
+    assert result["status"] == "timeout" and "budget of 7 s" in result["reason"]
+    assert result["cases"] == [{"name": "sd15", "status": "passed"}]
