@@ -29,6 +29,19 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+
+def default_cuda_allocator(environ=os.environ) -> None:
+    """CUDA's caching allocator with expandable segments, unless the user configured it: a training
+    step allocates activations of many sizes, and fixed segments leave free memory cut into pieces
+    too small for the next large one (an out-of-memory error with gigabytes "reserved but
+    unallocated"). Read when CUDA starts, so it is set here, before torch is imported. A setting of
+    the user's under either name (PYTORCH_ALLOC_CONF is torch's newer one) is left as it is."""
+    if "PYTORCH_ALLOC_CONF" not in environ and "PYTORCH_CUDA_ALLOC_CONF" not in environ:
+        environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+
+
+default_cuda_allocator()
+
 from modules.util.library_logs import quiet_library_logs  # noqa: E402  (after the environment above)
 
 quiet_library_logs()

@@ -42,9 +42,12 @@ def install_stop_signals(commands: TrainCommands, log=lambda text: print(text, f
 
 def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: TrainCommands | None = None) -> Path | None:
     """The saved adapter's path, or None when the run stopped before its first step (nothing saved)."""
+    import torch
+
     from modules.trainer.generic_trainer import (
         GenericTrainer,  # heavy imports only when training
     )
+    from modules.trainer.out_of_memory import out_of_memory_error
 
     commands = commands or TrainCommands()
     trainer = GenericTrainer(config, callbacks, commands)
@@ -52,6 +55,8 @@ def run_training(config: TrainConfig, callbacks: TrainCallbacks, commands: Train
         trainer.start()
         trainer.train()
         return trainer.end()
+    except torch.OutOfMemoryError as error:  # one message naming what to change (out_of_memory.py), no traceback
+        raise out_of_memory_error(error, trainer) from None
     except KeyboardInterrupt:
         # the second Ctrl-C: whatever was being written is left under its temp name (atomic writes),
         # so the output and the backups that exist are whole; no backup of this step is written

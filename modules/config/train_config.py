@@ -408,6 +408,8 @@ class TrainConfig(StrictModel):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     temp_device: str = Field("cpu", description="Where offloaded layers and activations wait (any torch device).")
     train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
+    tf32: bool = Field(True, description="On CUDA, float32 matrix products use TF32 tensor cores (a 10-bit "
+                       "mantissa, several times faster); off: full float32 precision.")
     seed: int = Field(42, description="Seed of everything random in the run (noise, timesteps, order, "
                       "caption shuffles).")
     tensorboard: bool = Field(True, description="Write TensorBoard logs (loss, lr, samples) to "

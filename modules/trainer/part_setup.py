@@ -12,6 +12,7 @@ from modules.config.errors import ConfigError
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.quantization.compile_gate import compile_blocker
+from modules.trainer.cuda_math import configure_cuda_math
 from modules.trainer.offload_fraction import offload_fraction
 from modules.trainer.regional_compile import compile_regions_
 
@@ -50,6 +51,7 @@ def setup_optimizations(trainer: GenericTrainer) -> None:
 def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConductor]:
     """Move each part to the train device; a part with offload_fraction > 0 gets a
     LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
+    configure_cuda_math(trainer.device, trainer.config.tf32)  # before the first matmul on the device
     conductors: dict[str, LayerOffloadConductor] = {}
     for name, module in trainer.family.parts.items():
         fraction = offload_fraction(trainer, name)

@@ -15,7 +15,7 @@ UI_SCALES = ["80%", "90%", "100%", "110%", "125%", "150%"]
 PLACED_ELSEWHERE = {"version", "model", "method", "adapter", "optimizer", "lr_scheduler", "ema", "loss", "concepts",
                     "embeddings", "sampling", "schedule", "data", "output", "backup"}
 WORKSPACE = ["workspace_dir", "cache_dir"]
-DEVICES = ["train_device", "temp_device", "train_dtype", "compile", "distributed"]
+DEVICES = ["train_device", "temp_device", "train_dtype", "tf32", "compile", "distributed"]
 
 
 class GeneralTab(Tab):

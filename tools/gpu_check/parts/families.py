@@ -1,0 +1,99 @@
+"""One tiny end-to-end run per family through the CLI (launch.py's own `make-tiny-model` and
+`train --protocol jsonl`, called in this process to spare the imports): the family's first
+built-in LoRA preset on its tiny model, 2 steps that sample, back up and save, then `--resume` for a
+third step. The dry run: SD1.5 alone, on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import time
+
+SETTINGS = {"data": {"resolution": 64}, "schedule": {"max_steps": 2, "sample_every": 2, "backup_every": 2},
+            "tensorboard": False}
+
+
+def _events(argv: list[str]) -> tuple[int, list[dict]]:
+    import launch
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = launch.main(argv)
+    events = []
+    for line in stdout.getvalue().splitlines():
+        with contextlib.suppress(ValueError):
+            events.append(json.loads(line))
+    return code, events
+
+
+def _problem(code: int, events: list[dict], wanted: list[str]) -> str | None:
+    names = [event.get("event") for event in events]
+    errors = [event.get("message") for event in events if event.get("event") == "error"]
+    if code or errors:
+        return f"exit {code}: {'; '.join(map(str, errors))[:400]}"
+    missing = [name for name in wanted if name not in names]
+    return f"no {', '.join(missing)} event" if missing else None
+
+
+def run_family(family: str, context) -> dict:
+    from modules.config.presets import list_presets
+    from modules.data.synthetic_images import write_shape_images
+    from modules.model.registry import get_family_class
+
+    builtin = [p for p in list_presets() if p.builtin and p.family == family]
+    preset = next((p for p in builtin if "LoRA" in p.name), builtin[0] if builtin else None)
+    work = context.work / family
+    images = work / "images"
+    write_shape_images(images, count=4, width=64, height=64)
+    argv = ["make-tiny-model", "--family", family, "--out", str(work / "model")]
+    options = get_family_class(family).tiny_model_options(preset.name) if preset else {}
+    if options.get("variant"):
+        argv += ["--variant", options["variant"]]
+    started = time.monotonic()
+    code, _ = _events(argv)
+    if code:
+        return {"status": "failed", "reason": f"make-tiny-model exited {code}"}
+    prompts = [{"prompt": "a red square", "steps": 2, "width": 64, "height": 64}]
+    config = {**SETTINGS, "model": {"base": str(work / "model"), "family": family},
+              "concepts": [{"path": str(images)}], "sampling": {"prompts": prompts},
+              "train_device": "cpu" if context.dry else "auto", "workspace_dir": str(work / "ws"),
+              "output": {"path": str(work / "out" / "adapter.safetensors")}}
+    (work / "config.json").write_text(json.dumps(config))
+    train = ["train", "--config", str(work / "config.json"), "--protocol", "jsonl"] + (
+        ["--preset", preset.name] if preset else [])
+    code, events = _events(train)
+    problem = _problem(code, events, ["sample", "backup", "saved", "finished"])
+    if problem:
+        return {"status": "failed", "reason": f"train: {problem}"}
+    trained_s = time.monotonic() - started
+    code, resumed = _events(train + ["--resume", "--set", "schedule.max_steps=3"])
+    problem = _problem(code, resumed, ["progress", "saved", "finished"])
+    steps = [event["step"] for event in resumed if event.get("event") == "progress"]
+    if not problem and steps != [3]:
+        problem = f"resumed at the wrong step: progress steps {steps}, expected [3]"
+    if problem:
+        return {"status": "failed", "reason": f"resume: {problem}"}
+    return {"status": "passed", "figures": {"preset": preset.name if preset else None, "train_s": round(trained_s, 1),
+                                            "total_s": round(time.monotonic() - started, 1)}}
+
+
+def run(context) -> dict:
+    from modules.model.registry import family_names
+    from tools.gpu_check.part import summary
+
+    os.environ["DIFFTRAINER_HOME"] = str(context.work / "home")  # no user preset shadows a built-in one
+    started = time.monotonic()
+    cases = []
+    for family in ["sd15"] if context.dry else family_names():
+        if context.time_left(started) < 20:
+            cases.append({"name": family, "status": "skipped", "reason": "no time left in the part's budget"})
+            continue
+        try:
+            case = run_family(family, context)
+        except Exception as error:  # noqa: BLE001  (one family's failure is its case)
+            case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
+        cases.append({"name": family, **case})
+        context.save_partial(cases)
+    return {**summary(cases), "cases": cases}
