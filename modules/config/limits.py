@@ -16,8 +16,9 @@ from pydantic import ValidationError
 MAX_RESOLUTION = 4096
 # seeds as A1111, ComfyUI's UI and numpy take them (0 .. 2**32 - 1)
 MAX_SEED = 2**32 - 1
-# denoising steps of one sample; the DDPM families have 1000 timesteps in all
-MAX_SAMPLE_STEPS = 1000
+# denoising steps of one sample (samples use 20-50): the DDPM families have 1000 timesteps, and
+# DDIM's spacing (with its offset of 1) asks for timestep 1000 when given 1000 steps
+MAX_SAMPLE_STEPS = 500
 MAX_GUIDANCE = 100.0
 # counts of steps, epochs and what repeats them
 MAX_STEPS = 100_000_000

@@ -32,6 +32,7 @@ from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 from modules.data.shares import batch_share
+from modules.util.stopping import StopCheck
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -242,7 +243,8 @@ def _file_hash(path: Path) -> str:
 
 
 def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.device, cache_dir: Path,
-                    warn: Callable[[str], None], cache_text: bool, validation: bool = False) -> TrainDataset:
+                    warn: Callable[[str], None], cache_text: bool, validation: bool = False,
+                    stop: StopCheck | None = None) -> TrainDataset:
     """Scan, bucket, and fill the caches, for the training concepts (or, with `validation`, the
     validation concepts). Unreadable images are skipped with a warning naming the file; a concept
     left without any usable image is an error naming its folder."""
@@ -287,7 +289,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     latents: Mapping = {}
     masks: Mapping = {}
     if config.data.cache_latents:
-        ready = fill_latents(entries, family, device, latent_cache, warn)
+        ready = fill_latents(entries, family, device, latent_cache, warn, stop)
         entries = [e for e in entries if e.latent_key in ready]
         latents = CachedTensors(reader, latent_cache, _latent_index(entries, "latents"))
         masks = CachedTensors(reader, latent_cache, _latent_index([e for e in entries if e.mask], "mask"))
@@ -298,7 +300,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     texts: Mapping = {}
     if cache_text:
-        fill_texts(entries, family, text_cache)
+        fill_texts(entries, family, text_cache, stop)
         texts = CachedTensors(reader, text_cache, {e.text_key: (e.text_key, None) for e in entries})
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.config.errors import ConfigError
+from modules.errors import UserError
 from modules.methods.base import split_state
 from modules.optim.optimizers import build_optimizer
 from modules.saving.backup import newest_backup, read_backup
+from modules.saving.output_target import RECORD_NAME
 from modules.trainer.resume import (
     apply_current_hyperparameters,
     check_resume_compatible,
@@ -53,11 +55,19 @@ def training_state(trainer: GenericTrainer) -> dict:
 
 
 def check_resume_early(trainer: GenericTrainer) -> None:
-    """A change the backup cannot follow is refused before the (slow) model load."""
+    """A change the backup cannot follow is refused before the (slow) model load; so is a resume of
+    a workspace whose run finished without leaving a backup: starting again from step 0 would retrain
+    (and resample) all of it, which is not what a resume asks for (kohya's --resume refuses a
+    missing state too). A workspace no run has finished in starts from step 0 with a warning."""
     folder = newest_backup(trainer.workspace)
     if folder is not None:
         check_resume_compatible(json.loads((folder / "config.json").read_text(encoding="utf-8")),
                                 trainer.config, folder)
+    elif (trainer.workspace / RECORD_NAME).is_file():
+        raise UserError(f"the run in {trainer.workspace} finished and left no backup in "
+                        f"{trainer.workspace / 'backup'} to continue from (schedule.backup_every 0 writes one "
+                        "only when a run is stopped); leave out --resume to train again from step 0, or give "
+                        "another workspace_dir", field="backup.resume")
 
 
 def load_resume_state(trainer: GenericTrainer) -> dict | None:
