@@ -142,3 +142,50 @@ def test_the_largest_seed_accepted_draws_every_epoch_order():
                      samples_per_epoch=3) for i in range(2)]
     dataset = TrainDataset(entries, {}, {}, batch_size=1, seed=MAX_SEED)
     assert sorted(i for batch in dataset.epoch_batches(5) for i in batch) in ([0, 0, 1], [0, 1, 1])
+
+
+def test_an_epoch_of_more_than_ten_million_images_is_refused_naming_the_concept():
+    """repeats (<= 10000) times images can still ask for billions of list entries."""
+    from pathlib import Path
+
+    import pytest
+
+    from modules.config.train_config import ConceptConfig
+    from modules.data.concepts import ConceptItem, DataError
+    from modules.data.dataset import Entry
+    from modules.data.epoch_size import check_epoch_size
+
+    concepts = [ConceptConfig(path="small", repeats=2), ConceptConfig(path="many", repeats=10_000)]
+
+    def entries(count: int) -> list[Entry]:
+        return ([Entry(ConceptItem(Path("s.png"), "c", 0), (64, 64), "s", None, 2)]
+                + [Entry(ConceptItem(Path(f"{i}.png"), "c", 1), (64, 64), f"k{i}", None, 10_000) for i in range(count)])
+
+    check_epoch_size(entries(999), concepts)  # 9,990,002 images: fine
+    with pytest.raises(DataError) as refused:
+        check_epoch_size(entries(1000), concepts)
+    assert str(refused.value).startswith("concepts[1].repeats: one epoch would train 10,000,002 images "
+                                         "(10,000,000 of them from many), more than 10,000,000")
+
+
+def test_the_epoch_size_is_checked_before_any_image_is_encoded(tmp_path, shape_images, monkeypatch):
+    import pytest
+
+    from modules.config import limits
+    from modules.config.loading import build_config
+    from modules.data.concepts import DataError
+    from modules.data.dataset import prepare_dataset
+
+    class NoEncoder:  # a family that must not be asked to encode: the check comes first
+        image_parts, text_parts, bucket_quantum = ("vae",), ("text_encoder",), 64
+
+        def fingerprint(self, *parts):
+            return "f"
+
+        def encode_images(self, pixels):
+            raise AssertionError("encoded before the epoch size was checked")
+
+    monkeypatch.setattr(limits, "MAX_EPOCH_IMAGES", 30)  # 4 images x 10 repeats = 40
+    config = build_config([{"concepts": [{"path": str(shape_images), "repeats": 10}]}])
+    with pytest.raises(DataError, match=r"^concepts\[0\]\.repeats: one epoch would train 40 images"):
+        prepare_dataset(config, NoEncoder(), "cpu", tmp_path / "cache", print, cache_text=False)

@@ -51,3 +51,5 @@ def single_message(text: str):
             raise ValueError(f"{text} (got {value!r})") from None
 
     return validate
+# images in one epoch, repeats and resolutions counted (each is an entry of the epoch's order list)
+MAX_EPOCH_IMAGES = 10_000_000

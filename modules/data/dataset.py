@@ -28,6 +28,7 @@ from modules.data.cache_build import fill_latents, fill_texts
 from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
+from modules.data.epoch_size import check_epoch_size
 from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
@@ -284,6 +285,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                  "file; they train with full weight everywhere")
         if usable == 0:
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
+    check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
