@@ -95,7 +95,8 @@ class LowRankOptions(StrictModel):
     """rank and alpha, and their per-part overrides (the low-rank algorithms)."""
 
     rank: int = Field(16, ge=1, le=MAX_RANK, description=f"The rank of the low-rank factors (at most {MAX_RANK}).")
-    alpha: float = Field(16.0, gt=0, le=MAX_ALPHA, description="Output is scaled by alpha / rank (lokr with both factors "
+    alpha: float = Field(16.0, gt=0, le=MAX_ALPHA,
+        description="Output is scaled by alpha / rank (lokr with both factors "
                          "full: scale 1).")
     parts: dict[str, AdapterPartConfig] = Field(
         default_factory=dict, description="Per-part rank/alpha, e.g. {\"text_encoder\": {\"rank\": 8}}.")

@@ -17,7 +17,8 @@ Epsilon = Annotated[float, Field(gt=0, le=MAX_EPSILON)]
 
 class AdamWConfig(StrictModel):
     type: Literal["adamw"] = "adamw"
-    lr: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     betas: Betas = Field((0.9, 0.999), description="Decay rates of the moment estimates.")
     eps: float = Field(1e-8, gt=0, le=MAX_EPSILON, description="Added to denominators for numerical stability.")
     weight_decay: float = Field(1e-2, ge=0, le=MAX_WEIGHT_DECAY, description="Decoupled weight decay.")
@@ -34,7 +35,8 @@ class AdafactorConfig(StrictModel):
     """torch.optim.Adafactor: factored second moments, no first moment (very little state)."""
 
     type: Literal["adafactor"] = "adafactor"
-    lr: float = Field(1e-2, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(1e-2, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     beta2_decay: float = Field(-0.8, ge=-10, lt=0, description="Exponent of the second-moment decay schedule.")
     eps: tuple[Epsilon | None, Epsilon] = Field((None, 1e-3), description="Regularisation of the squared gradient and "
                                             "of the update's RMS; None: the dtype's own epsilon.")
@@ -46,7 +48,8 @@ class ProdigyConfig(StrictModel):
     """Prodigy (prodigyopt): estimates the step size itself; lr is a multiplier, 1.0 as a rule."""
 
     type: Literal["prodigy"] = "prodigy"
-    lr: float = Field(1.0, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(1.0, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     betas: Betas = Field((0.9, 0.999), description="Decay rates of the moment estimates.")
     beta3: float | None = Field(None, ge=0, lt=1, description="None: sqrt(beta2).")
     eps: float = Field(1e-8, gt=0, le=MAX_EPSILON, description="Added to denominators for numerical stability.")
@@ -64,7 +67,8 @@ class ScheduleFreeAdamWConfig(StrictModel):
     and saves use its averaged weights."""
 
     type: Literal["schedule_free_adamw"] = "schedule_free_adamw"
-    lr: float = Field(2.5e-3, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(2.5e-3, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     betas: Betas = Field((0.9, 0.999), description="Decay rates of the moment estimates.")
     eps: float = Field(1e-8, gt=0, le=MAX_EPSILON, description="Added to denominators for numerical stability.")
     weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY, description="Decoupled weight decay.")
@@ -75,7 +79,8 @@ class LionConfig(StrictModel):
     """Lion (lion-pytorch): sign updates, one moment; wants ~3-10x smaller lr than AdamW."""
 
     type: Literal["lion"] = "lion"
-    lr: float = Field(3e-5, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(3e-5, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     betas: Betas = Field((0.9, 0.99), description="Decay rates of the moment estimates.")
     weight_decay: float = Field(0.0, ge=0, le=MAX_WEIGHT_DECAY, description="Decoupled weight decay.")
 
@@ -84,7 +89,8 @@ class CAMEConfig(StrictModel):
     """CAME (came-pytorch): confidence-guided, factored, memory-light."""
 
     type: Literal["came"] = "came"
-    lr: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE, description="The learning rate (a part's own learning_rate overrides it).")
+    lr: float = Field(1e-4, gt=0, le=MAX_LEARNING_RATE,
+        description="The learning rate (a part's own learning_rate overrides it).")
     betas: tuple[Beta, Beta, Beta] = Field((0.9, 0.999, 0.9999), description="Decay rates of the moment "
                                               "estimates.")
     eps: tuple[Epsilon, Epsilon] = Field((1e-30, 1e-16), description="Added to denominators for numerical stability.")

@@ -32,22 +32,9 @@ from modules.config.method_configs import (  # noqa: F401  (re-exported: the con
     MethodConfig,
     default_method_type,
 )
-from modules.config.limits import (
-    MAX_BACKUPS,
-    MAX_BATCH,
-    MAX_CACHE_MB,
-    MAX_EPOCHS,
-    MAX_GRAD_NORM,
-    MAX_LEARNING_RATE,
-    MAX_LOSS_WEIGHT,
-    MAX_REPEATS,
-    MAX_RESOLUTION,
-    MAX_SAMPLES_PER_EPOCH,
-    MAX_SEED,
-    MAX_STEPS,
-    MAX_TAGS,
-    single_message,
-)
+from modules.config.limits import (MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
+                                    MAX_LEARNING_RATE, MAX_LOSS_WEIGHT, MAX_REPEATS, MAX_RESOLUTION,
+                                    MAX_SAMPLES_PER_EPOCH, MAX_SEED, MAX_STEPS, MAX_TAGS, single_message)
 from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
     UNION_TAGS as OPTIMIZER_TAGS,
     AdafactorConfig,
@@ -197,7 +184,8 @@ class LossConfig(StrictModel):
     timesteps: Literal["default", "uniform", "logit_normal"] = Field(
         "default", description="How training timesteps are drawn; default: uniform for DDPM families, "
         "logit-normal for flow-matching ones.")
-    logit_mean: float = Field(0.0, ge=-10, le=10, description="logit_normal timesteps: the mean of the normal before the sigmoid.")
+    logit_mean: float = Field(0.0, ge=-10, le=10,
+        description="logit_normal timesteps: the mean of the normal before the sigmoid.")
     logit_std: float = Field(1.0, gt=0, le=10, description="logit_normal timesteps: the spread of the normal "
                              "before the sigmoid.")
     flow_shift: float | None = Field(None, gt=0, le=100, description="Flow-matching families: shift the drawn "
@@ -216,7 +204,8 @@ class EmaConfig(StrictModel):
 class LrSchedulerConfig(StrictModel):
     type: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="How the learning rate changes over the run (after the warmup).")
-    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Optimizer steps over which the lr rises linearly from 0.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
+        description="Optimizer steps over which the lr rises linearly from 0.")
     cycles: int = Field(1, ge=1, le=MAX_EPOCHS, description="cosine_with_restarts: how many cosine cycles.")
     power: float = Field(1.0, gt=0, le=100, description="polynomial: the decay's exponent (1 = linear).")
     min_factor: float = Field(0.0, ge=0, le=1, description="The lr never decays below this share of itself.")
@@ -255,8 +244,10 @@ class ConceptConfig(StrictModel):
     include_subfolders: bool = Field(False, description="Also take the images in the folder's subfolders.")
     validation: bool = Field(False, description="Not trained on: its images measure the validation loss "
                              "(schedule.validate_every).")
-    loss_weight: float = Field(1.0, gt=0, le=MAX_LOSS_WEIGHT, description="Multiplies the loss of this concept's images.")
-    samples_per_epoch: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_EPOCH, description="Balance concepts by count: this many of "
+    loss_weight: float = Field(1.0, gt=0, le=MAX_LOSS_WEIGHT,
+        description="Multiplies the loss of this concept's images.")
+    samples_per_epoch: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_EPOCH,
+        description="Balance concepts by count: this many of "
                                           "its images per epoch (cycling, reshuffled each epoch) instead of repeats.")
     captions: CaptionConfig = Field(default_factory=CaptionConfig, description="Caption options: prefix, "
                                     "suffix, tag shuffle and dropout.")
@@ -290,11 +281,13 @@ class Cadence(StrictModel):
 
 class ScheduleConfig(StrictModel):
     epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="Passes over the data set.")
-    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS, description="Optimizer steps; ends the run before the epochs do.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS,
+        description="Optimizer steps; ends the run before the epochs do.")
     batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Images per forward pass (same bucket).")
     gradient_accumulation: int = Field(1, ge=1, le=MAX_BATCH, description="Batches whose gradients add up before one "
                                        "optimizer step (effective batch = batch_size x this).")
-    max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM, description="Clip the gradients' total norm to this "
+    max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM,
+        description="Clip the gradients' total norm to this "
                                         "(a fused fine-tune: each parameter's own norm); None: no clipping.")
     sample_every: Cadence = Field(default_factory=Cadence, description="Sample the prompts this often "
                                   "(0: never).")
@@ -323,7 +316,8 @@ class DataConfig(StrictModel):
     color_jitter: float = Field(0.0, ge=0, le=0.5, description="Move brightness, contrast and saturation by "
                                 "up to this much each time an image is trained.")
     cache_memory_mb: float = Field(
-        256, ge=0, le=MAX_CACHE_MB, description="Cached latents and text kept in RAM (the most recently used, up to this many "
+        256, ge=0, le=MAX_CACHE_MB,
+            description="Cached latents and text kept in RAM (the most recently used, up to this many "
         "MB); the rest is read from the cache folder as batches need it, so RAM does not grow with the number "
         "of images. 0: read every batch from disk.")
     prefetch_batches: int = Field(

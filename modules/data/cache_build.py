@@ -149,7 +149,8 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
 
 
 @torch.no_grad()
-def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache, stop: StopCheck | None = None) -> set[str]:
+def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
+               stop: StopCheck | None = None) -> set[str]:
     """Encode and write the conditioning of every caption the cache lacks; the text keys present
     (`stop`: as in fill_latents)."""
     ready: set[str] = set()

@@ -175,7 +175,8 @@ class TrainDataset:
             order = []
             for round_index in range(start // count, (end - 1) // count + 1):
                 # (wrapped into 63 bits: the seed's whole range must stay a valid torch seed)
-                shuffle = torch.Generator().manual_seed(((self.seed * 1_000_003 + concept) * 7_919 + round_index) % 2**63)
+                derived = ((self.seed * 1_000_003 + concept) * 7_919 + round_index) % 2**63
+                shuffle = torch.Generator().manual_seed(derived)
                 order += [members[j] for j in torch.randperm(count, generator=shuffle).tolist()]
             offset = (start // count) * count
             expanded += order[start - offset:end - offset]
