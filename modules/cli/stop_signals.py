@@ -32,48 +32,61 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def _said(signum: int) -> str:
+    return (f"[{signal.Signals(signum).name}: stopping at the next step; a backup will be written. "
+            "Press Ctrl-C again to quit at once]")
+
+
 def install_stop_signals(commands: TrainCommands, log: Callable[[str], None] = _stderr) -> None:
     handled = []  # signals the main thread's handler has run for
 
     def on_signal(signum, _frame):
         handled.append(signum)
         if len(handled) == 1:
-            commands.stop()  # (the watcher has made it already unless there is none)
+            commands.stop()  # (the watcher has made it already, and said so)
+            if not watching:
+                log(_said(signum))
         else:
             raise KeyboardInterrupt
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
-    _start_watcher(commands, log)
+    watching = _start_watcher(commands, log)
 
 
-def _start_watcher(commands: TrainCommands, log: Callable[[str], None]) -> None:
+_watch: dict = {}  # the watcher's run: commands, log, signals seen (one watcher per process)
+
+
+def _start_watcher(commands: TrainCommands, log: Callable[[str], None]) -> bool:
+    """Whether a watcher sees the signals (not where another wakeup fd, an event loop's, is set)."""
+    if _watch:  # installed before in this process: the running watcher serves this run now
+        _watch.update(commands=commands, log=log, seen=0)
+        return True
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
     previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-    if previous != -1:  # someone else's (an event loop): keep theirs, go without the watcher
+    if previous != -1:  # someone else's: keep theirs, go without the watcher
         signal.set_wakeup_fd(previous)
         os.close(read_end), os.close(write_end)
-        return
+        return False
+    _watch.update(commands=commands, log=log, seen=0)
 
     def watch() -> None:
-        seen = 0
         while True:
-            data = os.read(read_end, 64)
-            for signum in data:
+            for signum in os.read(read_end, 64):
                 if signum not in STOP_SIGNALS:
                     continue
-                seen += 1
-                if seen == 1:
-                    commands.stop()
-                    log(f"[{signal.Signals(signum).name}: stopping at the next step; a backup will be written. "
-                        "Press Ctrl-C again to quit at once]")
-                elif seen == 2:
-                    timer = threading.Timer(QUIT_GRACE_S, _quit_now, (commands,))
+                _watch["seen"] += 1
+                if _watch["seen"] == 1:
+                    _watch["commands"].stop()
+                    _watch["log"](_said(signum))
+                elif _watch["seen"] == 2:
+                    timer = threading.Timer(QUIT_GRACE_S, _quit_now, (_watch["commands"],))
                     timer.daemon = True  # a main thread that ends in time does not wait for it
                     timer.start()
 
     threading.Thread(target=watch, name="stop-signals", daemon=True).start()
+    return True
 
 
 def _quit_now(commands: TrainCommands) -> None:
