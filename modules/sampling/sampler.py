@@ -10,6 +10,12 @@ from modules.saving.atomic import write_with
 from modules.util.stopping import StopCheck, StopRequested, raise_if_stopping
 
 
+def out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: torch's OutOfMemoryError (CUDA and other devices), or the CPU
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 @torch.no_grad()
 def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.device,
                    names: list[str] | None = None, write: bool = True, stop: StopCheck | None = None) -> list[Path]:

@@ -29,7 +29,7 @@ from modules.offload.conductor import LayerOffloadConductor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler
-from modules.sampling.sampler import sample_prompts
+from modules.sampling.sampler import out_of_memory, sample_prompts
 from modules.saving.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
 from modules.saving.output_target import record_output, resolve_output
@@ -48,12 +48,8 @@ from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 from modules.trainer.sharding import reshard_, shard_parts_, whole_state_dicts
 from modules.util.sharded_tensors import is_sharded
 from modules.trainer.timed_actions import TimedAction
-from modules.trainer.training_state import (
-    check_resume_early,
-    load_resume_state,
-    restore_training_state,
-    training_state,
-)
+from modules.trainer.training_state import (check_resume_early, load_resume_state, restore_training_state,
+                                            training_state)
 from modules.trainer.validation import validation_loss
 from modules.trainer.weight_modes import resolve_weight_modes
 from modules.util.stopping import StopRequested
@@ -393,7 +389,13 @@ class GenericTrainer:
                 action.done()
         prompts = self.commands.take_prompts()  # rank 0's; a sharded part samples on every rank, with them
         for number, prompt in enumerate(self.ranks.broadcast(prompts) if self.sharded else prompts):
-            self.sample([SamplePromptConfig.model_validate(prompt)], names=[f"now{number}"])
+            try:
+                self.sample([SamplePromptConfig.model_validate(prompt)], names=[f"now{number}"])
+            except RuntimeError as error:  # asked for from outside: too big for this machine must not end the run
+                if self.sharded or not out_of_memory(error):  # (sharded: the other ranks would wait in a collective)
+                    raise
+                self.callbacks.on_warning(f"sample now ({prompt['width']}x{prompt['height']}, {prompt['steps']} "
+                                          f"steps) ran out of memory and was skipped; training goes on: {error}")
 
     # --- actions -----------------------------------------------------------------------------
 
