@@ -42,3 +42,34 @@ def test_a_run_samples_a_prompt_sent_on_stdin_and_skips_disabled_prompts(tiny_mo
     # step 1: the enabled prompt (index 1 in the list) and the prompt sent; step 2: the enabled one
     assert names == ["step0000001-1.png", "step0000001-now0.png", "step0000002-1.png"], names
     assert all((tmp_path / "ws" / "samples" / name).is_file() for name in names)
+
+
+def test_a_sample_now_too_big_for_the_machine_is_a_warning_and_training_goes_on(tiny_model, shape_images, tmp_path,
+                                                                                  monkeypatch):
+    """Issue 26: a "Sample now" the machine cannot allocate ended the run with a traceback."""
+    from pathlib import Path
+
+    from modules.cli.train_command import run_training
+    from modules.model.base import ModelFamily
+    from modules.trainer.callbacks import TrainCallbacks
+
+    def no_memory(self, prompt, device):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 51539607552 bytes")
+
+    monkeypatch.setattr(ModelFamily, "sample", no_memory)
+
+    class Warnings(TrainCallbacks):
+        def __init__(self):
+            self.warnings = []
+
+        def on_warning(self, message):
+            self.warnings.append(message)
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 2}})
+    commands, callbacks = TrainCommands(), Warnings()
+    command = parse_command('{"command": "sample", "prompt": {"prompt": "huge", "width": 4096, "height": 4096}}')
+    apply_command(command, commands)
+    assert run_training(config, callbacks, commands) == Path(config.output.path)
+    (warning,) = [w for w in callbacks.warnings if w.startswith("sample now")]
+    assert warning.startswith("sample now (4096x4096, 20 steps) ran out of memory and was skipped; training goes on")

@@ -23,6 +23,7 @@ from modules.adapters.base import AdapterModule
 from modules.adapters.registry import register_adapter
 from modules.adapters.weight_decompose import Axis, WeightDecomposed
 from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
+from modules.config.limits import MAX_RANK
 
 
 def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -49,7 +50,8 @@ def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
 class LoKrConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
     type: Literal["lokr"] = Field("lokr", description="lokr: a Kronecker product of a small and a large factor "
                                   "(with dora: weight-decomposed LoKr).")
-    factor: int = Field(-1, description="Split each dimension with this factor; -1: as square as possible.")
+    factor: int = Field(-1, ge=-1, le=MAX_RANK,
+        description="Split each dimension with this factor; -1: as square as possible.")
     decompose_both: bool = Field(False, description="Make the small factor low-rank too.")
     full_matrix: bool = Field(False, description="Keep the large factor a full matrix whatever the rank.")
 

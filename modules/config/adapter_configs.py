@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from modules.config.limits import MAX_ALPHA, MAX_RANK
 from modules.config.strict import StrictModel
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -86,15 +87,16 @@ class AdapterConfigBase(StrictModel):
 class AdapterPartConfig(StrictModel):
     """Per-part overrides of the adapter's size (`adapter.parts.text_encoder.rank`)."""
 
-    rank: int | None = Field(None, ge=1, description="None: adapter.rank.")
-    alpha: float | None = Field(None, gt=0, description="None: adapter.alpha.")
+    rank: int | None = Field(None, ge=1, le=MAX_RANK, description="None: adapter.rank.")
+    alpha: float | None = Field(None, gt=0, le=MAX_ALPHA, description="None: adapter.alpha.")
 
 
 class LowRankOptions(StrictModel):
     """rank and alpha, and their per-part overrides (the low-rank algorithms)."""
 
-    rank: int = Field(16, ge=1, description="The rank of the low-rank factors.")
-    alpha: float = Field(16.0, gt=0, description="Output is scaled by alpha / rank (lokr with both factors "
+    rank: int = Field(16, ge=1, le=MAX_RANK, description=f"The rank of the low-rank factors (at most {MAX_RANK}).")
+    alpha: float = Field(16.0, gt=0, le=MAX_ALPHA,
+        description="Output is scaled by alpha / rank (lokr with both factors "
                          "full: scale 1).")
     parts: dict[str, AdapterPartConfig] = Field(
         default_factory=dict, description="Per-part rank/alpha, e.g. {\"text_encoder\": {\"rank\": 8}}.")

@@ -8,6 +8,7 @@ import re
 
 from pydantic import Field, field_validator
 
+from modules.config.limits import MAX_LEARNING_RATE
 from modules.config.strict import StrictModel
 
 
@@ -29,7 +30,8 @@ class EmbeddingConfig(StrictModel):
                              "clip_g for SD3; t5xxl for Chroma; qwen3_4b for Z-Image and FLUX.2 klein 4B, qwen3_8b "
                              "for klein 9B; qwen25_7b for Qwen-Image) to start from, or to use frozen when train "
                              "is off.")
-    learning_rate: float | None = Field(None, gt=0, description="This embedding's learning rate; empty: "
+    learning_rate: float | None = Field(None, gt=0, le=MAX_LEARNING_RATE,
+        description="This embedding's learning rate; empty: "
                                         "optimizer.lr.")
 
     @field_validator("placeholder")

@@ -32,6 +32,9 @@ from modules.config.method_configs import (  # noqa: F401  (re-exported: the con
     MethodConfig,
     default_method_type,
 )
+from modules.config.limits import (MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
+                                    MAX_LEARNING_RATE, MAX_LOSS_WEIGHT, MAX_REPEATS, MAX_RESOLUTION,
+                                    MAX_SAMPLES_PER_EPOCH, MAX_SEED, MAX_STEPS, MAX_TAGS, single_message)
 from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
     UNION_TAGS as OPTIMIZER_TAGS,
     AdafactorConfig,
@@ -45,6 +48,7 @@ from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the 
     default_optimizer_type,
     union_tags,
 )
+from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  # noqa: F401  (re-exported)
 from modules.config.strict import StrictModel
 from modules.quantization.weight_modes import is_weight_mode, weight_mode_names
 
@@ -71,7 +75,7 @@ def _weight_dtype_schema(schema: dict) -> None:
 class ModelPartConfig(StrictModel):
     path: str | None = Field(None, description="Load this part from here instead of the base model.")
     train: bool = Field(False, description="Train this part (its adapter, or its weights in a fine-tune).")
-    learning_rate: float | None = Field(None, gt=0, description="None: the optimizer's lr.")
+    learning_rate: float | None = Field(None, gt=0, le=MAX_LEARNING_RATE, description="None: the optimizer's lr.")
     weight_dtype: str = Field(
         "float32", json_schema_extra=_weight_dtype_schema,
         description="Storage of the base weights: dense float32/bfloat16/float16, or quantized "
@@ -86,7 +90,7 @@ class ModelPartConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="Recompute each block's activations in the backward pass instead of keeping them "
         "(non-reentrant checkpointing per block): less memory, about a third more compute.")
-    offload_fraction: float | Literal["auto"] = Field(
+    offload_fraction: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
         0.0, description="Share (0..1) of the part's offloadable weight bytes parked on temp_device and "
         "brought to the train device block by block; auto: the smallest share that fits the train device.")
     activation_offloading: bool = Field(
@@ -100,12 +104,8 @@ class ModelPartConfig(StrictModel):
             raise ValueError(f"unknown weight mode {value!r} (known: {', '.join(weight_dtype_choices())})")
         return value
 
-    @field_validator("offload_fraction")
-    @classmethod
-    def _fraction_in_range(cls, value: float | str) -> float | str:
-        if isinstance(value, float) and not 0.0 <= value <= 1.0:
-            raise ValueError(f"must be between 0 and 1, or 'auto' (got {value})")
-        return value
+    _fraction_in_range = field_validator("offload_fraction", mode="wrap")(
+        single_message("must be between 0 and 1, or 'auto'"))
 
     @model_validator(mode="after")
     def _activation_offloading_needs_checkpointing(self) -> "ModelPartConfig":
@@ -175,19 +175,20 @@ class ModelConfig(StrictModel):
 class LossConfig(StrictModel):
     type: Literal["mse", "huber", "l1"] = Field("mse", description="Loss between prediction and target: mse "
                                                 "(squared), huber (squared near 0, linear beyond huber_delta), l1.")
-    huber_delta: float = Field(1.0, gt=0, description="huber: where the loss turns from squared to linear.")
-    min_snr_gamma: float | None = Field(None, gt=0, description="Min-SNR weighting (e.g. 5); epsilon and "
+    huber_delta: float = Field(1.0, gt=0, le=1000, description="huber: where the loss turns from squared to linear.")
+    min_snr_gamma: float | None = Field(None, gt=0, le=1000, description="Min-SNR weighting (e.g. 5); epsilon and "
                                         "v-prediction families only.")
     debiased_estimation: bool = Field(False, description="Weight each sample by 1/sqrt(SNR); epsilon and "
                                       "v-prediction families only.")
-    noise_offset: float = Field(0.0, ge=0, description="Add this much per-channel constant noise (e.g. 0.05).")
+    noise_offset: float = Field(0.0, ge=0, le=1, description="Add this much per-channel constant noise (e.g. 0.05).")
     timesteps: Literal["default", "uniform", "logit_normal"] = Field(
         "default", description="How training timesteps are drawn; default: uniform for DDPM families, "
         "logit-normal for flow-matching ones.")
-    logit_mean: float = Field(0.0, description="logit_normal timesteps: the mean of the normal before the sigmoid.")
-    logit_std: float = Field(1.0, gt=0, description="logit_normal timesteps: the spread of the normal "
+    logit_mean: float = Field(0.0, ge=-10, le=10,
+        description="logit_normal timesteps: the mean of the normal before the sigmoid.")
+    logit_std: float = Field(1.0, gt=0, le=10, description="logit_normal timesteps: the spread of the normal "
                              "before the sigmoid.")
-    flow_shift: float | None = Field(None, gt=0, description="Flow-matching families: shift the drawn "
+    flow_shift: float | None = Field(None, gt=0, le=100, description="Flow-matching families: shift the drawn "
                                      "noise levels by this instead of the model's own (dynamic) shift.")
 
 
@@ -196,16 +197,17 @@ class EmaConfig(StrictModel):
                           "samples and saves use it.")
     decay: float = Field(0.999, gt=0, lt=1, description="Share of the old average kept at each update "
                          "(0.999: averages over ~1000 updates).")
-    update_every: int = Field(1, ge=1, description="Optimizer steps between EMA updates.")
+    update_every: int = Field(1, ge=1, le=MAX_STEPS, description="Optimizer steps between EMA updates.")
     device: Literal["train", "cpu"] = Field("train", description="Where the averaged copy lives.")
 
 
 class LrSchedulerConfig(StrictModel):
     type: Literal["constant", "linear", "cosine", "cosine_with_restarts", "polynomial"] = Field(
         "constant", description="How the learning rate changes over the run (after the warmup).")
-    warmup_steps: int = Field(0, ge=0, description="Optimizer steps over which the lr rises linearly from 0.")
-    cycles: int = Field(1, ge=1, description="cosine_with_restarts: how many cosine cycles.")
-    power: float = Field(1.0, gt=0, description="polynomial: the decay's exponent (1 = linear).")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS,
+        description="Optimizer steps over which the lr rises linearly from 0.")
+    cycles: int = Field(1, ge=1, le=MAX_EPOCHS, description="cosine_with_restarts: how many cosine cycles.")
+    power: float = Field(1.0, gt=0, le=100, description="polynomial: the decay's exponent (1 = linear).")
     min_factor: float = Field(0.0, ge=0, le=1, description="The lr never decays below this share of itself.")
     scale_by_batch_size: bool = Field(False, description="Multiply the learning rates by batch_size x "
                                       "gradient_accumulation (the effective batch), as kohya's scale_lr does.")
@@ -218,7 +220,7 @@ class CaptionConfig(StrictModel):
     suffix: str = Field("", description="Put after every caption.")
     separator: str = Field(",", min_length=1, description="What splits a caption into tags.")
     shuffle_tags: bool = Field(False, description="Shuffle the tags each time an image is trained.")
-    keep_tags: int = Field(0, ge=0, description="The first N tags stay first and are never dropped.")
+    keep_tags: int = Field(0, ge=0, le=MAX_TAGS, description="The first N tags stay first and are never dropped.")
     tag_dropout: float = Field(0.0, ge=0, lt=1, description="Drop each other tag with this probability.")
     caption_dropout: float = Field(0.0, ge=0, le=1, description="Train with an empty caption this often.")
 
@@ -236,13 +238,16 @@ class ConceptConfig(StrictModel):
         "filename: the image's file name.",
     )
     caption_file: str = Field("caption.txt", description="For caption_source 'file', relative to the folder.")
-    repeats: int = Field(1, ge=1, description="Each image is seen this many times per epoch.")
+    repeats: int = Field(1, ge=1, le=MAX_REPEATS, description=f"Each image is seen this many times per epoch "
+                         f"(at most {MAX_REPEATS}).")
     enabled: bool = Field(True, description="Off: the concept stays in the config but is not used.")
     include_subfolders: bool = Field(False, description="Also take the images in the folder's subfolders.")
     validation: bool = Field(False, description="Not trained on: its images measure the validation loss "
                              "(schedule.validate_every).")
-    loss_weight: float = Field(1.0, gt=0, description="Multiplies the loss of this concept's images.")
-    samples_per_epoch: int | None = Field(None, ge=1, description="Balance concepts by count: this many of "
+    loss_weight: float = Field(1.0, gt=0, le=MAX_LOSS_WEIGHT,
+        description="Multiplies the loss of this concept's images.")
+    samples_per_epoch: int | None = Field(None, ge=1, le=MAX_SAMPLES_PER_EPOCH,
+        description="Balance concepts by count: this many of "
                                           "its images per epoch (cycling, reshuffled each epoch) instead of repeats.")
     captions: CaptionConfig = Field(default_factory=CaptionConfig, description="Caption options: prefix, "
                                     "suffix, tag shuffle and dropout.")
@@ -251,33 +256,13 @@ class ConceptConfig(StrictModel):
     unmasked_weight: float = Field(0.1, ge=0, le=1, description="masked_loss: the weight of the black area.")
 
 
-class SamplePromptConfig(StrictModel):
-    prompt: str = Field(..., description="What to sample.")
-    negative_prompt: str = Field("", description="What to steer away from (with classifier-free guidance).")
-    seed: int = Field(42, description="The noise seed: the same seed gives comparable samples across steps.")
-    steps: int = Field(20, ge=1, description="Denoising steps.")
-    cfg: float = Field(7.0, ge=0, description="Classifier-free guidance scale (1: none; guidance-distilled "
-                       "families use it as their guidance input).")
-    width: int = Field(512, ge=8, multiple_of=8, description="Sample width in pixels (a multiple of 8).")
-    height: int = Field(512, ge=8, multiple_of=8, description="Sample height in pixels (a multiple of 8).")
-    enabled: bool = Field(True, description="Sampled at each sampling point; off: kept in the list, skipped.")
-
-
-class SamplingConfig(StrictModel):
-    prompts: list[SamplePromptConfig] = Field(default_factory=list, description="The prompts sampled at each "
-                                              "sampling point.")
-    scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field(
-        "ddim", description="The sampler (diffusers scheduler) used for samples (flow-matching families use "
-        "their own).")
-
-
 _CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$")
 
 
 class Cadence(StrictModel):
     """How often an action runs; 0 means never. Also accepts "250 steps", "2 epochs", "30 minutes"."""
 
-    value: float = Field(0, ge=0, description="How many units between two runs of the action; 0: never.")
+    value: float = Field(0, ge=0, le=MAX_STEPS, description="How many units between two runs of the action; 0: never.")
     unit: Literal["steps", "epochs", "minutes"] = Field("steps", description="What value counts.")
 
     @model_validator(mode="before")
@@ -295,12 +280,14 @@ class Cadence(StrictModel):
 
 
 class ScheduleConfig(StrictModel):
-    epochs: int = Field(10, ge=1, description="Passes over the data set.")
-    max_steps: int | None = Field(None, ge=1, description="Optimizer steps; ends the run before the epochs do.")
-    batch_size: int = Field(1, ge=1, description="Images per forward pass (same bucket).")
-    gradient_accumulation: int = Field(1, ge=1, description="Batches whose gradients add up before one "
+    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="Passes over the data set.")
+    max_steps: int | None = Field(None, ge=1, le=MAX_STEPS,
+        description="Optimizer steps; ends the run before the epochs do.")
+    batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Images per forward pass (same bucket).")
+    gradient_accumulation: int = Field(1, ge=1, le=MAX_BATCH, description="Batches whose gradients add up before one "
                                        "optimizer step (effective batch = batch_size x this).")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the gradients' total norm to this "
+    max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM,
+        description="Clip the gradients' total norm to this "
                                         "(a fused fine-tune: each parameter's own norm); None: no clipping.")
     sample_every: Cadence = Field(default_factory=Cadence, description="Sample the prompts this often "
                                   "(0: never).")
@@ -312,9 +299,13 @@ class ScheduleConfig(StrictModel):
                                     "concepts, at the same timesteps and noise every time.")
 
 
+Resolution = Annotated[int, Field(ge=8, le=MAX_RESOLUTION)]
+
+
 class DataConfig(StrictModel):
-    resolution: int | list[Annotated[int, Field(ge=8)]] = Field(
-        512, description="Training resolution, or several: each image then trains at each of them.")
+    resolution: Resolution | list[Resolution] = Field(
+        512, description=f"Training resolution (8 to {MAX_RESOLUTION} pixels), or several: each image then "
+        "trains at each of them.")
     aspect_buckets: bool = Field(True, description="Train each image at the size of its aspect ratio "
                                  "(buckets) instead of a centre-cropped square.")
     flip: bool = Field(False, description="Train each image mirrored half of the time (both versions are "
@@ -325,7 +316,8 @@ class DataConfig(StrictModel):
     color_jitter: float = Field(0.0, ge=0, le=0.5, description="Move brightness, contrast and saturation by "
                                 "up to this much each time an image is trained.")
     cache_memory_mb: float = Field(
-        256, ge=0, description="Cached latents and text kept in RAM (the most recently used, up to this many "
+        256, ge=0, le=MAX_CACHE_MB,
+            description="Cached latents and text kept in RAM (the most recently used, up to this many "
         "MB); the rest is read from the cache folder as batches need it, so RAM does not grow with the number "
         "of images. 0: read every batch from disk.")
     prefetch_batches: int = Field(
@@ -340,11 +332,12 @@ class DataConfig(StrictModel):
                                     "cached: set data.cache_latents to false", name)
         return self
 
+    _resolution_in_range = field_validator("resolution", mode="wrap")(
+        single_message(f"must be a whole number of pixels from 8 to {MAX_RESOLUTION}, or a list of them"))
+
     @field_validator("resolution")
     @classmethod
-    def _positive(cls, value: int | list[int]) -> int | list[int]:
-        if isinstance(value, int) and value < 8:
-            raise ValueError(f"must be >= 8 (got {value})")
+    def _at_least_one(cls, value: int | list[int]) -> int | list[int]:
         if isinstance(value, list) and not value:
             raise ValueError("give at least one resolution")
         return value
@@ -372,7 +365,7 @@ class OutputConfig(StrictModel):
 
 
 class BackupConfig(StrictModel):
-    rolling_count: int = Field(3, ge=1, description="Older backups beyond this many are deleted.")
+    rolling_count: int = Field(3, ge=1, le=MAX_BACKUPS, description="Older backups beyond this many are deleted.")
     resume: bool = Field(False, description="Continue from the newest backup in the workspace (a run "
                          "setting, never saved into presets).")
 
@@ -410,8 +403,8 @@ class TrainConfig(StrictModel):
     train_dtype: DType = Field("float32", description="Autocast dtype for the forward pass.")
     tf32: bool = Field(True, description="On CUDA, float32 matrix products use TF32 tensor cores (a 10-bit "
                        "mantissa, several times faster); off: full float32 precision.")
-    seed: int = Field(42, description="Seed of everything random in the run (noise, timesteps, order, "
-                      "caption shuffles).")
+    seed: int = Field(42, ge=0, le=MAX_SEED, description="Seed of everything random in the run (noise, "
+                      f"timesteps, order, caption shuffles; 0 to {MAX_SEED}).")
     tensorboard: bool = Field(True, description="Write TensorBoard logs (loss, lr, samples) to "
                               "<workspace_dir>/tensorboard.")
     compile: bool = Field(False, description="torch.compile the denoiser; turned off, with a warning saying "

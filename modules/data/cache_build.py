@@ -21,6 +21,7 @@ from modules.data.cache import TensorCache
 from modules.data.cache_layout import expected_latent_layout, fits, measure_grid, measure_text_layout
 from modules.data.images import load_cropped
 from modules.data.masks import latent_mask, load_mask
+from modules.util.stopping import StopCheck, raise_if_stopping
 
 if TYPE_CHECKING:
     from modules.data.dataset import Entry
@@ -91,9 +92,10 @@ def _ahead(pool: ThreadPoolExecutor, jobs: Iterable[tuple], work: Callable, dept
 
 @torch.no_grad()
 def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device, cache: TensorCache,
-                 warn: Callable[[str], None]) -> set[str]:
+                 warn: Callable[[str], None], stop: StopCheck | None = None) -> set[str]:
     """Encode and write every entry's latents (its mirrored image's and its mask on the latent grid
-    too, where it uses them) that the cache lacks; the latent keys whose entries are complete."""
+    too, where it uses them) that the cache lacks; the latent keys whose entries are complete.
+    `stop` is asked before each encoder call: StopRequested then ends the build (what is written stays)."""
     ready: set[str] = set()
     todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
     seen: set[str] = set()
@@ -125,6 +127,7 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
                                                                chunks):
             for entry, error in failed:
                 warn(f"skipping unreadable image {entry.item.image}: {error}")
+            raise_if_stopping(stop)
             if chunk:
                 _encode_chunk(chunk, pixels, width, height, family, device, writer)
                 ready.update(entry.latent_key for entry in chunk)
@@ -157,8 +160,9 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
 
 @torch.no_grad()
 def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
-               warn: Callable[[str], None]) -> set[str]:
-    """Encode and write the conditioning of every caption the cache lacks; the text keys present."""
+               warn: Callable[[str], None], stop: StopCheck | None = None) -> set[str]:
+    """Encode and write the conditioning of every caption the cache lacks; the text keys present
+    (`stop`: as in fill_latents)."""
     ready: set[str] = set()
     todo: dict[str, str] = {}
     reference, stale = None, 0
@@ -183,6 +187,7 @@ def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
     try:
         for start in range(0, len(keys), ENCODE_BATCH):
             chunk = keys[start:start + ENCODE_BATCH]
+            raise_if_stopping(stop)
             encoded = family.encode_text(family.tokenize([todo[k] for k in chunk]))
             for row, key in enumerate(chunk):
                 writer.put(key, {name: t[row].float().cpu().clone() for name, t in encoded.items()})

@@ -29,10 +29,12 @@ from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
+from modules.data.epoch_size import check_epoch_size
 from modules.data.images import crop_origin, image_size, load_cropped
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 from modules.data.shares import batch_share
+from modules.util.stopping import StopCheck
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -173,7 +175,9 @@ class TrainDataset:
             start, end = epoch * wanted, (epoch + 1) * wanted
             order = []
             for round_index in range(start // count, (end - 1) // count + 1):
-                shuffle = torch.Generator().manual_seed((self.seed * 1_000_003 + concept) * 7_919 + round_index)
+                # (wrapped into 63 bits: the seed's whole range must stay a valid torch seed)
+                derived = ((self.seed * 1_000_003 + concept) * 7_919 + round_index) % 2**63
+                shuffle = torch.Generator().manual_seed(derived)
                 order += [members[j] for j in torch.randperm(count, generator=shuffle).tolist()]
             offset = (start // count) * count
             expanded += order[start - offset:end - offset]
@@ -242,7 +246,8 @@ def _file_hash(path: Path) -> str:
 
 
 def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.device, cache_dir: Path,
-                    warn: Callable[[str], None], cache_text: bool, validation: bool = False) -> TrainDataset:
+                    warn: Callable[[str], None], cache_text: bool, validation: bool = False,
+                    stop: StopCheck | None = None) -> TrainDataset:
     """Scan, bucket, and fill the caches, for the training concepts (or, with `validation`, the
     validation concepts). Unreadable images are skipped with a warning naming the file; a concept
     left without any usable image is an error naming its folder."""
@@ -283,12 +288,13 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         if usable == 0:
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     _warn_of_surprises(config, family, entries, validation, warn)
+    check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
     masks: Mapping = {}
     if config.data.cache_latents:
-        ready = fill_latents(entries, family, device, latent_cache, warn)
+        ready = fill_latents(entries, family, device, latent_cache, warn, stop)
         entries = [e for e in entries if e.latent_key in ready]
         latents = CachedTensors(reader, latent_cache, _latent_index(entries, "latents"))
         masks = CachedTensors(reader, latent_cache, _latent_index([e for e in entries if e.mask], "mask"))
@@ -299,7 +305,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     texts: Mapping = {}
     if cache_text:
-        fill_texts(entries, family, text_cache, warn)
+        fill_texts(entries, family, text_cache, warn, stop)
         texts = CachedTensors(reader, text_cache, {e.text_key: (e.text_key, None) for e in entries})
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),

@@ -147,17 +147,17 @@ def relay(run: RemoteRun, out: _Output, retries: int) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     if out.jsonl:
-        from modules.trainer.event_protocol import parse_command
+        from modules.trainer.event_protocol import read_command
 
         def read_commands():
             for line in sys.stdin:
                 if not line.strip():
                     continue
-                command = parse_command(line)  # the same reading as a local run's
+                command, problem = read_command(line)  # the same reading as a local run's
                 if command is not None:
                     run.send_command(command.name, command.prompt)
                 else:
-                    out.warning(f"ignored command line {line.strip()[:200]!r}")
+                    out.warning(f"ignored command line {line.strip()[:200]!r}: {problem}")
 
         threading.Thread(target=read_commands, daemon=True).start()
 

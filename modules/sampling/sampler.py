@@ -7,18 +7,29 @@ from pathlib import Path
 import torch
 
 from modules.saving.atomic import write_with
+from modules.util.stopping import StopCheck, StopRequested, raise_if_stopping
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: torch's OutOfMemoryError (CUDA and other devices), or the CPU
+    allocator's RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
 
 @torch.no_grad()
 def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.device,
-                   names: list[str] | None = None, write: bool = True) -> list[Path]:
+                   names: list[str] | None = None, write: bool = True, stop: StopCheck | None = None) -> list[Path]:
     """One PNG per prompt, `step<step>-<name>.png`; a name is the prompt's index in
     sampling.prompts by default (the GUI's gallery reads the prompt back from it). `write` False:
-    the images are made and dropped (a rank other than 0 joining a sharded part's forward passes)."""
+    the images are made and dropped (a rank other than 0 joining a sharded part's forward passes).
+    `stop` is asked before each pass of the denoiser (every sampler step, whatever the family's
+    pipeline): once it says stop, the sample in progress and the rest are dropped."""
     modes = {name: module.training for name, module in family.parts.items()}
     for module in family.parts.values():
         module.eval()
     paths = []
+    # a pre-hook on the denoiser sees every step of every family's pipeline
+    hook = family.parts[family.denoiser_part].register_forward_pre_hook(lambda *_: raise_if_stopping(stop))
     try:
         for index, prompt in enumerate(prompts):
             image = family.sample(prompt, device)
@@ -27,7 +38,10 @@ def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.devi
             path = Path(out_dir) / f"step{step:07d}-{names[index] if names else index}.png"
             write_with(path, lambda temp, image=image: image.save(temp, format="PNG"))
             paths.append(path)
+    except StopRequested:
+        pass  # the samples already written stay; the run stops at this boundary
     finally:
+        hook.remove()
         for name, module in family.parts.items():
             module.train(modes[name])
     return paths

@@ -6,6 +6,7 @@ Any thread may call these; the trainer takes them on the next gradient-accumulat
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 
 class TrainCommands:
@@ -16,6 +17,9 @@ class TrainCommands:
         self._stop = threading.Event()
         self._pending: set[str] = set()
         self._prompts: list[dict] = []  # "sample now with this prompt" requests, in order
+        # run (from any thread) before the process ends at once, skipping the main thread's unwinding
+        # (the second Ctrl-C while the main thread is stuck in a long call): report, free the workspace
+        self.quit_hooks: list[Callable[[], None]] = []
 
     def stop(self) -> None:
         self._stop.set()

@@ -17,7 +17,8 @@ from typing import IO
 
 from pydantic import ValidationError
 
-from modules.config.train_config import SamplePromptConfig
+from modules.config.errors import format_validation_error
+from modules.config.sampling_config import SamplePromptConfig
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 
@@ -78,22 +79,33 @@ def parse_command(line: str) -> Command | None:
     not an object, a "command" that is not one of the names (a list, a number, an unknown string),
     a "prompt" that is not a valid sample prompt. Nothing a client sends may end the reader: every
     later stop would be ignored."""
+    return read_command(line)[0]
+
+
+def read_command(line: str) -> tuple[Command | None, str]:
+    """(the command, "") or (None, what is wrong with the line: for a sample prompt, each field that
+    is out of bounds or of the wrong type, by its dotted name)."""
     try:
         message = json.loads(line)
     except (ValueError, RecursionError):  # malformed, a number too large to convert, nesting too deep
-        return None
+        return None, "not a JSON object"
     name = message.get("command") if isinstance(message, dict) else None
     if not (isinstance(name, str) and name in COMMANDS):
-        return None
+        return None, f"expected {{\"command\": one of {', '.join(COMMANDS)}}}"
     prompt = message.get("prompt")
     if prompt is None:
-        return Command(name)
+        return Command(name), ""
     if name != "sample":
-        return None
+        return None, f"only sample takes a \"prompt\", not {name}"
     try:
-        return Command(name, SamplePromptConfig.model_validate(prompt).model_dump(mode="json"))
-    except ValidationError:
-        return None
+        return Command(name, SamplePromptConfig.model_validate(prompt).model_dump(mode="json")), ""
+    except ValidationError as error:
+        # the bounds of SamplePromptConfig (limits.py): a seed of 2**70 or a 65536-px side is refused
+        # here, where the run goes on, not at the next step, where it would end the run
+        top = "(top level)"
+        fields = "; ".join("prompt" + (line[len(top):] if line.startswith(top) else "." + line)
+                           for line in format_validation_error(error, prompt))
+        return None, f"sample {fields}"
 
 
 def command_name(line: str) -> str | None:
@@ -117,13 +129,13 @@ def read_commands(stream: IO[str], commands: TrainCommands, events: JsonlEvents)
         for line in stream:
             if not line.strip():
                 continue
-            command = parse_command(line)
+            command, problem = read_command(line)
             if command is not None:
                 apply_command(command, commands)
             else:
-                events.on_warning(f"ignored command line {line.strip()[:200]!r} "
-                                  f"(expected {{\"command\": one of {', '.join(COMMANDS)}}}, and for sample "
-                                  f"optionally \"prompt\": {{\"prompt\": ..., \"seed\": ...}})")
+                events.on_warning(f"ignored command line {line.strip()[:200]!r}: {problem} (expected "
+                                  f"{{\"command\": one of {', '.join(COMMANDS)}}}, and for sample optionally "
+                                  f"\"prompt\": {{\"prompt\": ..., \"seed\": ...}})")
 
     thread = threading.Thread(target=loop, name="command-reader", daemon=True)
     thread.start()

@@ -38,29 +38,22 @@ from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.distributed import join_process_group, rank_device
-from modules.trainer.guards import (
-    TrainingError,
-    check_finite,
-    check_first_step,
-    snapshot,
-)
+from modules.trainer.guards import TrainingError, check_finite, check_first_step, snapshot
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
 from modules.trainer.sdpa import with_pinned_sdpa
+from modules.trainer.sample_now import sample_requested
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 from modules.trainer.sharding import reshard_, shard_parts_, whole_state_dicts
 from modules.util.sharded_tensors import is_sharded
 from modules.trainer.timed_actions import TimedAction
-from modules.trainer.training_state import (
-    check_resume_early,
-    load_resume_state,
-    restore_training_state,
-    training_state,
-)
+from modules.trainer.training_state import (check_resume_early, load_resume_state, restore_training_state,
+                                            training_state)
 from modules.trainer.validation import validation_loss
 from modules.trainer.weight_modes import quantize_device, resolve_weight_modes
+from modules.util.stopping import StopRequested
 from modules.util.torch_utils import autocast, dtype_of, make_generator
 
 
@@ -139,7 +132,11 @@ class GenericTrainer:
         if self.stopping:
             return self._stopped_while_loading()
         self.callbacks.on_status("caching latents and text")
-        self.setup_data()
+        try:
+            self.setup_data()
+        except StopRequested:  # asked between two cached batches: what was encoded stays for the next run
+            self.dataset = None
+            return self._stopped_while_loading()
         self.sample_action = TimedAction(config.schedule.sample_every)
         self.backup_action = TimedAction(config.schedule.backup_every)
         self.save_action = TimedAction(config.schedule.save_every)
@@ -245,11 +242,12 @@ class GenericTrainer:
         self.validation_set = None
         with self.ranks.main_first():  # rank 0 fills the caches, then the other ranks read them
             self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
-                                           self.callbacks.on_warning, cache_text)
+                                           self.callbacks.on_warning, cache_text, stop=lambda: self.stopping)
             # a sharded part's forward needs every rank: then each validates (the same batches)
             if (self.ranks.main or self.sharded) and any(c.enabled and c.validation for c in self.config.concepts):
                 self.validation_set = prepare_dataset(self.config, self.family, self.device, self.cache_dir,
-                                                      self.callbacks.on_warning, cache_text, validation=True)
+                                                      self.callbacks.on_warning, cache_text, validation=True,
+                                                      stop=lambda: self.stopping)
         self.dataset.split_among(self.ranks.rank, self.ranks.world)
         self.batches = BatchPrefetcher(self.dataset, self.config.data.prefetch_batches)
         (latent_hits, latent_misses), (text_hits, text_misses) = (
@@ -394,9 +392,7 @@ class GenericTrainer:
             if due:  # (ranks other than 0 only join a backup's gather of random states)
                 run()
                 action.done()
-        prompts = self.commands.take_prompts()  # rank 0's; a sharded part samples on every rank, with them
-        for number, prompt in enumerate(self.ranks.broadcast(prompts) if self.sharded else prompts):
-            self.sample([SamplePromptConfig.model_validate(prompt)], names=[f"now{number}"])
+        sample_requested(self, self.commands.take_prompts())  # rank 0's
 
     # --- actions -----------------------------------------------------------------------------
 
@@ -413,8 +409,9 @@ class GenericTrainer:
             return []
         self.callbacks.on_status("sampling")
         with self.offload_paused(), self.evaluation_weights():
+            # (several processes: `stopping` is what they agreed at the boundary, so none stops alone)
             paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names,
-                                   write=self.ranks.main)
+                                   write=self.ranks.main, stop=lambda: self.stopping)
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths

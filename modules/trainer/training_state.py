@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from modules.config.errors import ConfigError
+from modules.errors import UserError
 from modules.methods.base import split_state
 from modules.optim.optimizers import build_optimizer
 from modules.saving.backup import damaged, newest_backup, read_backup, read_backup_config
+from modules.saving.output_target import RECORD_NAME
 from modules.trainer.resume import (
     apply_current_hyperparameters,
     backup_config_problem,
@@ -77,15 +79,22 @@ def _state_problem(state: dict) -> str | None:
 
 def check_resume_early(trainer: GenericTrainer) -> None:
     """A change the backup cannot follow, or a backup that is incomplete or whose config is damaged,
-    is refused before the (slow) model load."""
+    is refused before the (slow) model load; so is a resume of a workspace whose run finished without
+    leaving a backup: starting again from step 0 would retrain (and resample) all of it, which is not
+    what a resume asks for (kohya's --resume refuses a missing state too). A workspace no run has
+    finished in starts from step 0 with a warning."""
     folder = newest_backup(trainer.workspace)
-    if folder is None:
-        return
-    backup_config = read_backup_config(folder)
-    problem = backup_config_problem(backup_config)
-    if problem:
-        raise damaged(folder, f"{folder / 'config.json'} is not a config this trainer wrote ({problem})")
-    check_resume_compatible(backup_config, trainer.config, folder)
+    if folder is not None:
+        backup_config = read_backup_config(folder)
+        problem = backup_config_problem(backup_config)
+        if problem:
+            raise damaged(folder, f"{folder / 'config.json'} is not a config this trainer wrote ({problem})")
+        check_resume_compatible(backup_config, trainer.config, folder)
+    elif (trainer.workspace / RECORD_NAME).is_file():
+        raise UserError(f"the run in {trainer.workspace} finished and left no backup in "
+                        f"{trainer.workspace / 'backup'} to continue from (schedule.backup_every 0 writes one "
+                        "only when a run is stopped); leave out --resume to train again from step 0, or give "
+                        "another workspace_dir", field="backup.resume")
 
 
 def load_resume_state(trainer: GenericTrainer) -> dict | None:
