@@ -287,8 +287,8 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                  "file; they train with full weight everywhere")
         if usable == 0:
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
-    _warn_of_surprises(config, family, entries, validation, warn)
     check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
+    _warn_of_surprises(config, family, entries, validation, warn)
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
