@@ -1,8 +1,7 @@
 """Guards that used to survive their own deletion, each pinned by a test that fails without it:
-the first-step guard's "did not change at all" branch; compute dtypes from the config (a quantized part's is
-train_dtype), never from a
-parameter; the lifecycle order (train device before adapters); no block deep-copied per forward;
-the mallopt call of the streamed load.
+the first-step guard's "did not change at all" branch; compute dtypes from the config, never from a
+parameter (a quantized part's is train_dtype); the lifecycle order (train device before adapters);
+no block deep-copied per forward; the mallopt call of the streamed load.
 (Compile and SDPA: tests/test_compile.py, tests/test_sdpa.py.)"""
 
 from __future__ import annotations
