@@ -113,3 +113,20 @@ def test_adapters_are_created_on_the_train_device_in_their_dtype(family):
         assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in adapters.parameters())
     finally:
         adapters.unhook()
+
+
+def test_every_algorithm_puts_its_buffers_on_the_train_device_too(fake_device):
+    """`alpha` is a buffer, not a parameter: one left on the CPU beside a train-device adapter is
+    read back across devices at each use and saved from the wrong place."""
+    from modules.adapters.registry import adapter_classes, create_adapter
+    from modules.config.train_config import AdapterConfig
+
+    assert {"lora", "loha", "lokr", "oft"} <= set(adapter_classes())
+    for algorithm in adapter_classes():
+        layer = nn.Linear(16, 16).to(fake_device)
+        adapter = create_adapter(AdapterConfig(type=algorithm), "unet", "layer", layer, fake_device,
+                                 torch.float32)
+        tensors = {**dict(adapter.named_parameters()), **dict(adapter.named_buffers())}
+        own = {name: t.device.type for name, t in tensors.items() if not name.startswith("base")}
+        assert "alpha" in own, (algorithm, own)
+        assert set(own.values()) == {fake_device.type}, (algorithm, own)

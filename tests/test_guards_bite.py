@@ -1,7 +1,7 @@
 """Guards that used to survive their own deletion, each pinned by a test that fails without it:
 the first-step guard's "did not change at all" branch; compute dtypes from the config, never from a
-parameter; the lifecycle order (train device before adapters); no block deep-copied per forward;
-the mallopt call of the streamed load.
+parameter (a quantized part's is train_dtype); the lifecycle order (train device before adapters);
+no block deep-copied per forward; the mallopt call of the streamed load.
 (Compile and SDPA: tests/test_compile.py, tests/test_sdpa.py.)"""
 
 from __future__ import annotations
@@ -97,6 +97,21 @@ def test_no_family_takes_a_compute_dtype_from_a_parameter(family_name, tiny_mode
     assert not float64_inputs, f"float64 reached {sorted(set(float64_inputs))[:5]}"
     for part in trainer.family.parts:
         assert trainer.family.compute_dtype(part) == torch.float32, part
+
+
+def test_a_quantized_part_computes_in_train_dtype_not_float32(tiny_model, tmp_path):
+    """A quantized part has no dense dtype of its own: it computes in train_dtype (bf16 here).
+    Falling back to float32 instead would train at twice the activation memory, silently."""
+    from modules.quantization.base import QuantizedLinear
+
+    config = train_config(tiny_model, tmp_path, tmp_path, {
+        "model": {"parts": {"unet": {"weight_dtype": "w8a8_int8"}}}, "train_dtype": "bfloat16"})
+    family = get_family_class("sd15")(config)
+    family.load()
+    assert family.compute_dtype("unet") == torch.bfloat16 and family.compute_dtype("vae") == torch.float32
+    layers = [m for m in family.parts["unet"].modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) > 10 and {layer.compute_dtype for layer in layers} == {torch.bfloat16}
+    assert layers[0](torch.randn(2, layers[0].in_features)).dtype == torch.bfloat16
 
 
 # --- the lifecycle: parts on the train device before the adapters are built -------------------------

@@ -194,6 +194,27 @@ def test_a_quantize_that_changes_nothing_is_not_torchao():
     # guards the "really changes it" check: without it a no-op quantize_ passes (its output is exact)
     assert not quantize_really_changes_linear(_noop_quantize, object)
     assert not quantize_really_changes_linear(_same_type_copy, object)
+    assert not quantize_really_changes_linear(_plain_tensor_copy, object)
+
+
+def _plain_tensor_copy(model, config):
+    # the weight becomes a plain tensor: its type changed (Parameter to Tensor) but nothing is quantized
+    weight = model.weight.detach().clone()
+    del model.weight
+    model.weight = weight
+
+
+def _halved_and_mangled(model, config):
+    # really shrinks the weight (float16) and computes, but the wrong thing (all zeros)
+    model.weight = nn.Parameter(torch.zeros_like(model.weight, dtype=torch.float16), requires_grad=False)
+    model.forward = lambda x: nn.functional.linear(x, model.weight.float(), model.bias)
+
+
+def test_a_quantize_that_shrinks_the_weight_but_computes_wrongly_is_not_torchao():
+    assert not quantize_really_changes_linear(_halved_and_mangled, object)
+    halved = nn.Linear(32, 32)
+    _halved_and_mangled(halved, None)
+    assert type(halved.weight) is nn.Parameter and halved.weight.element_size() == 2  # it did shrink
 
 
 def test_real_torchao_passes_the_check():

@@ -116,6 +116,13 @@ def test_a_train_device_this_torch_does_not_have(tmp_path, tiny_model, shape_ima
         assert f"this torch ({torch.__version__}) is built without CUDA" in line
 
 
+def test_a_temp_device_this_torch_does_not_have(tmp_path, tiny_model, shape_images):
+    """temp_device (where offloaded layers and activations wait) is probed as train_device is."""
+    config = train_config(tiny_model, shape_images, tmp_path, {"temp_device": "cuda:99"})
+    (line,) = preflight_problems(config)
+    assert line.startswith("temp_device: 'cuda:99' is not available here")
+
+
 def test_a_model_of_another_family_is_named_as_what_it_is(tmp_path, tiny_model, shape_images):
     config = train_config(tiny_model, shape_images, tmp_path, {"model": {"family": "sdxl"}})
     (line,) = preflight_problems(config)
@@ -155,6 +162,8 @@ def test_a_dense_dtype_that_does_not_run_here(tmp_path, tiny_model, shape_images
                                                                "model": {"parts": {"vae": {"weight_dtype": "bfloat16"}}}})
     assert sorted(preflight_problems(config)) == ["model.parts.vae.weight_dtype: bfloat16 does not run on cpu here",
                                                   "train_dtype: bfloat16 does not run on cpu here"]
+    config = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"dtype": "bfloat16"}})
+    assert preflight_problems(config) == ["adapter.dtype: bfloat16 does not run on cpu here"]
 
 
 def test_a_weight_mode_that_does_not_run_here(tmp_path, tiny_model, shape_images, monkeypatch):
@@ -206,6 +215,20 @@ def test_a_workspace_without_room_for_the_backups(tmp_path, tiny_model, shape_im
         # with backups off one (written at a stop) remains, which fits
         config = train_config(tiny_model, shape_images, tmp_path, {"workspace_dir": str(small / "ws")})
         assert preflight_problems(config) == []
+
+
+def test_a_workspace_and_output_on_one_disk_need_room_for_both(tmp_path, tiny_model, shape_images):
+    """The one backup written at a stop (~286 KiB) fits in 320 KiB, and so does the output
+    (~74 KiB), but not both: on one disk the needs add up."""
+    with full_disk(tmp_path / "small", size="2m", leave_free=320 << 10) as small:
+        alone = [train_config(tiny_model, shape_images, tmp_path, {"workspace_dir": str(small / "ws")}),
+                 train_config(tiny_model, shape_images, tmp_path, {"output": {"path": str(small / "lora.safetensors")}})]
+        assert [preflight_problems(config) for config in alone] == [[], []]
+        both = train_config(tiny_model, shape_images, tmp_path, {
+            "workspace_dir": str(small / "ws"), "output": {"path": str(small / "out" / "lora.safetensors")}})
+        (line,) = preflight_problems(both)
+        assert line.startswith(f"workspace_dir and output.path: not enough free disk space in {small}: 320.0 KiB free")
+        assert "1 backup(s) of ~" in line and "the output file" in line
 
 
 def test_run_preflight_raises_one_error_with_every_problem(tmp_path, tiny_model, shape_images):

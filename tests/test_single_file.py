@@ -289,3 +289,29 @@ def test_a_skeleton_part_reads_none_of_its_tensors_from_the_file(tmp_path, shape
     assert any(key.startswith("first_stage_model.") for key in read)
     assert not [key for key in read if key.startswith("model.diffusion_model.")]
     assert all(p.is_meta for p in family.parts["unet"].parameters())
+
+
+def test_each_converted_tensor_is_freed_once_it_is_loaded(tmp_path, shape_images, tiny_model, monkeypatch):
+    """A converted tensor (computed from the file's, e.g. the VAE's mid attention) is handed over
+    and no longer held: at most the last one handed out is alive at a read (the loader's own
+    variable until it reads the next), so a load's peak stays one tensor above the model, as from a
+    folder (for Flux most of the transformer is converted)."""
+    import weakref
+
+    import modules.loading.single_file as single_file
+
+    file = write_original_layout(tiny_model, "sd15", tmp_path / "sd15.safetensors")
+    handed, alive_at_reads = [], []
+    read = single_file.ConvertedPart.read
+
+    def watching_read(part, name):
+        alive_at_reads.append(sum(alive() is not None for _, alive in handed))
+        tensor = read(part, name)
+        if name not in part.renamed:
+            handed.append((name, weakref.ref(tensor)))
+        return tensor
+
+    monkeypatch.setattr(single_file.ConvertedPart, "read", watching_read)
+    _family("sd15", file, shape_images, tmp_path, configs=tiny_model).load()
+    assert len(handed) >= 8 and max(alive_at_reads) <= 1, alive_at_reads
+    assert all(alive() is None for _, alive in handed)

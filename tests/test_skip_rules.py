@@ -37,3 +37,29 @@ def test_class_lists_name_whole_modules_whether_a_list_or_a_bare_string(model_cl
     assert "_skip_layerwise_casting_patterns ('time_proj')" in reasons["time_proj"]
     assert "_keep_in_fp32_modules" in reasons["attn_q"]
     assert keeps_float32(model, "attn_q") and not keeps_float32(model, "q") and not keeps_float32(model, "time_proj")
+
+
+def test_a_keep_in_fp32_entry_matches_a_module_at_any_depth():
+    """T5's `_keep_in_fp32_modules` is ['wo']: the layers it means are nested deep
+    (encoder.block.0.layer.1.DenseReluDense.wo); a match at the start of the name only would
+    quantize and store them in the compute dtype (T5 in fp16 overflows there)."""
+    from transformers import T5Config, T5EncoderModel
+
+    model = T5EncoderModel(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2))
+    assert type(model)._keep_in_fp32_modules == ["wo"]
+    linears = {name: layer for name, layer in model.named_modules() if isinstance(layer, nn.Linear)}
+    kept = sorted(name for name in linears if keeps_float32(model, name))
+    assert kept == ["encoder.block.0.layer.1.DenseReluDense.wo", "encoder.block.1.layer.1.DenseReluDense.wo"]
+    assert "T5EncoderModel._keep_in_fp32_modules" == skip_reason(model, "text_encoder_3", kept[0], linears[kept[0]], [])
+    assert not keeps_float32(model, "encoder.block.0.layer.1.DenseReluDense.wi")
+    assert not keeps_float32(model, "encoder.block.0.layer.1.DenseReluDense.wox")  # whole names, not prefixes
+
+
+def test_lists_set_on_the_instance_alone_are_read_too():
+    """A model may carry its lists on the instance (set after it was built), not its class."""
+    model = _Blocks()
+    model._skip_layerwise_casting_patterns = ["time_proj"]
+    model._keep_in_fp32_modules = ["attn_q"]
+    assert not hasattr(_Blocks, "_keep_in_fp32_modules")
+    assert "_skip_layerwise_casting_patterns" in skip_reason(model, "unet", "time_proj", model.time_proj, [])
+    assert keeps_float32(model, "attn_q") and not keeps_float32(model, "q")
