@@ -36,7 +36,8 @@ def concept(tmp_path, shape_images):
 
 
 def _warnings(tmp_path, family, concepts, data=None) -> list[str]:
-    config = train_config(family.config.model.base, tmp_path, tmp_path, {"concepts": concepts, "data": data or {}})
+    overlay = {"model": {"family": family.config.model.family}, "concepts": concepts, "data": data or {}}
+    config = train_config(family.config.model.base, tmp_path, tmp_path, overlay)
     family.config = config
     warnings = []
     prepare_dataset(config, family, torch.device("cpu"), tmp_path / "cache", warnings.append, True)
@@ -109,3 +110,21 @@ def test_the_warnings_reach_the_protocol_as_warning_events(tmp_path, tiny_model,
     assert sum(w.startswith("concepts[0]: 1 .gif file(s)") for w in warnings) == 1
     assert sum(w.startswith("lr_scheduler.warmup_steps: 50 is longer than the whole run (1 step(s))")
                for w in warnings) == 1
+
+
+@pytest.mark.parametrize("name", ["flux", "sd3", "chroma"])
+def test_a_caption_longer_than_t5_s_window_is_said_for_the_t5_families(tmp_path, tiny_family_model, name, concept):
+    """CLIP cuts at 77 there too, but T5 reads on (to 256 or 512 tokens): its cut is the one that loses text."""
+    from modules.model.registry import get_family_class
+
+    model = tiny_family_model(name)
+    loaded = get_family_class(name)(train_config(model, concept, tmp_path / "family", {"model": {"family": name}}))
+    loaded.load()
+    ((tokenizer, window),) = loaded.caption_windows()
+    assert window == loaded.max_sequence_length  # (the tiny T5's 32 tokens here)
+    first, *others = sorted(concept.glob("*.txt"))
+    first.write_text(" ".join(["red square"] * window))
+    for path in others:
+        path.write_text("a red square")
+    (warning,) = _warnings(tmp_path, loaded, [{"path": str(concept)}])
+    assert f"1 caption(s) are longer than the text encoder's {window}-token window" in warning

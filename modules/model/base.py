@@ -138,7 +138,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     def caption_windows(self) -> list[tuple[object, int]]:
         """(tokenizer, token count) of each window the family cuts every caption to, when the cut loses
         text the model sees nowhere else (the data warns of captions longer than it); loaded tokenizers.
-        Empty: no such cut (a long T5 or LLM window beside CLIP's)."""
+        Empty: not checked (the chat-template families, whose window also holds the template)."""
         return []
 
     @property

@@ -120,6 +120,9 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
     def transformer(self):
         return self.parts["transformer"]
 
+    def caption_windows(self) -> list[tuple[object, int]]:
+        return [(self.tokenizer, self.max_sequence_length)]  # T5 reads up to here
+
     @property
     def max_sequence_length(self) -> int:
         return min(self.tokenizer.model_max_length, 512)

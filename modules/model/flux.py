@@ -199,6 +199,9 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
     def transformer(self):
         return self.parts["transformer"]
 
+    def caption_windows(self) -> list[tuple[object, int]]:
+        return [(self.tokenizer_2, self.max_sequence_length)]  # T5 reads up to here (CLIP: pooled)
+
     @property
     def max_sequence_length(self) -> int:
         return min(self.tokenizer_2.model_max_length, 512)

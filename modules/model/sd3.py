@@ -141,6 +141,9 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
     def transformer(self):
         return self.parts["transformer"]
 
+    def caption_windows(self) -> list[tuple[object, int]]:
+        return [(self.tokenizer_3, self.max_sequence_length)]  # past CLIP's 77, T5 still reads
+
     @property
     def max_sequence_length(self) -> int:
         return min(self.tokenizer_3.model_max_length, T5_MAX_LENGTH)
