@@ -122,12 +122,20 @@ def cmd_train(args) -> int:
 def cmd_cache(args) -> int:
     from modules.cli.cache_command import build_caches
     from modules.cli.console import ConsoleCallbacks
+    from modules.cli.stop_signals import EXIT_INTERRUPTED, install_stop_signals
     from modules.cli.train_command import resolve_config
+    from modules.trainer.commands import TrainCommands
 
     if not args.config and not args.preset:
         raise _usage_error("cache needs --config FILE or --preset NAME")
     config = resolve_config(args.config, args.preset, args.set)
-    report = build_caches(config, ConsoleCallbacks())
+    commands = TrainCommands()
+    install_stop_signals(commands, doing="stopping after the batch being encoded; what is written stays")
+    try:
+        report = build_caches(config, ConsoleCallbacks(), commands)
+    except KeyboardInterrupt:  # the second signal: entries are written whole or not at all (atomic writes)
+        print("error: interrupted; the cache entries written so far stay", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(report.summary())
     return 0
 

@@ -55,11 +55,12 @@ class _Child:
     signal, not its exit: the interpreter's own teardown after torch and diffusers takes seconds
     more on a busy machine.)"""
 
-    def __init__(self, tmp_path: Path, config, hook: str = "none", *extra: str):
+    def __init__(self, tmp_path: Path, config, hook: str = "none", *extra: str, command: str = "train"):
         config_file = tmp_path / "run.json"
         config_file.write_text(config.model_dump_json())
+        protocol = ["--protocol", "jsonl"] if command == "train" else []
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, hook, "train", "--config", str(config_file), "--protocol", "jsonl", *extra],
+            [sys.executable, "-c", _CHILD, hook, command, "--config", str(config_file), *protocol, *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.events: list[dict] = []
         self.stderr: list[str] = []
@@ -68,14 +69,12 @@ class _Child:
         threading.Thread(target=self._read, args=(self.process.stderr, False), daemon=True).start()
 
     def _read(self, stream, is_events: bool) -> None:
-        for line in stream:
-            if is_events:
-                if line.startswith("{"):
-                    self.events.append(json.loads(line))
-                    self._lines.put((time.monotonic(), line))
-            else:
+        for line in stream:  # (stdout: events, or the cache command's summary)
+            if is_events and line.startswith("{"):
+                self.events.append(json.loads(line))
+            elif not is_events:
                 self.stderr.append(line)
-                self._lines.put((time.monotonic(), line))
+            self._lines.put((time.monotonic(), line))
 
     def wait_for(self, text: str, timeout: float = 120) -> float:
         """When a line holding `text` came (time.monotonic)."""
@@ -123,6 +122,19 @@ def test_sigterm_while_caching_stops_between_batches(tmp_path, tiny_model, shape
     cached = list((Path(config.workspace_dir) / "cache" / "latents").rglob("*.safetensors"))
     assert 1 <= len(cached) < 6 * 4  # what was encoded stays for the next run; the rest was not
     assert "Traceback" not in "".join(child.stderr)
+    assert not (Path(config.workspace_dir) / LOCK_NAME).exists()
+
+
+def test_sigterm_stops_the_cache_command_between_batches_too(tmp_path, tiny_model, shape_images):
+    config = train_config(tiny_model, shape_images, tmp_path, {"data": {"resolution": [64 * i for i in range(1, 7)]}})
+    child = _Child(tmp_path, config, "slow-caching", command="cache")
+    child.wait_for("[test: encoding a batch]")
+    took = child.signal_and_time("stopped; the entries written so far stay", limit=60)
+    assert took < 5, f"caching went on {took:.1f} s after SIGTERM"
+    assert child.process.returncode == 0, "".join(child.stderr)[-3000:]
+    assert any("SIGTERM: stopping after the batch being encoded" in line for line in child.stderr)
+    cached = list((Path(config.workspace_dir) / "cache" / "latents").rglob("*.safetensors"))
+    assert 1 <= len(cached) < 6 * 4
     assert not (Path(config.workspace_dir) / LOCK_NAME).exists()
 
 

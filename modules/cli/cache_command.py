@@ -6,7 +6,8 @@ It loads the encoders as training would (the same weight modes, so the cache key
 run computes) and every other part only as its architecture on the meta device (the denoiser, the
 largest part, is never read), moves the encoders to the train device, and builds the caches of the
 training and the validation concepts. It holds the workspace lock a training run holds, so it never
-runs beside a train of the same workspace. Interrupted, it keeps every entry written; run again, it goes on.
+runs beside a train of the same workspace. Interrupted, it keeps every entry written; run again, it goes on:
+the first SIGINT or SIGTERM stops it between two encoder batches (exit 0), the second at once (130).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from modules.config.train_config import TrainConfig
 from modules.errors import UserError
 from modules.trainer.callbacks import TrainCallbacks
+from modules.trainer.commands import TrainCommands
 
 
 @dataclass
@@ -28,29 +30,40 @@ class CacheReport:
     reused: int
     seconds: float
     cache_dir: Path
+    stopped: bool = False  # asked to stop: the entries written so far stay
 
     def summary(self) -> str:
+        if self.stopped:
+            return f"{self.cache_dir}: stopped; the entries written so far stay (run again to go on)"
         rate = f", {self.latents_encoded / self.seconds:.1f} images/s" if self.latents_encoded and self.seconds else ""
         return (f"{self.cache_dir}: {self.images} images; {self.latents_encoded} latents and {self.texts_encoded} "
                 f"captions encoded in {self.seconds:.1f}s{rate}, {self.reused} entries reused")
 
 
-def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None) -> CacheReport:
+def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None,
+                 commands: TrainCommands | None = None) -> CacheReport:
+    """`commands`: its stop request ends the build between two encoder batches."""
     from modules.data.concepts import check_concepts
     from modules.trainer.generic_trainer import GenericTrainer
     from modules.trainer.preflight import workspace_problem
+    from modules.util.stopping import StopRequested
 
     callbacks = callbacks or TrainCallbacks()
     problem = workspace_problem(config)
     if problem:
         raise UserError(problem)
     check_concepts(config.concepts)  # before the slow model load
-    trainer = GenericTrainer(config, callbacks)  # for its cache folder, device and weight-mode resolution
+    commands = commands or TrainCommands()
+    trainer = GenericTrainer(config, callbacks, commands)  # for its cache folder, device and weight-mode resolution
     # the workspace lock a training run takes: a train of the same workspace writes the same caches
     trainer.lock.acquire()
+    commands.quit_hooks.append(trainer.lock.release)  # (a second signal inside one long encode)
     try:
         return _fill(config, callbacks, trainer)
+    except StopRequested:
+        return CacheReport(0, 0, 0, 0, 0.0, trainer.cache_dir, stopped=True)
     finally:
+        commands.quit_hooks.remove(trainer.lock.release)
         trainer.lock.release()
 
 
@@ -76,7 +89,7 @@ def _fill(config: TrainConfig, callbacks: TrainCallbacks, trainer) -> CacheRepor
     sets = [False] + ([True] if any(c.enabled and c.validation for c in config.concepts) else [])
     for validation in sets:
         dataset = prepare_dataset(config, family, trainer.device, trainer.cache_dir, callbacks.on_warning,
-                                  cache_text, validation=validation)
+                                  cache_text, validation=validation, stop=lambda: trainer.commands.stop_requested)
         counts.append((len(dataset.entries), dataset.cache_stats))
     (images, _), stats = counts[0], [s for _, s in counts]
     return CacheReport(images, sum(s["latents"][1] for s in stats), sum(s["text"][1] for s in stats),

@@ -32,12 +32,16 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _said(signum: int) -> str:
-    return (f"[{signal.Signals(signum).name}: stopping at the next step; a backup will be written. "
-            "Press Ctrl-C again to quit at once]")
+TRAINING_STOP = "stopping at the next step; a backup will be written"
 
 
-def install_stop_signals(commands: TrainCommands, log: Callable[[str], None] = _stderr) -> None:
+def _said(signum: int, doing: str) -> str:
+    return f"[{signal.Signals(signum).name}: {doing}. Press Ctrl-C again to quit at once]"
+
+
+def install_stop_signals(commands: TrainCommands, log: Callable[[str], None] = _stderr,
+                         doing: str = TRAINING_STOP) -> None:
+    """`doing`: what the first signal starts, as the message says it (a training run's by default)."""
     handled = []  # signals the main thread's handler has run for
 
     def on_signal(signum, _frame):
@@ -45,22 +49,22 @@ def install_stop_signals(commands: TrainCommands, log: Callable[[str], None] = _
         if len(handled) == 1:
             commands.stop()  # (the watcher has made it already, and said so)
             if not watching:
-                log(_said(signum))
+                log(_said(signum, doing))
         else:
             raise KeyboardInterrupt
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
-    watching = _start_watcher(commands, log)
+    watching = _start_watcher(commands, log, doing)
 
 
 _watch: dict = {}  # the watcher's run: commands, log, signals seen (one watcher per process)
 
 
-def _start_watcher(commands: TrainCommands, log: Callable[[str], None]) -> bool:
+def _start_watcher(commands: TrainCommands, log: Callable[[str], None], doing: str) -> bool:
     """Whether a watcher sees the signals (not where another wakeup fd, an event loop's, is set)."""
     if _watch:  # installed before in this process: the running watcher serves this run now
-        _watch.update(commands=commands, log=log, seen=0)
+        _watch.update(commands=commands, log=log, doing=doing, seen=0)
         return True
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)  # the C handler must never block on a full pipe
@@ -69,7 +73,7 @@ def _start_watcher(commands: TrainCommands, log: Callable[[str], None]) -> bool:
         signal.set_wakeup_fd(previous)
         os.close(read_end), os.close(write_end)
         return False
-    _watch.update(commands=commands, log=log, seen=0)
+    _watch.update(commands=commands, log=log, doing=doing, seen=0)
 
     def watch() -> None:
         while True:
@@ -79,7 +83,7 @@ def _start_watcher(commands: TrainCommands, log: Callable[[str], None]) -> bool:
                 _watch["seen"] += 1
                 if _watch["seen"] == 1:
                     _watch["commands"].stop()
-                    _watch["log"](_said(signum))
+                    _watch["log"](_said(signum, _watch["doing"]))
                 elif _watch["seen"] == 2:
                     timer = threading.Timer(QUIT_GRACE_S, _quit_now, (_watch["commands"],))
                     timer.daemon = True  # a main thread that ends in time does not wait for it
