@@ -55,7 +55,8 @@ def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConduct
         fraction = offload_fraction(trainer, name)
         if fraction > 0:
             conductor = LayerOffloadConductor(trainer.family.checkpoint_blocks(name), fraction, trainer.device,
-                                              torch.device(trainer.config.temp_device), name)
+                                              torch.device(trainer.config.temp_device), name,
+                                              trainer.config.model.parts[name].offload_prefetch)
             conductor.start()
             owned = conductor.owned_modules()
             for child in module.modules():
