@@ -239,8 +239,8 @@ def test_training_with_half_the_unet_offloaded_gives_the_same_adapter_as_without
 
 
 def test_a_frozen_text_encoder_offloads_through_caching_and_sampling(fake_device, tmp_path, tiny_model, one_image):
-    trainer = offload_run(tmp_path, tiny_model, one_image, fake_device, {"offload_fraction": 0.9, "offload_prefetch": 2},
-                          text={"offload_fraction": 1.0}, steps=1)
+    trainer = offload_run(tmp_path, tiny_model, one_image, fake_device,
+                          {"offload_fraction": 0.9, "offload_prefetch": 2}, text={"offload_fraction": 1.0}, steps=1)
     assert trainer.conductors["text_encoder"].parked == [0, 1]
     assert trainer.conductors["unet"].window == 3 and trainer.conductors["text_encoder"].window == 2
     trainer.config.sampling.prompts = [{"prompt": "a red circle", "steps": 2, "width": 64, "height": 64}]

@@ -14,8 +14,8 @@ rest find it arranged. The pass is read from autograd: inside the backward pass 
 checkpointing recomputes a block there) the blocks come in reverse; a forward with grad enabled
 is a training step whose backward follows; without grad, another forward follows.
 
-On CUDA the second block of the window is prefetched on a side stream and the compute stream
-waits on its event before using it; elsewhere moves are plain synchronous copies.
+On CUDA the rest of the window (`offload_prefetch` blocks) is prefetched on a side stream and
+the compute stream waits on its event before using it; elsewhere moves are plain synchronous copies.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from modules.config.errors import ConfigError
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.quantization.compile_gate import compile_blocker
-from modules.trainer.offload_fraction import offload_fraction
+from modules.trainer.offload_fraction import offload_fraction, placement_order
 from modules.trainer.regional_compile import compile_regions_
 
 if TYPE_CHECKING:
@@ -51,8 +51,10 @@ def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConduct
     """Move each part to the train device; a part with offload_fraction > 0 gets a
     LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
     conductors: dict[str, LayerOffloadConductor] = {}
-    for name, module in trainer.family.parts.items():
-        fraction = offload_fraction(trainer, name)
+    order = placement_order(trainer)  # an `auto` part sees where the fixed ones went
+    for position, name in enumerate(order):
+        module = trainer.family.parts[name]
+        fraction = offload_fraction(trainer, name, order[position + 1:])
         if fraction > 0:
             conductor = LayerOffloadConductor(trainer.family.checkpoint_blocks(name), fraction, trainer.device,
                                               torch.device(trainer.config.temp_device), name,
