@@ -21,6 +21,7 @@ from enum import Enum
 
 DEFAULT_PREFETCH = 1
 WINDOW = 1 + DEFAULT_PREFETCH  # the block needed now and those prefetched after it
+TOLERANCE = 0.01  # of all block bytes: how far past the target a layout may park before it is corrected
 
 
 class Pass(str, Enum):
@@ -80,9 +81,10 @@ def choose_parked(block_bytes: list[int], fraction: float, window: int = WINDOW)
     far closer to `fraction` of the bytes passed so far (error diffusion). Each parked block's
     transfer then overlaps the compute of resident blocks of about the same share of bytes
     everywhere in the stack, and runs of big parked blocks only occur where nothing smaller is left
-    to park. Sizes that are far apart (SDXL: a 10-layer transformer block is ~90 resnets) can leave
+    to park. Sizes far apart (SDXL's six 10-layer transformer blocks hold 85% of its bytes) can leave
     the walk a block off the target; single additions, removals and swaps then bring it back, the
-    least overshoot first and, among equals, the layout whose busiest prefetch window is lightest."""
+    least overshoot first and, among equals, the layout whose busiest prefetch window is lightest,
+    then the one whose parked blocks sit least close together."""
     count, total = len(block_bytes), sum(block_bytes)
     if fraction <= 0 or total == 0:
         return []
@@ -128,5 +130,3 @@ def _crowding(block_bytes: list[int], parked: list[int]) -> float:
     """Large where parked blocks sit close together: their transfers then queue behind each other."""
     return sum((block_bytes[a] + block_bytes[b]) / (b - a) for a, b in zip(parked, parked[1:]))
 
-
-TOLERANCE = 0.01  # of all block bytes: how far past the target a layout may park before it is corrected
