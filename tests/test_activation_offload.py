@@ -140,6 +140,28 @@ def test_the_recomputation_draws_the_dropout_mask_of_the_forward(fake_device, of
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
 
 
+
+@pytest.mark.parametrize("offload_to", [CPU, None])
+def test_a_compiled_checkpointed_block_traces_in_one_graph_and_matches_eager(fake_device, offload_to):
+    # regional compile compiles the checkpointed blocks: a side effect in the checkpointed function
+    # (handing the originals over once) would break the graph and run the block eagerly
+    import torch._dynamo.utils as dynamo_utils
+
+    grads = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)).to(fake_device)
+        if compiled:
+            checkpoint_blocks_([block], offload_to)
+            block.compile(dynamic=True, backend="aot_eager")
+        x = torch.randn(4, 16, device=fake_device, requires_grad=True)
+        dynamo_utils.counters.clear()
+        block(x * 1.0).square().sum().backward()
+        grads.append(x.grad.cpu())
+    assert not dynamo_utils.counters["graph_break"] and dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_on_cuda_inputs_wait_in_pinned_memory_and_the_grads_are_unchanged(flux_block_weights, monkeypatch):

@@ -17,7 +17,9 @@ The forward itself computes from the original inputs, so it never waits for a co
 autograd graph (what the gradients flow through) starts at them; the copies only feed the
 recomputation. From CUDA to the CPU the copy goes into pinned memory on a side stream, ordered
 after the compute that made the input; the recomputation's stream waits on its event before
-copying it back. Elsewhere copies are plain synchronous ones.
+copying it back. Elsewhere copies are plain synchronous ones. Under torch.compile (regional
+compile traces the checkpoint) the function must be free of side effects, so there the forward
+brings the copies back too, as autograd-followed copies.
 """
 
 from __future__ import annotations
@@ -84,13 +86,21 @@ def checkpointed_call(function: Callable, *args, offload_to: torch.device | None
     for the recomputation."""
     leaves, layout = tree_flatten((args, kwargs))
     moved = [offload_to is not None and isinstance(v, torch.Tensor) and v.device != offload_to for v in leaves]
-    parked = [_park(v, offload_to) if m else v for v, m in zip(leaves, moved)]
-    # the forward gets the originals (handed over once, so nothing here keeps them alive after it)
-    first_call = [leaves]
     # a tensor on the train device among the checkpoint's positional inputs, the only ones it reads
     # to decide whose random state (dropout) to save for the recomputation: a block called with
     # keywords, or with every input offloaded, would otherwise get a different dropout mask there
     marker = next((v.new_empty(0) for v in leaves if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+    if not any(moved):
+        def run(_marker, *held):
+            call_args, call_kwargs = tree_unflatten(list(held), layout)
+            return function(*call_args, **call_kwargs)
+
+        return torch.utils.checkpoint.checkpoint(run, marker, *leaves, use_reentrant=False)
+    if torch.compiler.is_compiling():
+        return _traced_offloaded_call(function, leaves, layout, moved, marker, offload_to)
+    parked = [_park(v, offload_to) if m else v for v, m in zip(leaves, moved)]
+    # the forward gets the originals (handed over once, so nothing here keeps them alive after it)
+    first_call = [leaves]
 
     def run(_marker, *held):
         if first_call:
@@ -101,6 +111,20 @@ def checkpointed_call(function: Callable, *args, offload_to: torch.device | None
         return function(*call_args, **call_kwargs)
 
     held = [p.copy if isinstance(p, _Parked) else p for p in parked]  # what the checkpoint keeps
+    return torch.utils.checkpoint.checkpoint(run, marker, *held, use_reentrant=False)
+
+
+def _traced_offloaded_call(function, leaves, layout, moved, marker, offload_to):
+    """Under torch.compile, where the checkpointed function may have no side effects (handing the
+    originals over once is one): plain copies that autograd follows, brought back in both passes."""
+    homes = [v.device if m else None for v, m in zip(leaves, moved)]
+
+    def run(_marker, *held):
+        values = [h.to(home) if home is not None else h for h, home in zip(held, homes)]
+        call_args, call_kwargs = tree_unflatten(values, layout)
+        return function(*call_args, **call_kwargs)
+
+    held = [v.to(offload_to) if m else v for v, m in zip(leaves, moved)]
     return torch.utils.checkpoint.checkpoint(run, marker, *held, use_reentrant=False)
 
 
