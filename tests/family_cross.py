@@ -51,23 +51,38 @@ def blocks_run_in_listed_order(family, part: str, run) -> None:
 
 
 def offloaded_training_matches(model, images, workspace, family: str, part: str, device) -> None:
-    """Half of the denoiser's blocks parked on the CPU while training on `device` gives the same
-    adapter as keeping them all resident."""
+    """Half of the denoiser's blocks parked on the CPU, and the blocks' saved inputs too (the
+    transformers get them as keywords), while training on `device` gives the same adapter as
+    keeping them all resident."""
+    from unittest import mock
+
     import torch
+    import torch.utils.checkpoint as checkpoint_module
 
     from modules.trainer.generic_trainer import GenericTrainer
 
+    kept = []  # the devices of the tensors each checkpoint keeps for its recomputation
+    original = checkpoint_module.checkpoint
+
+    def recording(function, *args, **kwargs):
+        kept.extend(t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.numel())
+        return original(function, *args, **kwargs)
+
     def run(fraction, where):
+        settings = {"gradient_checkpointing": True, "offload_fraction": fraction, "activation_offloading": fraction > 0}
         config = train_config(model, images, where, {
-            "model": {"family": family, "parts": {part: {"gradient_checkpointing": True, "offload_fraction": fraction}}},
+            "model": {"family": family, "parts": {part: settings}},
             "schedule": {"epochs": 2, "batch_size": 1}, "train_device": str(device)})
         trainer = GenericTrainer(config)
         trainer.start()
         trainer.train()
         return trainer
 
-    plain, offloaded = run(0.0, workspace / "plain"), run(0.5, workspace / "half")
+    plain = run(0.0, workspace / "plain")
+    with mock.patch.object(checkpoint_module, "checkpoint", recording):
+        offloaded = run(0.5, workspace / "half")
     assert offloaded.conductors[part].parked
+    assert kept and set(kept) == {"cpu"}, sorted(set(kept))
     ours, theirs = offloaded.adapters.state_dict(), plain.adapters.state_dict()
     for key in theirs:
         torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-5, rtol=0)

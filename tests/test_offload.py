@@ -48,10 +48,11 @@ def test_every_parked_block_is_resident_while_it_runs_and_two_stay_resident():
 @pytest.mark.parametrize("sizes, fraction, expected", [
     ([1] * 8, 0.5, [1, 3, 5, 7]),
     ([1] * 8, 0.25, [2, 6]),
-    ([1] * 8, 0.01, [4]),
+    ([1] * 8, 0.01, [0]),
     ([1] * 8, 1.0, list(range(8))),
     ([1] * 8, 0.0, []),
-    ([10, 1, 1, 1], 0.5, [0, 2, 3]),
+    ([10, 1, 1, 1], 0.5, [0]),  # by bytes: the big one alone is past half
+    ([1, 1, 2, 2, 1, 1], 0.5, [1, 3, 5]),
 ])
 def test_parked_blocks_reach_the_fraction_spread_over_the_stack(sizes, fraction, expected):
     assert choose_parked(sizes, fraction) == expected
@@ -91,8 +92,8 @@ def toy_stack(quantized: bool) -> tuple[nn.Sequential, list[nn.Module]]:
     return model.requires_grad_(False), blocks
 
 
-def start(model, blocks, fake_device, fraction=0.5):
-    conductor = LayerOffloadConductor(blocks, fraction, fake_device, torch.device("cpu"), "toy")
+def start(model, blocks, fake_device, fraction=0.5, prefetch=1):
+    conductor = LayerOffloadConductor(blocks, fraction, fake_device, torch.device("cpu"), "toy", prefetch)
     conductor.start()
     owned = conductor.owned_modules()
     for child in model.modules():
@@ -105,10 +106,12 @@ def devices_of(block) -> set[str]:
     return {t.get().device.type for t in layer_tensors(block)}
 
 
-@pytest.mark.parametrize("quantized", [False, True])
-def test_the_conductor_follows_the_schedule_in_a_training_step_and_a_forward_only_pass(fake_device, quantized):
+@pytest.mark.parametrize("quantized, prefetch", [(False, 1), (True, 1), (False, 2)])
+def test_the_conductor_follows_the_schedule_in_a_training_step_and_a_forward_only_pass(fake_device, quantized,
+                                                                                       prefetch):
     model, blocks = toy_stack(quantized)
-    conductor = start(model, blocks, fake_device)
+    conductor = start(model, blocks, fake_device, prefetch=prefetch)
+    window = 1 + prefetch
     assert conductor.parked == [1, 3, 5]
     x = torch.randn(4, 32, device=fake_device, requires_grad=True)
     conductor.recording = True
@@ -116,9 +119,9 @@ def test_the_conductor_follows_the_schedule_in_a_training_step_and_a_forward_onl
     with torch.no_grad():
         model(x)
     # the checkpointed recomputation brings each block back, in reverse, inside the backward pass
-    expected = ([(F, b, r) for b, r in schedule_table(6, [1, 3, 5], F)[:-1]]
-                + [(B, b, r) for b, r in schedule_table(6, [1, 3, 5], B)[:-1]]
-                + [(O, b, r) for b, r in schedule_table(6, [1, 3, 5], O)[:-1]])
+    expected = ([(F, b, r) for b, r in schedule_table(6, [1, 3, 5], F, window)[:-1]]
+                + [(B, b, r) for b, r in schedule_table(6, [1, 3, 5], B, window)[:-1]]
+                + [(O, b, r) for b, r in schedule_table(6, [1, 3, 5], O, window)[:-1]])
     assert conductor.trace == expected
     for index, block in enumerate(blocks):
         resident = index not in conductor.parked or index in conductor.resident
@@ -163,7 +166,7 @@ def test_activation_offloading_keeps_block_inputs_on_the_temp_device(fake_device
     original = checkpoint_module.checkpoint
 
     def recording(function, *args, **kwargs):
-        held.extend(a.device.type for a in args if isinstance(a, torch.Tensor))
+        held.extend(a.device.type for a in args if isinstance(a, torch.Tensor) and a.numel())  # not the marker
         return original(function, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module, "checkpoint", recording)
@@ -236,9 +239,10 @@ def test_training_with_half_the_unet_offloaded_gives_the_same_adapter_as_without
 
 
 def test_a_frozen_text_encoder_offloads_through_caching_and_sampling(fake_device, tmp_path, tiny_model, one_image):
-    trainer = offload_run(tmp_path, tiny_model, one_image, fake_device, {"offload_fraction": 0.9},
-                          text={"offload_fraction": 1.0}, steps=1)
+    trainer = offload_run(tmp_path, tiny_model, one_image, fake_device,
+                          {"offload_fraction": 0.9, "offload_prefetch": 2}, text={"offload_fraction": 1.0}, steps=1)
     assert trainer.conductors["text_encoder"].parked == [0, 1]
+    assert trainer.conductors["unet"].window == 3 and trainer.conductors["text_encoder"].window == 2
     trainer.config.sampling.prompts = [{"prompt": "a red circle", "steps": 2, "width": 64, "height": 64}]
     assert len(trainer.sample()) == 1
 

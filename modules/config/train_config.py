@@ -91,8 +91,12 @@ class ModelPartConfig(StrictModel):
         False, description="Recompute each block's activations in the backward pass instead of keeping them "
         "(non-reentrant checkpointing per block): less memory, about a third more compute.")
     offload_fraction: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
-        0.0, description="Share (0..1) of the part's offloadable weight bytes parked on temp_device and "
-        "brought to the train device block by block; auto: the smallest share that fits the train device.")
+        0.0, description="Share (0..1) of the bytes of the part's blocks parked on temp_device (at least that, "
+        "spread over the stack) and brought to the train device block by block; auto: the smallest share that "
+        "fits the train device.")
+    offload_prefetch: int = Field(
+        1, ge=1, le=8, description="With offload_fraction: parked blocks brought ahead of the one that runs. "
+        "Each holds one more parked block on the train device; more hides transfers slower than a block's compute.")
     activation_offloading: bool = Field(
         False, description="With gradient_checkpointing: keep each block's saved input on temp_device "
         "until the backward pass needs it.")

@@ -14,8 +14,8 @@ rest find it arranged. The pass is read from autograd: inside the backward pass 
 checkpointing recomputes a block there) the blocks come in reverse; a forward with grad enabled
 is a training step whose backward follows; without grad, another forward follows.
 
-On CUDA the second block of the window is prefetched on a side stream and the compute stream
-waits on its event before using it; elsewhere moves are plain synchronous copies.
+On CUDA the rest of the window (`offload_prefetch` blocks) is prefetched on a side stream and
+the compute stream waits on its event before using it; elsewhere moves are plain synchronous copies.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 from modules.offload.layer_tensors import LayerTensor, block_bytes, layer_tensors
 from modules.offload.trained_tensors import ParkedOptimizerState, write_home
 from modules.offload.schedule import (
+    DEFAULT_PREFETCH,
     Pass,
     choose_parked,
     resident_after,
@@ -41,12 +42,13 @@ def current_pass() -> Pass:
 
 class LayerOffloadConductor:
     def __init__(self, blocks: list[nn.Module], fraction: float, train_device: torch.device,
-                 temp_device: torch.device, name: str = "part"):
+                 temp_device: torch.device, name: str = "part", prefetch: int = DEFAULT_PREFETCH):
         self.blocks = blocks
+        self.window = 1 + prefetch  # the block that runs and those prefetched after it
         self.name = name
         self.train_device, self.temp_device = torch.device(train_device), torch.device(temp_device)
         self.cuda = self.train_device.type == "cuda"
-        self.parked = choose_parked([block_bytes(b) for b in blocks], fraction)
+        self.parked = choose_parked([block_bytes(b) for b in blocks], fraction, self.window)
         self.parked_set = set(self.parked)
         self._tensors: dict[int, list[LayerTensor]] = {i: list(layer_tensors(blocks[i])) for i in self.parked}
         self._home: dict[int, list[torch.Tensor]] = {}  # block -> its tensors' copies on the temp device
@@ -88,7 +90,7 @@ class LayerOffloadConductor:
             hook = self._make_hook(index)
             layers = {id(t.module): t.module for t in layer_tensors(block)}
             self._handles += [layer.register_forward_pre_hook(hook) for layer in layers.values()]
-        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD), written=True)
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD, self.window), written=True)
 
     def carry_optimizer_state(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer whose state of trained parked tensors moves with their blocks."""
@@ -105,7 +107,7 @@ class LayerOffloadConductor:
             if self._arranged_for == (index, kind):
                 return  # another layer of the same block, same pass
             self._arranged_for = (index, kind)
-            target = resident_when_running(len(self.blocks), self.parked, index, kind)
+            target = resident_when_running(len(self.blocks), self.parked, index, kind, self.window)
             if self.recording:
                 self.trace.append((kind, index, target))
             self._arrange(target, needed=index, written=kind is not Pass.FORWARD_THEN_BACKWARD)
@@ -176,7 +178,7 @@ class LayerOffloadConductor:
     def materialize(self) -> None:
         """The blocks the next training step starts with back on the train device (after)."""
         self._arranged_for = None
-        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD), written=True)
+        self._arrange(resident_after(len(self.blocks), self.parked, Pass.BACKWARD, self.window), written=True)
 
     def describe(self) -> str:
         parked_bytes = sum(block_bytes(self.blocks[i]) for i in self.parked)

@@ -10,17 +10,19 @@ STEP = 0.05  # fractions are rounded up to this, so small estimate errors do not
 
 
 def auto_offload_fraction(part_bytes: int, offloadable_bytes: int, other_bytes: int,
-                          free_memory: int | None) -> float:
+                          free_memory: int | None, window_bytes: int = 0) -> float:
     """part_bytes: the part's weights; offloadable_bytes: those inside its blocks (what can be
-    parked); other_bytes: what else lives on the train device (other parts, adapters).
-    Returns 0.0 where everything fits or free memory is unknown, at most 1.0."""
+    parked); other_bytes: what else lives on the train device (other parts, adapters);
+    window_bytes: the parked blocks on the train device at once (the needed one and the prefetched
+    ones), which parking must pay for too. Returns 0.0 where everything fits or free memory is
+    unknown, at most 1.0."""
     if free_memory is None or offloadable_bytes <= 0:
         return 0.0
     budget = HEADROOM * free_memory - other_bytes
     excess = part_bytes - budget
     if excess <= 0:
         return 0.0
-    return min(1.0, math.ceil(excess / offloadable_bytes / STEP - 1e-9) * STEP)
+    return min(1.0, math.ceil((excess + window_bytes) / offloadable_bytes / STEP - 1e-9) * STEP)
 
 
 def trained_bytes_factor(config, part: str) -> float:

@@ -13,7 +13,7 @@ from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
 from modules.quantization.compile_gate import compile_blocker
 from modules.trainer.cuda_math import configure_cuda_math
-from modules.trainer.offload_fraction import offload_fraction
+from modules.trainer.offload_fraction import offload_fraction, placement_order
 from modules.trainer.regional_compile import compile_regions_
 
 if TYPE_CHECKING:
@@ -53,11 +53,14 @@ def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConduct
     LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
     configure_cuda_math(trainer.device, trainer.config.tf32)  # before the first matmul on the device
     conductors: dict[str, LayerOffloadConductor] = {}
-    for name, module in trainer.family.parts.items():
-        fraction = offload_fraction(trainer, name)
+    order = placement_order(trainer)  # an `auto` part sees where the fixed ones went
+    for position, name in enumerate(order):
+        module = trainer.family.parts[name]
+        fraction = offload_fraction(trainer, name, order[position + 1:])
         if fraction > 0:
             conductor = LayerOffloadConductor(trainer.family.checkpoint_blocks(name), fraction, trainer.device,
-                                              torch.device(trainer.config.temp_device), name)
+                                              torch.device(trainer.config.temp_device), name,
+                                              trainer.config.model.parts[name].offload_prefetch)
             conductor.start()
             owned = conductor.owned_modules()
             for child in module.modules():
