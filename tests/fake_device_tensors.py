@@ -5,6 +5,9 @@ Shared by the other fake_device_*.py files; tests/fake_device.py says how the de
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 NAME = "fakegpu"
@@ -30,15 +33,45 @@ def _is_fake(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == NAME
 
 
+class DeviceMemory:
+    """Bytes held by live fakegpu storages, their peak, and an optional capacity (None: unbounded)."""
+
+    def __init__(self):
+        self.allocated = self.peak = 0
+        self.capacity: int | None = None
+        self._lock = threading.Lock()  # storages are freed on whichever thread drops them
+
+    def take(self, nbytes: int) -> None:
+        with self._lock:
+            if self.capacity is not None and self.allocated + nbytes > self.capacity:
+                raise torch.OutOfMemoryError(
+                    f"{NAME} out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
+                    f"{self.capacity} bytes in use")
+            self.allocated += nbytes
+            self.peak = max(self.peak, self.allocated)
+
+    def give_back(self, nbytes: int) -> None:
+        with self._lock:
+            self.allocated -= nbytes
+
+
+MEMORY = DeviceMemory()
+
+
 def _fake_storage(cpu_storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    """A fakegpu storage over a CPU storage's memory.
+    """A fakegpu storage over a CPU storage's memory, counted in MEMORY while it lives.
 
     The storage built from a raw pointer owns nothing, so the CPU storage rides along as an
     attribute: torch preserves a storage's Python object (and its attributes) for as long as the
     C++ storage lives, so the CPU memory lives exactly as long as the fakegpu storage.
     """
-    st = torch._C._construct_storage_from_data_pointer(cpu_storage.data_ptr(), _DEV0, cpu_storage.nbytes())
+    nbytes = cpu_storage.nbytes()
+    if nbytes:
+        MEMORY.take(nbytes)
+    st = torch._C._construct_storage_from_data_pointer(cpu_storage.data_ptr(), _DEV0, nbytes)
     setattr(st, _OWNER_ATTR, cpu_storage)
+    if nbytes:
+        weakref.finalize(st, MEMORY.give_back, nbytes)
     return st
 
 
