@@ -41,9 +41,15 @@ def _copy_from_and_resize(self, dst):
 
 
 def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    # Dispatched here when the source is on fakegpu: copy on the CPU side, then place the result.
+    # Dispatched here when the source or the target is fakegpu.
     device = torch.device(device) if device is not None else self.device
-    cpu = _as_cpu(self).to(dtype=dtype or self.dtype, memory_format=memory_format or torch.preserve_format, copy=True)
+    fmt = memory_format or torch.preserve_format
+    if device.type == NAME and not _is_fake(self):
+        # host to device: a real copy, which fake_device_streams may leave pending
+        staged = self if dtype in (None, self.dtype) else self.to(dtype, memory_format=fmt)
+        dst = _wrap(torch.empty_like(staged, memory_format=fmt))
+        return _copy_from(staged, dst, non_blocking)
+    cpu = _as_cpu(self).to(dtype=dtype or self.dtype, memory_format=fmt, copy=True)
     if device.type == NAME:
         return _wrap(cpu)
     fake_device_streams.current_stream()._complete()  # a blocking copy to the host syncs its stream

@@ -5,7 +5,6 @@ Shared by the other fake_device_*.py files; tests/fake_device.py says how the de
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
@@ -34,25 +33,50 @@ def _is_fake(x) -> bool:
 
 
 class DeviceMemory:
-    """Bytes held by live fakegpu storages, their peak, and an optional capacity (None: unbounded)."""
+    """Bytes held by live fakegpu storages, their peak, and an optional capacity (None: unbounded).
+
+    Frees arrive from weakref callbacks, on whichever thread the garbage collector runs, maybe in
+    the middle of an allocation: they are queued (list.append is atomic) and applied by the next
+    reader, so no lock is ever taken inside a callback."""
 
     def __init__(self):
-        self.allocated = self.peak = 0
+        self._allocated = self._peak = 0
         self.capacity: int | None = None
-        self._lock = threading.Lock()  # storages are freed on whichever thread drops them
+        self._watched: set = set()  # weak references whose callbacks give the bytes back
+        self._freed: list[int] = []
+
+    def _apply_frees(self) -> None:
+        while self._freed:
+            self._allocated -= self._freed.pop()
+
+    @property
+    def allocated(self) -> int:
+        self._apply_frees()
+        return self._allocated
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = self.allocated
 
     def take(self, nbytes: int) -> None:
-        with self._lock:
-            if self.capacity is not None and self.allocated + nbytes > self.capacity:
-                raise torch.OutOfMemoryError(
-                    f"{NAME} out of memory: tried to allocate {nbytes} bytes with {self.allocated} of "
-                    f"{self.capacity} bytes in use")
-            self.allocated += nbytes
-            self.peak = max(self.peak, self.allocated)
+        in_use = self.allocated
+        if self.capacity is not None and in_use + nbytes > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"{NAME} out of memory: tried to allocate {nbytes} bytes with {in_use} of "
+                f"{self.capacity} bytes in use")
+        self._allocated += nbytes
+        self._peak = max(self._peak, self._allocated)
 
-    def give_back(self, nbytes: int) -> None:
-        with self._lock:
-            self.allocated -= nbytes
+    def watch(self, storage, nbytes: int) -> None:
+        # a bare weakref with a callback: cheaper than weakref.finalize, paid on every op
+        self._watched.add(weakref.ref(storage, lambda ref: self._release(ref, nbytes)))
+
+    def _release(self, ref, nbytes: int) -> None:
+        self._watched.discard(ref)
+        self._freed.append(nbytes)
 
 
 MEMORY = DeviceMemory()
@@ -71,7 +95,7 @@ def _fake_storage(cpu_storage: torch.UntypedStorage) -> torch.UntypedStorage:
     st = torch._C._construct_storage_from_data_pointer(cpu_storage.data_ptr(), _DEV0, nbytes)
     setattr(st, _OWNER_ATTR, cpu_storage)
     if nbytes:
-        weakref.finalize(st, MEMORY.give_back, nbytes)
+        MEMORY.watch(st, nbytes)
     return st
 
 

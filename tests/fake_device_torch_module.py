@@ -50,7 +50,7 @@ def _make_device_module() -> types.ModuleType:
             return False
 
     def reset_peak_memory_stats(device=None) -> None:
-        MEMORY.peak = MEMORY.allocated
+        MEMORY.reset_peak()
 
     def mem_get_info(device=None) -> tuple[int, int]:
         total = MEMORY.capacity if MEMORY.capacity is not None else 1 << 40
