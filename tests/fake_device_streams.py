@@ -7,6 +7,9 @@ Every fakegpu op runs at once on the CPU, in the order the program issues it: th
   ``synchronize()``, ``wait_stream(it)``, or an event recorded on it after the copy being waited
   on or synchronized. Until then its destination holds garbage (NaN for floats), so a forgotten
   wait gives wrong numbers instead of lucky right ones. It reads its source when it runs.
+  A stream waiting (``wait_event``, ``wait_stream``) sees the copies into device memory; a copy
+  into host memory lands only for the host (``synchronize``) or for a later copy that reads that
+  memory on a stream ordered after it, as on CUDA, where a device-side wait tells the host nothing.
 - a ``non_blocking`` copy from the device into pinned host memory on the compute stream lands
   when the host waits for that stream (its ``synchronize()``, an event, a blocking copy on it,
   ``torch.fakegpu.synchronize()``); it reads the source as it is when issued (stream order).
@@ -42,33 +45,51 @@ class Stream(torch.Stream):
         return super().__new__(cls, device=fake_device_tensors._DEV0, priority=priority)
 
     def __init__(self, device=None, priority=0, **kwargs):
-        self._pending: list[tuple[int, object]] = []
+        # (sequence number, work, data_ptr of the host storage it writes or None for the device)
+        self._pending: list[tuple[int, object, int | None]] = []
+        self._seen: dict[Stream, int] = {}  # stream -> the newest of its marks this stream waited for
 
     # identity, not torch.Stream's (device, id): every fakegpu stream reports id 0
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
-    def _enqueue(self, work) -> None:
+    def _enqueue(self, work, host_target: int | None = None) -> None:
         global _last_issued
         _last_issued = next(_sequence)
-        self._pending.append((_last_issued, work))
+        self._pending.append((_last_issued, work, host_target))
         _with_pending.add(self)
 
-    def _complete(self, upto: int | None = None) -> None:
-        while self._pending and (upto is None or self._pending[0][0] <= upto):
-            _, work = self._pending.pop(0)
-            work()
-        if not self._pending:
+    def _complete(self, upto: int | None = None, device_only: bool = False, host_target: int | None = None) -> None:
+        """Run the pending copies up to `upto`: all of them (the host waits), only those into device
+        memory (another stream waits: later device work sees them, the host does not), or only
+        those into one host storage (a copy about to read it, ordered after them)."""
+        kept = []
+        for entry in self._pending:
+            seq, work, target = entry
+            late = upto is not None and seq > upto
+            skip = (device_only and target is not None) or (host_target is not None and target != host_target)
+            if late or skip:
+                kept.append(entry)
+            else:
+                work()
+        self._pending = kept
+        if not kept:
             _with_pending.discard(self)
+
+    def _order_after(self, stream: Stream, mark: int) -> None:
+        """This stream waits (on the device) for `stream`'s work up to `mark`."""
+        self._seen[stream] = max(self._seen.get(stream, 0), mark)
+        stream._complete(mark, device_only=True)
 
     def synchronize(self) -> None:
         self._complete()
 
     def wait_stream(self, stream) -> None:
-        stream._complete()
+        self._order_after(stream, _last_issued)
 
     def wait_event(self, event) -> None:
-        event._complete()
+        if event._stream is not None:
+            self._order_after(event._stream, event._mark)
 
     def record_event(self, event=None):
         event = event if event is not None else Event()
@@ -80,7 +101,8 @@ class Stream(torch.Stream):
 
 
 class Event:
-    """Marks a point in a stream; waiting on it runs that stream's copies issued before the mark."""
+    """Marks a point in a stream: a stream waiting on it sees that stream's device copies issued
+    before the mark; the host (``synchronize``) sees all of them."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False):
         self._stream: Stream | None = None
@@ -90,18 +112,24 @@ class Event:
         self._stream = stream if stream is not None else current_stream()
         self._mark = _last_issued
 
-    def _complete(self) -> None:
+    def wait(self, stream=None) -> None:
+        (stream if stream is not None else current_stream()).wait_event(self)
+
+    def synchronize(self) -> None:
         if self._stream is not None:
             self._stream._complete(self._mark)
 
-    def wait(self, stream=None) -> None:
-        self._complete()
-
-    def synchronize(self) -> None:
-        self._complete()
-
     def query(self) -> bool:
-        return self._stream is None or not any(seq <= self._mark for seq, _ in self._stream._pending)
+        return self._stream is None or not any(seq <= self._mark for seq, *_ in self._stream._pending)
+
+
+def _settle_reads(host: torch.Tensor, stream: Stream) -> None:
+    """A copy on `stream` reads `host`: the copies into it that `stream` is ordered after land first."""
+    target = host.untyped_storage().data_ptr()
+    for other in list(_with_pending):
+        upto = None if other is stream else stream._seen.get(other, 0)
+        if upto != 0:
+            other._complete(upto, host_target=target)
 
 
 _default: list[Stream] = []  # the compute stream, built on first use (after the device is named)
@@ -178,6 +206,8 @@ def _poison(cpu: torch.Tensor) -> None:
 def copy(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool, run) -> None:
     """Issue `run` (dst <- src, at least one of them on fakegpu) as CUDA would schedule it."""
     stream = current_stream()
+    if not _is_fake(src):
+        _settle_reads(src, stream)
     host = [t for t in (src, dst) if not _is_fake(t)]
     if not non_blocking or not all(is_pinned(t) for t in host):
         stream._complete()  # a blocking (or pageable, hence staged) copy syncs its stream first
@@ -189,7 +219,7 @@ def copy(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool, run) -> None:
             return
         snapshot = _cpu_view(src).clone()
         _poison(dst)
-        stream._enqueue(lambda: dst.copy_(snapshot))
+        stream._enqueue(lambda: dst.copy_(snapshot), dst.untyped_storage().data_ptr())
         return
     _poison(_cpu_view(dst) if _is_fake(dst) else dst)
-    stream._enqueue(run)
+    stream._enqueue(run, None if _is_fake(dst) else dst.untyped_storage().data_ptr())
