@@ -22,7 +22,8 @@ modules/util/async_devices.py, so code takes its CUDA path here); device memory 
 
 Limits: one device index (``fakegpu:0``); compute runs at once, so a side stream that forgets to
 wait for the compute stream is not caught, nor is device memory reused too early (no caching
-allocator: a pending copy keeps its tensors alive); ``Tensor.pin_memory()`` is unavailable;
+allocator: a pending copy keeps its tensors alive); a storage counts as freed when its Python
+object goes, which may wait for the garbage collector; ``Tensor.pin_memory()`` is unavailable;
 ``torch.Generator(device="fakegpu")`` cannot be created (torch's Python hooks cannot provide
 ``getNewGenerator``), and a CPU generator passed to a fakegpu op raises, as on CUDA; random ops on
 fakegpu draw from one stream of their own, seeded by ``torch.manual_seed`` and saved/restored
