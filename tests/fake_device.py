@@ -102,5 +102,7 @@ def enable_fake_device() -> torch.device:
     mod._libraries = (lib, impls)
     setattr(mod, _MARK, True)
     sys.modules.setdefault(f"torch.{NAME}", mod)
-    register_async_device(NAME, AsyncDevice(mod, mod.empty_pinned, mod.is_pinned))
+    # a tensor subclass cannot be copied into the fake's pinned buffers: it stays pageable (and
+    # its non_blocking copies synchronous), which is correct, only without overlap
+    register_async_device(NAME, AsyncDevice(mod, mod.empty_pinned, mod.is_pinned, lambda tensor: tensor))
     return DEVICE

@@ -171,3 +171,13 @@ def test_the_device_peak_with_half_offloaded_is_the_resident_blocks_two_parked_o
     # plain holds every block and the rest (activations, gradients, the input): offloading keeps
     # two parked blocks of it on the device at a time
     assert half <= plain - sum(sizes[i] for i in parked) + two_parked
+
+
+def test_a_real_width_sdxl_unet_half_parked_pins_at_most_1_02x_its_parked_bytes():
+    # planned on the meta device from the shipped config (benchmarks/offload_pinned.py prints it
+    # for FLUX.1 too); one pinned allocation per tensor would take 1.33x here
+    from benchmarks.offload_pinned import measure, skeleton_blocks
+
+    figures = measure(skeleton_blocks("sdxl", "unet", "diffusers.UNet2DConditionModel", torch.bfloat16), 0.5)
+    assert figures["parked_gb"] > 2 and figures["per_tensor_ratio"] > 1.3
+    assert figures["pinned_ratio"] <= 1.02 and figures["arenas"] <= 16

@@ -106,7 +106,8 @@ class LayerOffloadConductor:
             pinned_homes(values, self.kit, lambda k, home: park(in_arena[k], home))
         for i, (_, tensor) in enumerate(entries):
             if homes[i] is None:  # a tensor subclass (torchao), or no pinning: a copy of its own
-                park(i, tensor.get().detach().to(self.temp_device))
+                value = tensor.get().detach().to(self.temp_device)
+                park(i, self.kit.pin(value) if self.pin else value)
         for (index, _), home in zip(entries, homes):
             self._home.setdefault(index, []).append(home)
         for index, block in enumerate(self.blocks):

@@ -23,13 +23,16 @@ class AsyncDevice:
     # nbytes of page-locked host memory as a uint8 CPU tensor (non_blocking copies need it)
     empty_pinned: Callable[[int], torch.Tensor]
     is_pinned: Callable[[torch.Tensor], bool]
+    # a pinned copy of a CPU tensor that cannot live in an arena (a tensor subclass such as torchao's)
+    pin: Callable[[torch.Tensor], torch.Tensor]
 
 
 def _cuda_empty_pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-_CUDA = AsyncDevice(torch.cuda, _cuda_empty_pinned, lambda tensor: tensor.is_pinned())
+_CUDA = AsyncDevice(torch.cuda, _cuda_empty_pinned, lambda tensor: tensor.is_pinned(),
+                    lambda tensor: tensor.pin_memory())
 _REGISTERED: dict[str, AsyncDevice] = {}
 
 
@@ -47,11 +50,3 @@ def async_device(device: torch.device | str) -> AsyncDevice | None:
 def has_streams(device: torch.device | str) -> bool:
     return async_device(device) is not None
 
-
-def pinned_empty_like(capabilities: AsyncDevice, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous tensor in pinned host memory."""
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * dtype.itemsize
-    return capabilities.empty_pinned(nbytes).view(dtype).view(shape)
