@@ -181,3 +181,18 @@ def test_a_real_width_sdxl_unet_half_parked_pins_at_most_1_02x_its_parked_bytes(
     figures = measure(skeleton_blocks("sdxl", "unet", "diffusers.UNet2DConditionModel", torch.bfloat16), 0.5)
     assert figures["parked_gb"] > 2 and figures["per_tensor_ratio"] > 1.3
     assert figures["pinned_ratio"] <= 1.02 and figures["arenas"] <= 16
+
+
+def test_a_block_brought_back_right_after_its_write_back_reads_the_written_home(fake_device):
+    # the schedule rarely re-brings a block the moment it left (a shallower prefetch would): the
+    # copy out of its home must wait for the write-back into it, or it brings back garbage
+    model, blocks, conductor, _ = _train_toy(fake_device, 0.5, steps=1)
+    conductor.materialize()
+    index = next(i for i in conductor.parked if i in conductor.resident)
+    conductor._changed.add(index)
+    expected = [t.get().detach().cpu().clone() for t in layer_tensors(blocks[index])]
+    conductor._send_away(index)  # the write-back is still on its way home
+    conductor._bring(index, prefetch=False)
+    for tensor, value in zip(layer_tensors(blocks[index]), expected):
+        assert tensor.get().device.type == fake_device.type
+        assert torch.equal(tensor.get().detach().cpu(), value)
