@@ -13,7 +13,17 @@ weight sits) only raise when two devices exist. This module renames torch's Priv
 Use ``enable_fake_device()`` (or the ``fake_device`` fixture in conftest.py). It returns
 ``torch.device("fakegpu")`` (no index, like ``torch.device("cuda")``); tensors report ``fakegpu:0``.
 
-Limits: one device index (``fakegpu:0``); no pinned memory; streams and events are no-ops;
+CUDA's hazards (fake_device_streams.py): a non_blocking copy on a side stream lands only when
+waited for (until then its destination holds NaN), pinned and pageable host memory are told apart
+(``torch.fakegpu.empty_pinned``/``is_pinned``; the device registers with
+modules/util/async_devices.py, so code takes its CUDA path here); device memory is counted
+(``memory_allocated``, ``max_memory_allocated``, ``reset_peak_memory_stats``) and
+``torch.fakegpu.set_memory_capacity(n)`` makes allocations past n raise torch.OutOfMemoryError.
+
+Limits: one device index (``fakegpu:0``); compute runs at once, so a side stream that forgets to
+wait for the compute stream is not caught, nor is device memory reused too early (no caching
+allocator: a pending copy keeps its tensors alive); a storage counts as freed when its Python
+object goes, which may wait for the garbage collector; ``Tensor.pin_memory()`` is unavailable;
 ``torch.Generator(device="fakegpu")`` cannot be created (torch's Python hooks cannot provide
 ``getNewGenerator``), and a CPU generator passed to a fakegpu op raises, as on CUDA; random ops on
 fakegpu draw from one stream of their own, seeded by ``torch.manual_seed`` and saved/restored
@@ -25,7 +35,7 @@ old memory); storages cannot be allocated on fakegpu directly (no allocator from
 
 The parts: fake_device_tensors.py (fakegpu tensors over CPU memory), fake_device_fallback.py (the
 boxed fallback), fake_device_kernels.py (ops with their own kernels), fake_device_torch_module.py
-(``torch.fakegpu``); this file registers them.
+(``torch.fakegpu``), fake_device_streams.py (streams, events, pinned memory); this file registers them.
 """
 
 from __future__ import annotations
@@ -39,11 +49,13 @@ import fake_device_tensors
 from fake_device_fallback import _fallback
 from fake_device_kernels import (
     _convolution_backward_overrideable, _convolution_overrideable, _copy_from, _copy_from_and_resize,
-    _empty_memory_format, _empty_strided, _has_compatible_shallow_copy_type, _native_group_norm, _set_empty,
+    _empty_memory_format, _empty_strided, _has_compatible_shallow_copy_type, _native_group_norm, _record_stream,
+    _set_empty,
     _set_source_storage, _set_source_storage_offset, _set_source_tensor, _to_copy,
 )
 from fake_device_tensors import NAME, _resize
 from fake_device_torch_module import _make_device_module
+from modules.util.async_devices import AsyncDevice, register_async_device
 
 DEVICE: torch.device | None = None  # what enable_fake_device() returns
 _MARK = "_fakegpu_impl"  # set on torch.fakegpu, so a second import of this file reuses the first setup
@@ -82,6 +94,7 @@ def enable_fake_device() -> torch.device:
         "set_": _set_empty,
         "_has_compatible_shallow_copy_type": _has_compatible_shallow_copy_type,
         "native_group_norm": _native_group_norm,
+        "record_stream": _record_stream,
     }.items():
         impls.impl(op_name, fn, "PrivateUse1")
 
@@ -89,4 +102,7 @@ def enable_fake_device() -> torch.device:
     mod._libraries = (lib, impls)
     setattr(mod, _MARK, True)
     sys.modules.setdefault(f"torch.{NAME}", mod)
+    # a tensor subclass cannot be copied into the fake's pinned buffers: it stays pageable (and
+    # its non_blocking copies synchronous), which is correct, only without overlap
+    register_async_device(NAME, AsyncDevice(mod, mod.empty_pinned, mod.is_pinned, lambda tensor: tensor))
     return DEVICE

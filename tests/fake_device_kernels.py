@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import fake_device_streams
 from fake_device_fallback import _fallback
 from fake_device_tensors import (
     NAME, _alloc, _cpu_view, _fake_storage, _is_fake, _point_at, _resize, _same_device_error, _wrap, aten,
@@ -24,9 +25,14 @@ def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memor
 
 
 def _copy_from(self, dst, non_blocking=False):
-    # Reached for every copy_ that involves a fakegpu tensor (cpu<->fakegpu and fakegpu<->fakegpu).
-    _as_cpu(dst).copy_(_as_cpu(self))
+    # Reached for every copy_ that involves a fakegpu tensor (cpu<->fakegpu and fakegpu<->fakegpu);
+    # fake_device_streams decides when it lands.
+    fake_device_streams.copy(self, dst, non_blocking, lambda: _as_cpu(dst).copy_(_as_cpu(self)))
     return dst
+
+
+def _record_stream(self, stream):
+    pass  # no caching allocator to hold memory back: a pending copy keeps its tensors alive
 
 
 def _copy_from_and_resize(self, dst):
@@ -35,11 +41,18 @@ def _copy_from_and_resize(self, dst):
 
 
 def _to_copy(self, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    # Dispatched here when the source is on fakegpu: copy on the CPU side, then place the result.
+    # Dispatched here when the source or the target is fakegpu.
     device = torch.device(device) if device is not None else self.device
-    cpu = _as_cpu(self).to(dtype=dtype or self.dtype, memory_format=memory_format or torch.preserve_format, copy=True)
+    fmt = memory_format or torch.preserve_format
+    if device.type == NAME and not _is_fake(self):
+        # host to device: a real copy, which fake_device_streams may leave pending
+        staged = self if dtype in (None, self.dtype) else self.to(dtype, memory_format=fmt)
+        dst = _wrap(torch.empty_like(staged, memory_format=fmt))
+        return _copy_from(staged, dst, non_blocking)
+    cpu = _as_cpu(self).to(dtype=dtype or self.dtype, memory_format=fmt, copy=True)
     if device.type == NAME:
         return _wrap(cpu)
+    fake_device_streams.current_stream()._complete()  # a blocking copy to the host syncs its stream
     if device.type == "cpu":
         return cpu
     return cpu.to(device)

@@ -5,6 +5,8 @@ Shared by the other fake_device_*.py files; tests/fake_device.py says how the de
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 NAME = "fakegpu"
@@ -30,15 +32,70 @@ def _is_fake(x) -> bool:
     return isinstance(x, torch.Tensor) and x.device.type == NAME
 
 
+class DeviceMemory:
+    """Bytes held by live fakegpu storages, their peak, and an optional capacity (None: unbounded).
+
+    Frees arrive from weakref callbacks, on whichever thread the garbage collector runs, maybe in
+    the middle of an allocation: they are queued (list.append is atomic) and applied by the next
+    reader, so no lock is ever taken inside a callback."""
+
+    def __init__(self):
+        self._allocated = self._peak = 0
+        self.capacity: int | None = None
+        self._watched: set = set()  # weak references whose callbacks give the bytes back
+        self._freed: list[int] = []
+
+    def _apply_frees(self) -> None:
+        while self._freed:
+            self._allocated -= self._freed.pop()
+
+    @property
+    def allocated(self) -> int:
+        self._apply_frees()
+        return self._allocated
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        self._peak = self.allocated
+
+    def take(self, nbytes: int) -> None:
+        in_use = self.allocated
+        if self.capacity is not None and in_use + nbytes > self.capacity:
+            raise torch.OutOfMemoryError(
+                f"{NAME} out of memory: tried to allocate {nbytes} bytes with {in_use} of "
+                f"{self.capacity} bytes in use")
+        self._allocated += nbytes
+        self._peak = max(self._peak, self._allocated)
+
+    def watch(self, storage, nbytes: int) -> None:
+        # a bare weakref with a callback: cheaper than weakref.finalize, paid on every op
+        self._watched.add(weakref.ref(storage, lambda ref: self._release(ref, nbytes)))
+
+    def _release(self, ref, nbytes: int) -> None:
+        self._watched.discard(ref)
+        self._freed.append(nbytes)
+
+
+MEMORY = DeviceMemory()
+
+
 def _fake_storage(cpu_storage: torch.UntypedStorage) -> torch.UntypedStorage:
-    """A fakegpu storage over a CPU storage's memory.
+    """A fakegpu storage over a CPU storage's memory, counted in MEMORY while it lives.
 
     The storage built from a raw pointer owns nothing, so the CPU storage rides along as an
     attribute: torch preserves a storage's Python object (and its attributes) for as long as the
     C++ storage lives, so the CPU memory lives exactly as long as the fakegpu storage.
     """
-    st = torch._C._construct_storage_from_data_pointer(cpu_storage.data_ptr(), _DEV0, cpu_storage.nbytes())
+    nbytes = cpu_storage.nbytes()
+    if nbytes:
+        MEMORY.take(nbytes)
+    st = torch._C._construct_storage_from_data_pointer(cpu_storage.data_ptr(), _DEV0, nbytes)
     setattr(st, _OWNER_ATTR, cpu_storage)
+    if nbytes:
+        MEMORY.watch(st, nbytes)
     return st
 
 

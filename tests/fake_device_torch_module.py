@@ -1,4 +1,6 @@
-"""torch.fakegpu: the device module torch looks up by name (RNG, streams, events; checkpointing, amp)."""
+"""torch.fakegpu: the device module torch looks up by name (RNG, streams, events, memory counters;
+checkpointing, amp). Beyond CUDA's names: ``set_memory_capacity(nbytes or None)``, ``empty_pinned``,
+``is_pinned`` and ``pinned_bytes`` (fake_device_streams.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,8 @@ import types
 
 import torch
 
-import fake_device_tensors
-from fake_device_tensors import NAME, _generator
+import fake_device_streams
+from fake_device_tensors import MEMORY, NAME, _generator
 
 
 def _make_device_module() -> types.ModuleType:
@@ -25,43 +27,6 @@ def _make_device_module() -> types.ModuleType:
 
     def set_rng_state(new_state: torch.Tensor, device="fakegpu") -> None:
         _generator.set_state(new_state)
-
-    class Stream:
-        """Streams are no-ops: every op runs synchronously on the CPU."""
-
-        def __init__(self, device=None, priority=0, **kwargs):
-            self.device = fake_device_tensors._DEV0  # set by enable_fake_device()
-
-        def synchronize(self) -> None:
-            pass
-
-        def wait_stream(self, stream) -> None:
-            pass
-
-        def wait_event(self, event) -> None:
-            pass
-
-        def record_event(self, event=None):
-            return event if event is not None else Event()
-
-        def query(self) -> bool:
-            return True
-
-    class Event:
-        def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-            pass
-
-        def record(self, stream=None) -> None:
-            pass
-
-        def wait(self, stream=None) -> None:
-            pass
-
-        def synchronize(self) -> None:
-            pass
-
-        def query(self) -> bool:
-            return True
 
     class device:
         """``with torch.fakegpu.device(i)``: a no-op, there is one device.
@@ -84,15 +49,16 @@ def _make_device_module() -> types.ModuleType:
         def __exit__(self, *exc):
             return False
 
-    class _StreamContext:
-        def __init__(self, stream):
-            self.stream = stream
+    def reset_peak_memory_stats(device=None) -> None:
+        MEMORY.reset_peak()
 
-        def __enter__(self):
-            return self.stream
+    def mem_get_info(device=None) -> tuple[int, int]:
+        total = MEMORY.capacity if MEMORY.capacity is not None else 1 << 40
+        return total - MEMORY.allocated, total
 
-        def __exit__(self, *exc):
-            return False
+    def set_memory_capacity(nbytes: int | None) -> None:
+        """Past it an allocation raises torch.OutOfMemoryError (None: no limit)."""
+        MEMORY.capacity = nbytes
 
     functions = {
         "is_available": lambda: True,
@@ -102,7 +68,7 @@ def _make_device_module() -> types.ModuleType:
         "device_count": lambda: 1,
         "current_device": lambda: 0,
         "set_device": lambda device: None,
-        "synchronize": lambda device=None: None,
+        "synchronize": fake_device_streams.synchronize,
         "manual_seed": manual_seed,
         "manual_seed_all": manual_seed,
         "seed": seed,
@@ -114,15 +80,21 @@ def _make_device_module() -> types.ModuleType:
         "set_rng_state_all": lambda states: set_rng_state(states[0]),
         "is_bf16_supported": lambda including_emulation=True: True,
         "get_amp_supported_dtype": lambda: [torch.float16, torch.bfloat16],
-        "current_stream": lambda device=None: Stream(),
-        "default_stream": lambda device=None: Stream(),
-        "stream": lambda stream: _StreamContext(stream),
+        "current_stream": fake_device_streams.current_stream,
+        "default_stream": fake_device_streams.default_stream,
+        "stream": fake_device_streams.StreamContext,
         "empty_cache": lambda: None,
-        "memory_allocated": lambda device=None: 0,
-        "max_memory_allocated": lambda device=None: 0,
-        "reset_peak_memory_stats": lambda device=None: None,
-        "Stream": Stream,
-        "Event": Event,
+        "memory_allocated": lambda device=None: MEMORY.allocated,
+        "memory_reserved": lambda device=None: MEMORY.allocated,
+        "max_memory_allocated": lambda device=None: MEMORY.peak,
+        "reset_peak_memory_stats": reset_peak_memory_stats,
+        "mem_get_info": mem_get_info,
+        "set_memory_capacity": set_memory_capacity,
+        "empty_pinned": fake_device_streams.empty_pinned,
+        "is_pinned": fake_device_streams.is_pinned,
+        "pinned_bytes": fake_device_streams.pinned_bytes,
+        "Stream": fake_device_streams.Stream,
+        "Event": fake_device_streams.Event,
         "device": device,
     }
     for name, fn in functions.items():

@@ -94,6 +94,7 @@ def test_a_fine_tune_with_half_the_unet_offloaded_equals_one_without(fake_device
     half = _fine_tune(tmp_path / "half", tiny_model, one_image, fake_device, 0.5)
     conductor = half.conductors["unet"]
     assert conductor.parked and half.step == plain.step == 2
+    assert conductor.kit is not None  # CUDA's path: asynchronous write-back (tests/fake_device_streams.py)
     conductor.evict()
     ours, theirs = half.family.parts["unet"].state_dict(), plain.family.parts["unet"].state_dict()
     for key in theirs:

@@ -230,6 +230,7 @@ def test_training_with_half_the_unet_offloaded_gives_the_same_adapter_as_without
     offloaded = offload_run(tmp_path / "half", tiny_model, one_image, fake_device, {"offload_fraction": 0.5}, steps=2)
     conductor = offloaded.conductors["unet"]
     assert conductor.parked and conductor.moves > len(conductor.parked)
+    assert conductor.kit is not None  # CUDA's path: side-stream prefetch, pinned arenas (tests/fake_device_streams.py)
     ours, theirs = offloaded.adapters.state_dict(), plain.adapters.state_dict()
     assert set(ours) == set(theirs)
     for key in theirs:

@@ -35,7 +35,7 @@ def test_every_adapter_type_trains_on_every_quantized_mode_with_offloading(adapt
     })
     trainer = GenericTrainer(config, TrainCallbacks())
     trainer.start()
-    assert trainer.conductors["unet"].parked
+    assert trainer.conductors["unet"].parked and trainer.conductors["unet"].kit is not None  # CUDA's path
     initial = {k: v.cpu().clone() for k, v in trainer.adapters.state_dict().items()}
     assert all(p.device.type == fake_device.type for p in trainer.adapters.parameters())
     trainer.train()  # the first-step guard raises if any adapter parameter did not learn

@@ -17,11 +17,19 @@ state as much as weights (AdamW's float32 state is twice the weights). The step 
 the train device, as OneTrainer's does: stepping on the host would need every gradient moved
 there and a CPU optimizer over the whole model. Scalar state (AdamW's `step` count) stays where
 the optimizer keeps it.
+
+Where the train device has streams, both write-backs are asynchronous: the conductor issues them
+on its side stream (after the compute stream's step), records an event, and copies out of a home
+(or lets the host read it) only after that event; the device tensors they read are recorded on
+the side stream, so their memory is not reused before the copy has read it.
 """
 
 from __future__ import annotations
 
 import torch
+
+from modules.offload.pinned_arenas import pinned_empty
+from modules.util.async_devices import AsyncDevice
 
 
 def travels(value) -> bool:
@@ -32,8 +40,10 @@ def travels(value) -> bool:
 class ParkedOptimizerState:
     """Moves the optimizer state of a block's trained parameters between the devices."""
 
-    def __init__(self, train_device: torch.device, temp_device: torch.device, pin: bool):
-        self.train_device, self.temp_device, self.pin = train_device, temp_device, pin
+    def __init__(self, train_device: torch.device, temp_device: torch.device, pinned: AsyncDevice | None):
+        """pinned: the train device's streams and pinned memory where the state parks in pinned
+        host memory and moves asynchronously; None: plain synchronous copies."""
+        self.train_device, self.temp_device, self.pinned = train_device, temp_device, pinned
         self.optimizer: torch.optim.Optimizer | None = None
         self._homes: dict[tuple[int, str], torch.Tensor] = {}  # (parameter id, key) -> its temp copy
 
@@ -51,26 +61,47 @@ class ParkedOptimizerState:
         for _, state in self._states(parameters):
             for key, value in state.items():
                 if travels(value) and value.device != self.train_device:
-                    state[key] = value.to(self.train_device, non_blocking=self.pin)
+                    state[key] = value.to(self.train_device, non_blocking=self.pinned is not None)
 
     @torch.no_grad()
     def park(self, parameters: list[torch.nn.Parameter]) -> None:
-        """State to the temp device, into a copy kept from the last time (pinned on CUDA)."""
+        """State to the temp device, into a copy kept from the last time (pinned where it can be:
+        a block's new copies share arenas). With streams, issued on the current (side) stream."""
+        moving = []
         for parameter, state in self._states(parameters):
             for key, value in state.items():
-                if not travels(value) or value.device == self.temp_device:
-                    continue
-                home = self._homes.get((id(parameter), key))
-                if home is None or home.shape != value.shape or home.dtype != value.dtype:
-                    home = torch.empty(value.shape, dtype=value.dtype, device=self.temp_device,
-                                       pin_memory=self.pin)
-                    self._homes[(id(parameter), key)] = home
+                if travels(value) and value.device != self.temp_device:
+                    moving.append((parameter, state, key, value))
+        fresh = [m for m in moving if not self._fits(self._homes.get((id(m[0]), m[2])), m[3])]
+        if self.pinned is not None and fresh:
+            homes = pinned_empty([(v.dtype, v.shape) for *_, v in fresh], self.pinned)
+            for (parameter, _, key, _), home in zip(fresh, homes):
+                self._homes[(id(parameter), key)] = home
+        for parameter, _, key, value in fresh:
+            if self.pinned is None:
+                self._homes[(id(parameter), key)] = torch.empty(value.shape, dtype=value.dtype, device=self.temp_device)
+        for parameter, state, key, value in moving:
+            home = self._homes[(id(parameter), key)]
+            if self.pinned is None:
                 home.copy_(value)  # synchronous: the train-device tensor may be freed right after
-                state[key] = home
+            else:
+                home.copy_(value, non_blocking=True)
+                value.record_stream(self.pinned.streams.current_stream(self.train_device))
+            state[key] = home
+
+    @staticmethod
+    def _fits(home: torch.Tensor | None, value: torch.Tensor) -> bool:
+        return home is not None and home.shape == value.shape and home.dtype == value.dtype
 
 
 @torch.no_grad()
-def write_home(current: torch.Tensor, home: torch.Tensor) -> None:
-    """A stepped trained tensor's resident value into its temp-device copy (synchronously)."""
-    if current.data_ptr() != home.data_ptr():  # the same memory where both devices are one
+def write_home(current: torch.Tensor, home: torch.Tensor, stream=None) -> None:
+    """A stepped trained tensor's resident value into its temp-device copy: synchronously, or
+    with `stream` (the current side stream) asynchronously, for the caller to wait on."""
+    if current.data_ptr() == home.data_ptr():  # the same memory where both devices are one
+        return
+    if stream is None:
         home.copy_(current.detach())
+    else:
+        home.copy_(current.detach(), non_blocking=True)
+        current.record_stream(stream)
