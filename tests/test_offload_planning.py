@@ -12,7 +12,7 @@ import pytest
 from benchmarks.offload_layout import real_width_block_bytes
 from modules.config.errors import ConfigError
 from modules.config.loading import build_config
-from modules.offload.schedule import Pass, bytes_in_flight, choose_parked, schedule_table
+from modules.offload.schedule import SHORT_ENOUGH, Pass, bytes_in_flight, choose_parked, schedule_table
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_the_parked_bytes_reach_the_fraction_and_pass_it_by_little_for_any_sizes
         fraction = generator.choice([0.05, 0.3, 0.5, 0.77, 0.95])
         parked = choose_parked(sizes, fraction)
         parked_bytes, total = sum(sizes[i] for i in parked), sum(sizes)
-        assert parked_bytes >= fraction * total * (1 - 1e-9), (sizes, fraction, parked)
+        assert parked_bytes >= fraction * total - SHORT_ENOUGH * total, (sizes, fraction, parked)
         # past it by at most the tolerance, or by less than the smallest block that could be dropped
         over = parked_bytes - fraction * total
         assert over <= max(0.01 * total, min(sizes[i] for i in parked)), (sizes, fraction, parked)
@@ -85,3 +85,10 @@ def test_offload_prefetch_is_bounded_and_named():
     for bad in (0, 9):
         with pytest.raises(ConfigError, match=r"model\.parts\.unet\.offload_prefetch"):
             build_config([{"model": {"parts": {"unet": {"offload_prefetch": bad}}}}])
+
+
+def test_a_few_bytes_short_of_the_share_do_not_cost_a_whole_block_more():
+    # T5's 24 blocks: the first holds 4 KiB of position bias more than the others
+    sizes = [385_896_448] + [385_892_352] * 23
+    parked = choose_parked(sizes, 0.5)
+    assert len(parked) == 12 and abs(sum(sizes[i] for i in parked) / sum(sizes) - 0.5) < 1e-4
