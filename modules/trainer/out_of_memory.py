@@ -15,16 +15,13 @@ import torch
 
 from modules.config.train_config import TrainConfig
 from modules.errors import UserError
+from modules.quantization.weight_modes import get_weight_mode, is_weight_mode, weight_mode_names
 
 _SIZE = r"([\d.]+ ?[KMGTP]?i?B)"
 _ASKED = re.compile(r"Tried to allocate " + _SIZE)
 _FREE = re.compile(r"of which " + _SIZE + " is free")
 _TOTAL = re.compile(r"total capacity of " + _SIZE)
-_QUANTIZED_SMALLER = {"float32": "bfloat16 halves it, float8/int8 quarter it, nf4 is about an eighth",
-                      "bfloat16": "float8 or int8 halve it, nf4 is about a quarter",
-                      "float16": "float8 or int8 halve it, nf4 is about a quarter",
-                      "float8": "nf4 halves it", "int8": "nf4 halves it", "w8a8_int8": "nf4 halves it",
-                      "w8a8_fp8": "nf4 halves it"}
+
 
 
 class OutOfMemory(UserError):
@@ -57,6 +54,21 @@ def _where(trainer, traceback: TracebackType | None) -> str:
     return f"in training step {trainer.step + 1}"
 
 
+def _smaller_weight_modes(current: str) -> str | None:
+    """The registered weight modes that store fewer bytes a weight than `current`, by their share
+    of its bytes (from each mode's own declaration: no mode is named here)."""
+    if not is_weight_mode(current):  # (auto: the policy already picked what fits)
+        return None
+    own = get_weight_mode(current).bytes_per_parameter
+    shares: dict[float, list[str]] = {}
+    for name in weight_mode_names():
+        size = get_weight_mode(name).bytes_per_parameter
+        if size < own:
+            shares.setdefault(round(size / own, 2), []).append(name)
+    return "; ".join(f"{' or '.join(names)} store{'s' if len(names) == 1 else ''} {share:g}x its bytes"
+                     for share, names in sorted(shares.items(), reverse=True)) or None
+
+
 def fitting_fields(config: TrainConfig, has_blocks=lambda part: True) -> list[str]:
     """The settings that lower the train device's peak, with this run's values. Offloading and the
     weight modes are named for the parts with blocks (`has_blocks`: the family's checkpoint blocks;
@@ -72,7 +84,7 @@ def fitting_fields(config: TrainConfig, has_blocks=lambda part: True) -> list[st
         if part.train and not part.gradient_checkpointing:
             fields.append(f"{at}.gradient_checkpointing (now false): true keeps one block's activations, "
                           f"not all of them")
-        smaller = _QUANTIZED_SMALLER.get(part.weight_dtype)
+        smaller = _smaller_weight_modes(part.weight_dtype)
         if smaller:
             fields.append(f"{at}.weight_dtype (now {part.weight_dtype}): {smaller}")
     schedule, resolutions = config.schedule, config.data.resolutions
