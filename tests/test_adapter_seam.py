@@ -115,5 +115,5 @@ def test_an_unregistered_algorithm_is_an_unknown_type():
     from modules.config.loading import build_config
 
     assert TYPE not in adapter_classes()
-    with pytest.raises(ConfigError, match=rf"adapter: unknown type '{TYPE}'"):
+    with pytest.raises(ConfigError, match=rf"adapter.type: unknown type '{TYPE}'"):
         build_config([{"adapter": {"type": TYPE}}])

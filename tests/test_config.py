@@ -62,7 +62,7 @@ ONE_PROBLEM = [
                  "sampling.prompts[0].width: must be a multiple of 8", id="multiple-of"),
     pytest.param({"concepts": [{}]}, "concepts[0].path: required", id="required"),
     pytest.param({"lr_scheduler": {"type": "exponential"}}, "lr_scheduler.type: must be one of", id="bad-literal"),
-    pytest.param({"optimizer": {"type": "sgd"}}, "optimizer: unknown type 'sgd'", id="unknown-optimizer"),
+    pytest.param({"optimizer": {"type": "sgd"}}, "optimizer.type: unknown type 'sgd'", id="unknown-optimizer"),
     pytest.param({"optimizer": {"type": "adamw", "lr": 0}}, "optimizer.lr: must be > 0", id="optimizer-field-typed"),
     pytest.param({"optimizer": {"lr": -1}}, "optimizer.lr: must be > 0", id="optimizer-field-type-defaulted"),
     pytest.param({"optimizer": {"lr": 1e-4, "momentum": 0.9}}, "optimizer.momentum: unknown key",

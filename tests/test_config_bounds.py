@@ -14,7 +14,7 @@ import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from modules.config.adapter_configs import AdapterConfig, adapter_config_classes
+from modules.config.tagged import TaggedUnion
 from modules.config.train_config import TrainConfig
 
 # dotted field path (list items as [], dict values as {}, tuple items as [i]) -> why it has no bounds
@@ -45,15 +45,18 @@ def _numbers(annotation: Any, path: str, constraints: list, seen: set) -> list[t
     if origin is Annotated:
         inner, *metadata = typing.get_args(annotation)
         return _numbers(inner, path, constraints + _constraints(metadata), seen)
-    if annotation is AdapterConfig:  # the union over the registered algorithms
-        return [found for cls in adapter_config_classes().values() for found in _numbers(cls, path, [], seen)]
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         if annotation in seen:
             return []  # each model once (shared option groups: LowRankOptions in several adapters)
         seen.add(annotation)
         found = []
         for name, field in annotation.model_fields.items():
-            found += _numbers(field.annotation, f"{path}.{name}" if path else name, _constraints(field.metadata), seen)
+            at = f"{path}.{name}" if path else name
+            union = next((item for item in field.metadata if isinstance(item, TaggedUnion)), None)
+            if union is not None:  # a tagged section: every registered member's fields
+                found += [f for m in union.members().values() for f in _numbers(m.config_class, at, [], seen)]
+                continue
+            found += _numbers(field.annotation, at, _constraints(field.metadata), seen)
         seen.discard(annotation)
         return found
     if origin in (Union, types.UnionType):

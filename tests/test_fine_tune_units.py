@@ -12,7 +12,7 @@ from conftest import train_config
 from torch import nn
 
 from modules.config.errors import ConfigError
-from modules.config.method_configs import AdapterMethodConfig
+from modules.config.methods.adapter import AdapterMethodConfig
 from modules.optim.fused_backward import FusedBackward
 from modules.optim.optimizers import build_optimizer
 from modules.optim.rounded_step import step_bfloat16_stochastically

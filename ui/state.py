@@ -33,7 +33,7 @@ from modules.config.loading import (
     merge_layer,
     parse_dotted,
 )
-from modules.config.train_config import UNION_TAGS, TrainConfig
+from modules.config.train_config import TrainConfig
 
 KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "bool", "choice", "lines", "intlist")
 
@@ -306,7 +306,7 @@ class ConfigState:
             problems = []
         except ValidationError as error:
             self.config = None
-            problems = format_validation_error(error, self.data, UNION_TAGS)
+            problems = format_validation_error(error)
         except ConfigError as error:
             self.config = None
             problems = list(error.problems)

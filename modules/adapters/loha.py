@@ -10,22 +10,16 @@ delta's rows.
 
 from __future__ import annotations
 
-from typing import Literal
 
 import torch
-from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule
-from modules.adapters.registry import register_adapter
-from modules.config.adapter_configs import AdapterConfigBase, LowRankOptions
+from modules.config.adapters.loha import LoHaConfig
 
 
-class LoHaConfig(LowRankOptions, AdapterConfigBase):
-    type: Literal["loha"] = Field("loha", description="loha: a Hadamard product of two low-rank products.")
 
 
-@register_adapter
 class LoHaModule(AdapterModule):
     algorithm = "loha"
     config_class = LoHaConfig

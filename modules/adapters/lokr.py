@@ -13,17 +13,13 @@ then, and ComfyUI and diffusers ignore it). w2 (or w2_b) starts at zero: a fresh
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
-from pydantic import Field, field_validator
 from torch import nn
 
 from modules.adapters.base import AdapterModule
-from modules.adapters.registry import register_adapter
 from modules.adapters.weight_decompose import Axis, WeightDecomposed
-from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
-from modules.config.limits import MAX_RANK
+from modules.config.adapters.lokr import LoKrConfig
 
 
 def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
@@ -47,23 +43,8 @@ def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
     return (m, n) if m <= n else (n, m)
 
 
-class LoKrConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
-    type: Literal["lokr"] = Field("lokr", description="lokr: a Kronecker product of a small and a large factor "
-                                  "(with dora: weight-decomposed LoKr).")
-    factor: int = Field(-1, ge=-1, le=MAX_RANK,
-        description="Split each dimension with this factor; -1: as square as possible.")
-    decompose_both: bool = Field(False, description="Make the small factor low-rank too.")
-    full_matrix: bool = Field(False, description="Keep the large factor a full matrix whatever the rank.")
-
-    @field_validator("factor")
-    @classmethod
-    def _valid_factor(cls, value: int) -> int:
-        if value == 0 or value < -1:
-            raise ValueError(f"must be -1 (as square as possible) or a positive factor (got {value})")
-        return value
 
 
-@register_adapter
 class LoKrModule(WeightDecomposed, AdapterModule):
     algorithm = "lokr"
     config_class = LoKrConfig

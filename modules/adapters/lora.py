@@ -10,24 +10,18 @@ changes nothing. On a Conv2d, down takes the base kernel, stride and padding and
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule
-from modules.adapters.registry import register_adapter
 from modules.adapters.weight_decompose import Axis, WeightDecomposed
-from modules.config.adapter_configs import AdapterConfigBase, DecompositionOptions, LowRankOptions
+from modules.config.adapters.lora import LoRAConfig
 
 
-class LoRAConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
-    type: Literal["lora"] = Field("lora", description="lora: low-rank up(down(x)) (with dora: DoRA).")
 
 
-@register_adapter
 class LoRAModule(WeightDecomposed, AdapterModule):
     algorithm = "lora"
     config_class = LoRAConfig

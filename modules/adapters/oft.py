@@ -21,18 +21,14 @@ output; module dropout skips the adapter.
 
 from __future__ import annotations
 
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 from torch import nn
 
 from modules.adapters.base import AdapterModule, InertAdapter
 from modules.adapters.lokr import factorize
-from modules.adapters.registry import register_adapter
-from modules.config.adapter_configs import AdapterConfigBase
-from modules.config.limits import MAX_RANK
+from modules.config.adapters.oft import OFTConfig
 
 # header of a file whose alphas are bounds no reader reaches (`file_alpha`): this trainer reads
 # them back as "no constraint"
@@ -44,20 +40,8 @@ def block_layout(dimension: int, wanted: int) -> tuple[int, int]:
     return factorize(dimension, wanted)
 
 
-class OFTConfig(AdapterConfigBase):
-    type: Literal["oft"] = Field("oft", description="oft: a block-diagonal orthogonal rotation of the output "
-                                 "channels.")
-    block_size: int = Field(32, ge=2, le=MAX_RANK,
-        description="LyCORIS's block rule: a layer's output channels split into "
-                            "two factors as LoKr splits with this factor, the smaller one the block size (320 "
-                            "channels with 32: 32 blocks of 10; 1280: 40 blocks of 32).")
-    constraint: float = Field(0.0, ge=0, le=1000,
-        description="LyCORIS's constraint: the rotation's skew part is clipped "
-                              "to this times the layer's output channels; 0: none. Exact in LyCORIS and A1111; "
-                              "ComfyUI clips to the value itself (differs once it binds).")
 
 
-@register_adapter
 class OFTModule(AdapterModule):
     algorithm = "oft"
     config_class = OFTConfig

@@ -1,24 +1,25 @@
 """The adapter configs: one pydantic model per adapter algorithm, told apart by `type` in a
 discriminated union, as the optimizer configs are (optimizer_configs.py).
 
-Each algorithm's own config sits beside its module in modules/adapters/<algorithm>.py and is
-declared by the module class (`config_class`); the registry (modules/adapters/registry.py) is
-built from those classes. This file holds what they share: the fields every adapter has
-(`AdapterConfigBase`), the option groups several have (`LowRankOptions`: rank/alpha and their
-per-part overrides; `DecompositionOptions`: DoRA), and `AdapterConfig`, the union of whatever is
-registered. The union is built when the schema is, from the registry, so an algorithm registered
-at runtime (`register_adapter`) is a valid `adapter.type` without an edit here.
+Each algorithm's config is declared in its own file, modules/config/adapters/<algorithm>.py,
+with the AdapterModule class it drives (modules/adapters/<algorithm>.py, imported only to train).
+This file holds what they share: the fields every adapter has (`AdapterConfigBase`), the option
+groups several have (`LowRankOptions`: rank/alpha and their per-part overrides;
+`DecompositionOptions`: DoRA), and `ADAPTERS`, the declared union (modules/config/tagged.py), so
+an algorithm registered at runtime is a valid `adapter.type` without an edit here.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from modules.config.limits import MAX_ALPHA, MAX_RANK
 from modules.config.strict import StrictModel
+from modules.config.tagged import TaggedUnion
 
 DType = Literal["float32", "bfloat16", "float16"]
 DoraAxis = Literal["auto", "output", "input"]
@@ -127,56 +128,29 @@ class DecompositionOptions(StrictModel):
 
 # --- the union --------------------------------------------------------------------------------
 
-def adapter_config_classes() -> dict[str, type[AdapterConfigBase]]:
-    """The registered algorithms' configs by `type` (the built-in ones are registered on import)."""
-    from modules.adapters.registry import adapter_classes
+@dataclass(frozen=True)
+class AdapterTraits:
+    """What an adapter algorithm declares beside its config (register(..., trait=value))."""
 
-    return {name: cls.config_class for name, cls in adapter_classes().items()}
+
+ADAPTERS = TaggedUnion("adapter", base=AdapterConfigBase, default=DEFAULT_ADAPTER_TYPE, traits=AdapterTraits,
+                       package="modules.config.adapters")
+
+
+def register_adapter_config(config_class: type[AdapterConfigBase], implementation: Any, **traits: Any):
+    """Declare an adapter algorithm: its config, its AdapterModule class ("module:attr" or the class)."""
+    return ADAPTERS.register(config_class, implementation, **traits)
+
+
+def adapter_config_classes() -> dict[str, type[AdapterConfigBase]]:
+    """The registered algorithms' configs by `type`, the default (lora) first."""
+    return {name: member.config_class for name, member in ADAPTERS.members().items()}
 
 
 def default_adapter_config() -> AdapterConfigBase:
-    return adapter_config_classes()[DEFAULT_ADAPTER_TYPE]()
+    return ADAPTERS.default_config()
 
 
-def default_adapter_type(data: Any) -> Any:
-    if isinstance(data, dict) and "type" not in data:
-        return {"type": DEFAULT_ADAPTER_TYPE, **data}
-    return data
-
-
-class _UnionOfRegistered(type):
-    """`AdapterConfig(**fields)` builds the config of `fields['type']` (lora by default), and any
-    algorithm's config is an instance of it, so it reads like the one class it was before."""
-
-    def __call__(cls, **fields: Any) -> AdapterConfigBase:
-        kind = fields.get("type", DEFAULT_ADAPTER_TYPE)
-        classes = adapter_config_classes()
-        if kind not in classes:
-            raise ValueError(f"adapter.type: unknown type {kind!r} (known: {', '.join(classes)})")
-        return classes[kind](**fields)
-
-    def __instancecheck__(cls, instance: Any) -> bool:
-        return isinstance(instance, AdapterConfigBase)
-
-
-_built = False
-
-
-def union_built() -> bool:
-    """Whether a schema holds the union yet (a registration after that rebuilds it)."""
-    return _built
-
-
-class AdapterConfig(metaclass=_UnionOfRegistered):
-    """The adapter config: a discriminated union on `type` over the registered algorithms' configs."""
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, _source: Any, handler: Any) -> Any:
-        from typing import Annotated, Union
-
-        global _built
-        members = tuple(adapter_config_classes().values())
-        _built = True
-        if len(members) == 1:  # a union of one is that one
-            return handler.generate_schema(members[0])
-        return handler.generate_schema(Annotated[Union[members], Field(discriminator="type")])
+def AdapterConfig(**fields: Any) -> AdapterConfigBase:  # noqa: N802  (reads as the config it builds)
+    """The validated config of the algorithm `fields['type']` (lora when not given)."""
+    return ADAPTERS.validate(fields)  # type: ignore[return-value]

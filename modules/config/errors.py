@@ -20,24 +20,15 @@ class ConfigError(UserError, ValueError):
         super().__init__(head + ":\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def dotted_path(loc: tuple[Any, ...], data: Any = None, union_tags: frozenset[str] = frozenset()) -> str:
-    """('concepts', 0, 'repeats') -> 'concepts[0].repeats'.
-
-    Pydantic puts the tag of a discriminated union into the location (`optimizer.adamw.lr`).
-    Walking the input alongside drops such a step where the user did not write it as a key:
-    it is the object's `type`, or (when `type` was left to its default) one of `union_tags`.
-    """
+def dotted_path(loc: tuple[Any, ...]) -> str:
+    """('concepts', 0, 'repeats') -> 'concepts[0].repeats' (the tagged sections put no tag in a
+    location: modules/config/tagged.py validates by `type` itself)."""
     text = ""
-    node = data
     for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
-            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
-            continue
-        if isinstance(node, dict) and part not in node and part == node.get("type", part if part in union_tags else None):
-            continue  # union tag, not a key the user wrote
-        text += f".{part}" if text else str(part)
-        node = node.get(part) if isinstance(node, dict) else None
+        else:
+            text += f".{part}" if text else str(part)
     return text or "(top level)"
 
 
@@ -57,8 +48,6 @@ def _message(error: dict[str, Any]) -> str:
         return f"must be a multiple of {ctx.get('multiple_of')} (got {value!r})"
     if kind == "literal_error":
         return f"must be one of {ctx.get('expected')} (got {value!r})"
-    if kind == "union_tag_invalid":
-        return f"unknown type {ctx.get('tag')!r} (known: {ctx.get('expected_tags')})"
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return f"must be a whole number (got {value!r})"
     if kind in ("float_parsing", "float_type"):
@@ -83,10 +72,9 @@ def located_error(text: str, *at: str | int) -> PydanticCustomError:
     return PydanticCustomError("located", "{text}", {"text": text, "at": list(at)})
 
 
-def format_validation_error(error: ValidationError, data: Any = None,
-                            union_tags: frozenset[str] = frozenset()) -> list[str]:
+def format_validation_error(error: ValidationError) -> list[str]:
     lines = []
     for e in error.errors():
         loc = tuple(e["loc"]) + tuple((e.get("ctx") or {}).get("at", ()) if e["type"] == "located" else ())
-        lines.append(f"{dotted_path(loc, data, union_tags)}: {_message(e)}")
+        lines.append(f"{dotted_path(loc)}: {_message(e)}")
     return lines

@@ -2,8 +2,9 @@
 
 Each layer is a partial JSON object, migrated to the current version, then deep-merged: objects
 merge key by key, anything else (lists included) replaces what was below. A layer (or `--set`)
-that changes the `type` of a tagged object (adapter, optimizer) keeps from below only the keys the
-new type has: a LoRA preset's rank stays for LoKr, and is not an error for OFT, which has none.
+that changes the `type` of a tagged section (method, adapter, optimizer) keeps from below only the
+settings the new type declares alike (TaggedUnion.retype): a LoRA preset's rank stays for LoKr, and
+is not an error for OFT, which has none.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pydantic import ValidationError
 
 from modules.config.errors import ConfigError, format_validation_error
 from modules.config.migrations import migrate
-from modules.config.train_config import CURRENT_VERSION, UNION_TAGS, TrainConfig
+from modules.config.train_config import CURRENT_VERSION, TAGGED_SECTIONS, TrainConfig
 
 
 def deep_merge(base: dict, overlay: dict) -> dict:
@@ -30,30 +31,12 @@ def deep_merge(base: dict, overlay: dict) -> dict:
     return merged
 
 
-def _tagged_members() -> dict[str, tuple[str, dict[str, type]]]:
-    """The config's tagged objects: key -> (its default type, its models by type)."""
-    import typing
-
-    from modules.config.adapter_configs import DEFAULT_ADAPTER_TYPE, adapter_config_classes
-    from modules.config.optimizer_configs import OptimizerConfig
-
-    optimizers = {m.model_fields["type"].default: m for m in typing.get_args(typing.get_args(OptimizerConfig)[0])}
-    return {"adapter": (DEFAULT_ADAPTER_TYPE, adapter_config_classes()), "optimizer": ("adamw", optimizers)}
-
-
-def _retyped(below: Any, new_type: Any, default: str, members: dict[str, type]) -> Any:
-    """`below` (a tagged object) when `new_type` is set over it: the keys the new type has."""
-    if not isinstance(below, dict) or new_type == below.get("type", default) or new_type not in members:
-        return below
-    return {k: v for k, v in below.items() if k in members[new_type].model_fields}
-
-
 def merge_layer(base: dict, overlay: dict) -> dict:
-    """deep_merge, a tagged object whose type the overlay changes keeping only what fits the new type."""
-    for key, (default, members) in _tagged_members().items():
+    """deep_merge, a tagged section whose type the overlay changes first retyped (tagged.py)."""
+    for key, union in TAGGED_SECTIONS.items():
         above = overlay.get(key)
         if isinstance(above, dict) and "type" in above and key in base:
-            base = {**base, key: _retyped(base[key], above["type"], default, members)}
+            base = {**base, key: union.retype(base[key], above["type"])}
     return deep_merge(base, overlay)
 
 
@@ -133,9 +116,8 @@ def set_override(data: dict, assignment: str) -> dict:
         raise ConfigError([f"--set {key.strip()}: the value is nested deeper than {MAX_NESTING} levels"])
     steps = parse_dotted(key.strip())
     root = json.loads(json.dumps(data))  # a deep copy of plain JSON
-    tagged = _tagged_members()
-    if len(steps) == 2 and steps[1] == "type" and steps[0] in tagged and steps[0] in root:
-        root[steps[0]] = _retyped(root[steps[0]], value, *tagged[steps[0]])
+    if len(steps) == 2 and steps[1] == "type" and steps[0] in TAGGED_SECTIONS and steps[0] in root:
+        root[steps[0]] = TAGGED_SECTIONS[steps[0]].retype(root[steps[0]], value)
     node: Any = root
     for index, step in enumerate(steps[:-1]):
         following = steps[index + 1]
@@ -165,7 +147,7 @@ def validate_config(data: dict, source: str | None = None) -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error, data, UNION_TAGS), source) from None
+        raise ConfigError(format_validation_error(error), source) from None
 
 
 def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:

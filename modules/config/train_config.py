@@ -11,51 +11,34 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from modules.config.adapter_configs import (  # noqa: F401  (re-exported: the config's names live here)
+    ADAPTERS,
     DEFAULT_ADAPTER_TYPE,
     AdapterConfig,
     AdapterConfigBase,
     AdapterPartConfig,
     default_adapter_config,
-    default_adapter_type,
     valid_regexes,
 )
 from modules.config.distributed_config import DistributedConfig, check_distributed  # noqa: F401  (re-exported)
 from modules.config.embedding_config import EmbeddingConfig, check_embeddings
 from modules.config.errors import located_error
-from modules.config.method_configs import (  # noqa: F401  (re-exported: the config's names live here)
-    AdapterMethodConfig,
-    EmbeddingMethodConfig,
-    FineTuneMethodConfig,
-    MethodConfig,
-    default_method_type,
-)
 from modules.config.limits import (MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
                                     MAX_LEARNING_RATE, MAX_LOSS_WEIGHT, MAX_REPEATS, MAX_RESOLUTION,
                                     MAX_SAMPLES_PER_EPOCH, MAX_SEED, MAX_STEPS, MAX_TAGS, single_message)
-from modules.config.optimizer_configs import (  # noqa: F401  (re-exported: the config's names live here)
-    UNION_TAGS as OPTIMIZER_TAGS,
-    AdafactorConfig,
-    AdamW8bitConfig,
-    AdamWConfig,
-    CAMEConfig,
-    LionConfig,
-    OptimizerConfig,
-    ProdigyConfig,
-    ScheduleFreeAdamWConfig,
-    default_optimizer_type,
-    union_tags,
-)
+from modules.config.method_configs import METHODS, MethodConfigBase
+from modules.config.optimizer_configs import OPTIMIZERS, OptimizerConfigBase
 from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  # noqa: F401  (re-exported)
 from modules.config.strict import StrictModel
 from modules.quantization.weight_modes import is_weight_mode, weight_mode_names
 
 CURRENT_VERSION = 2
 
-# The `type` tags of the config's discriminated unions, so error paths can leave them out (errors.py)
-UNION_TAGS = OPTIMIZER_TAGS | union_tags(MethodConfig) | {DEFAULT_ADAPTER_TYPE}
+# The config's tagged sections (modules/config/tagged.py), by their key: the loader and the GUI
+# retype them when their `type` changes.
+TAGGED_SECTIONS = {union.section: union for union in (METHODS, ADAPTERS, OPTIMIZERS)}
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -377,17 +360,16 @@ class BackupConfig(StrictModel):
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
-    # a union over the registered algorithms (modules/adapters/registry.py), built on first use, so the
-    # algorithms' files (which import this package for their configs) need not be imported before it
-    model_config = ConfigDict(defer_build=True)
-    method: MethodConfig = Field(default_factory=AdapterMethodConfig, description="What the run trains: an "
+    method: Annotated[MethodConfigBase, METHODS] = Field(default_factory=METHODS.default_config, description="What the run trains: an "
                                  "adapter (adapter), the parts' own weights (fine_tune), or only the embeddings "
                                  "(embedding).")
-    adapter: AdapterConfig = Field(default_factory=default_adapter_config)
+    adapter: Annotated[AdapterConfigBase, ADAPTERS] = Field(
+        default_factory=ADAPTERS.default_config, description="The adapter a run with method.type adapter "
+        "trains: its algorithm (type) and that algorithm's options.")
     embeddings: list[EmbeddingConfig] = Field(default_factory=list, description="Textual-inversion embeddings: "
                                               "new tokens for the text encoders, trained alone (method.type "
                                               "embedding) or alongside the adapter or fine-tune, or used frozen.")
-    optimizer: OptimizerConfig = Field(default_factory=AdamWConfig)
+    optimizer: Annotated[OptimizerConfigBase, OPTIMIZERS] = Field(default_factory=OPTIMIZERS.default_config)
     lr_scheduler: LrSchedulerConfig = Field(default_factory=LrSchedulerConfig)
     ema: EmaConfig = Field(default_factory=EmaConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -449,25 +431,8 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _method_fits_config(self) -> "TrainConfig":
-        check = getattr(self.method, "check_config", None)  # a method's own rules about the rest of the config
-        if check is not None:
-            check(self)
+        self.method.check_config(self)  # a method's own rules about the rest of the config
         return self
-
-    @field_validator("optimizer", mode="before")
-    @classmethod
-    def _optimizer_type_default(cls, data: Any) -> Any:
-        return default_optimizer_type(data)
-
-    @field_validator("method", mode="before")
-    @classmethod
-    def _method_type_default(cls, data: Any) -> Any:
-        return default_method_type(data)
-
-    @field_validator("adapter", mode="before")
-    @classmethod
-    def _adapter_type_default(cls, data: Any) -> Any:
-        return default_adapter_type(data)
 
     @field_validator("version")
     @classmethod

@@ -17,10 +17,9 @@ from modules.adapters.formats.files import (
     save_adapter_file,
 )
 from modules.config.train_config import TrainConfig
-from modules.methods.base import TrainingMethod, register_method
+from modules.methods.base import TrainingMethod
 
 
-@register_method
 class AdapterMethod(TrainingMethod):
     name = "adapter"
     state_prefix = ""  # canonical kohya keys, as backups had them before methods existed

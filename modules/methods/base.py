@@ -4,8 +4,8 @@ small interface, so the trainer's loop names no method.
 A method gives the trainer its parameter groups, the weights a backup holds, and its saved files;
 the trainer owns everything else (the model, the data, the optimizer, EMA, the step). A run has one
 main method (`config.method`) and may add companions (e.g. embeddings trained alongside a LoRA);
-`build_methods` makes them all. A new method is one file that subclasses TrainingMethod and calls
-`register_method`, plus its config in modules/config/method_configs.py.
+`build_methods` makes them all. A new method is a TrainingMethod subclass and one file in
+modules/config/methods/ declaring its config, that class and its traits (docs/members.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+from modules.config.method_configs import METHODS
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -115,31 +117,20 @@ class TrainingMethod(ABC):
         return [p for _, p in self.named_parameters()]
 
 
-METHODS: dict[str, type[TrainingMethod]] = {}
-
-
-def register_method(cls: type[TrainingMethod]) -> type[TrainingMethod]:
-    """Class decorator: `config.method.type == cls.name` trains with `cls`."""
-    METHODS[cls.name] = cls
-    return cls
-
-
 def method_class(name: str) -> type[TrainingMethod]:
-    import modules.methods.builtin  # noqa: F401  (registers the built-in methods)
-
-    try:
-        return METHODS[name]
-    except KeyError:
-        raise ValueError(f"method.type: no training method {name!r} (known: {', '.join(sorted(METHODS))})") from None
+    """The TrainingMethod that `method.type: name` trains with (declared in modules/config/methods/)."""
+    return METHODS.member(name).load()
 
 
 def build_methods(trainer: GenericTrainer) -> list[TrainingMethod]:
     """The run's main method (config.method), then its companions: the embeddings, whenever the
-    config has some and the main method is another (they train beside it, or are used frozen)."""
+    config has some and the main method does not train them itself (they train beside it, or are
+    used frozen)."""
     main = trainer.config.method.type
     methods = [method_class(main)(trainer)]
-    if trainer.config.embeddings and main != "embedding":
-        methods.append(method_class("embedding")(trainer))
+    if trainer.config.embeddings and not METHODS.traits(main).trains_embeddings:
+        companion = next(m for m in METHODS.members().values() if m.traits.trains_embeddings)
+        methods.append(companion.load()(trainer))
     return methods
 
 

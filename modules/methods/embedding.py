@@ -19,7 +19,7 @@ from torch import nn
 
 from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
-from modules.methods.base import TrainingMethod, register_method
+from modules.methods.base import TrainingMethod
 from modules.methods.embedding_files import read_embedding_file, write_embedding_file
 from modules.methods.embedding_tokens import (
     AddedTokenRows,
@@ -31,7 +31,6 @@ from modules.methods.embedding_tokens import (
 )
 
 
-@register_method
 class EmbeddingMethod(TrainingMethod):
     name = "embedding"
     state_prefix = "embedding."

@@ -3,7 +3,7 @@ float32 or bfloat16, is the training dtype). Optional, from `method`: a fused ba
 (modules/optim/fused_backward.py) and stochastic rounding of bfloat16 weights
 (modules/optim/rounded_step.py); the output is the whole model, a single file in the original
 layout or a diffusers folder (modules/saving/model_files.py). What is refused is in
-fine_tune_rules.py (checked with the config).
+modules/config/methods/fine_tune.py (checked with the config).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from torch import nn
 
 from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
-from modules.methods.base import TrainingMethod, register_method
+from modules.methods.base import TrainingMethod
 from modules.methods.reachable_weights import reachable_text_weights
 from modules.optim.fused_backward import FusedBackward
 from modules.optim.rounded_step import keep_float32_state, step_bfloat16_stochastically
@@ -32,7 +32,6 @@ def single_file_output(config: TrainConfig) -> bool:
     return save_format == "single_file" or (save_format == "auto" and config.model.family in single_file_families())
 
 
-@register_method
 class FineTuneMethod(TrainingMethod):
     name = "fine_tune"
     state_prefix = "fine_tune."

@@ -8,7 +8,7 @@ parameter alone; its state stays keyed by the parameter as in a whole step. A bf
 stepped through a float32 copy (its optimizer state is then float32 too) and rounded back
 stochastically: only one parameter's float32 copy exists at a time, never the model's, which is
 the point of training in bfloat16. Optimizers whose step reads all parameters together (Prodigy,
-schedule-free) are refused by modules/methods/fine_tune_rules.py.
+schedule-free) are refused by modules/config/methods/fine_tune.py.
 
 A sharded weight (a DTensor, modules/trainer/sharding.py) does not take a float32 `.data`: it is
 stepped as a float32 stand-in Parameter (a copy of this rank's slice) that holds the weight's

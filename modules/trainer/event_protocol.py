@@ -104,7 +104,7 @@ def read_command(line: str) -> tuple[Command | None, str]:
         # here, where the run goes on, not at the next step, where it would end the run
         top = "(top level)"
         fields = "; ".join("prompt" + (line[len(top):] if line.startswith(top) else "." + line)
-                           for line in format_validation_error(error, prompt))
+                           for line in format_validation_error(error))
         return None, f"sample {fields}"
 
 

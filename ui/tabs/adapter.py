@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import customtkinter as ctk
 
-from modules.config.adapter_configs import AdapterConfigBase, AdapterPartConfig, adapter_config_classes
+from modules.config.adapter_configs import ADAPTERS, AdapterConfigBase, AdapterPartConfig, adapter_config_classes
 from ui.components import pack_in_place, section
 from ui.tabs import PartSections, Tab
+from ui.union_section import retyped
 
 LAYERS = ["layer_preset", "layer_filter"]
 SHARED = set(AdapterConfigBase.model_fields)  # every algorithm's: shown once, below its own options
@@ -38,13 +39,11 @@ class AdapterTab(Tab):
         self.cfg.reload_listeners.append(self._algorithm_fields)
 
     def _algorithm_chosen(self, kind) -> bool:
-        """Another algorithm: the options both have are kept, its own start at their defaults."""
+        """Another algorithm: the options both declare alike kept, its own at their defaults."""
         current = self.cfg.data.get("adapter")
         if kind not in self.algorithms or (isinstance(current, dict) and current.get("type") == kind):
             return False
-        config = self.algorithms[kind]
-        kept = {k: v for k, v in (current if isinstance(current, dict) else {}).items() if k in config.model_fields}
-        self.cfg.data["adapter"] = {**config().model_dump(mode="json"), **kept, "type": kind}
+        self.cfg.data["adapter"] = retyped(ADAPTERS, current, kind)
         self.cfg.refresh()  # rebuilds the option fields (reload listener), then validates
         return True
 

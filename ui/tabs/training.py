@@ -9,9 +9,9 @@ from modules.config.train_config import (
     EmaConfig,
     LossConfig,
     LrSchedulerConfig,
-    MethodConfig,
+    METHODS,
+    OPTIMIZERS,
     ModelPartConfig,
-    OptimizerConfig,
     ScheduleConfig,
 )
 from ui.components import section
@@ -26,12 +26,12 @@ class TrainingTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
         section(self, "Method: what trains")
-        self.method = UnionSection(self, "method", MethodConfig, "Method",
+        self.method = UnionSection(self, METHODS, "Method",
                                    "adapter: a LoRA/LoHa/LoKr/OFT on the trained parts (Adapter tab); "
                                    "fine_tune: the trained parts' own weights; embedding: only the embeddings "
                                    "(Embeddings tab); each has its options below.")
         section(self, "Optimizer")
-        self.optimizer = UnionSection(self, "optimizer", OptimizerConfig, "Optimizer",
+        self.optimizer = UnionSection(self, OPTIMIZERS, "Optimizer",
                                       "The optimizer; each has its own parameters below.")
         section(self, "Learning rate schedule")
         self.form(self, LrSchedulerConfig, "lr_scheduler")

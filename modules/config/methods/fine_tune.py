@@ -1,5 +1,6 @@
-"""What a full fine-tune refuses, checked when the config is validated (the GUI shows it at once),
-each refusal naming the field to change.
+"""The fine-tune method: train the trained parts' own weights (modules/methods/fine_tune.py); its
+config, traits, and what it refuses, checked when the config is validated (the GUI shows it at
+once), each refusal naming the field to change:
 
 - A trained part's weights must be dense float32 or bfloat16: quantized storage (float8, int8,
   w8a8, nf4) has no weights an optimizer can step, `auto` may pick such a mode, and float16
@@ -19,17 +20,39 @@ each refusal naming the field to change.
 
 from __future__ import annotations
 
-from modules.config.errors import located_error
+from typing import Literal
 
-# optimizers whose step reads statistics across all parameters of a group at once
-GROUP_STATISTIC_OPTIMIZERS = {
-    "prodigy": "Prodigy estimates its step size d from all parameters together",
-    "schedule_free_adamw": "schedule-free AdamW counts and weights its average once per whole step",
-}
+from pydantic import Field
+
+from modules.config.errors import located_error
+from modules.config.method_configs import MethodConfigBase, register_method_config
+from modules.config.optimizer_configs import OPTIMIZERS
+
+
+class FineTuneMethodConfig(MethodConfigBase):
+    """Train the trained parts' own weights (a full fine-tune); the run saves the whole model."""
+
+    type: Literal["fine_tune"] = "fine_tune"
+    fused_backward: bool = Field(True, description="Step each weight in the backward pass as soon as its "
+                                 "gradient is complete and free that gradient: gradient memory is one layer, "
+                                 "not the model (needs schedule.gradient_accumulation 1).")
+    stochastic_rounding: bool = Field(True, description="bfloat16 weights: round each update stochastically, "
+                                      "so updates smaller than bfloat16's spacing are not lost on average.")
+    save_format: Literal["auto", "single_file", "diffusers"] = Field(
+        "auto", description="What the run saves: single_file (one .safetensors in the original ldm layout "
+        "that ComfyUI, A1111 and diffusers' from_single_file load; sd15, sdxl), diffusers (a pipeline folder "
+        "named like output.path without .safetensors, for from_pretrained), or auto (single_file where the "
+        "family has it, else diffusers).")
+
+    def check_config(self, config) -> None:
+        """Refusals that depend on the rest of the config (quantized trained parts, fused-step limits)."""
+        _check_fine_tune_config(config)
+
+
 TRAINABLE_WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
-def check_fine_tune_config(config) -> None:
+def _check_fine_tune_config(config) -> None:
     method = config.method
     trained = {name: part for name, part in config.model.parts.items() if part.train}
     for name, part in trained.items():
@@ -58,7 +81,7 @@ def check_fine_tune_config(config) -> None:
                                 "float32, or turn method.fused_backward off", "train_dtype")
     if method.stochastic_rounding and any(p.weight_dtype == "bfloat16" for p in trained.values()):
         stepped_alone.append("method.stochastic_rounding with bfloat16 weights")
-    why = GROUP_STATISTIC_OPTIMIZERS.get(config.optimizer.type)
+    why = OPTIMIZERS.traits(config.optimizer.type).needs_whole_step
     if stepped_alone and why:
         raise located_error(f"{why}, so it cannot step one weight at a time as {' and '.join(stepped_alone)} "
                             "do; choose another optimizer or turn those off", "optimizer", "type")
@@ -88,3 +111,6 @@ def _check_frozen_quantized_parts(config, single_file_families: tuple[str, ...])
             raise located_error(f"{name} is kept quantized, so the saved model copies its original weights "
                                 f"from the base, which does not hold them as {layout} (method.save_format); "
                                 "keep it dense or choose the other save_format", "model", "parts", name, "weight_dtype")
+
+
+register_method_config(FineTuneMethodConfig, "modules.methods.fine_tune:FineTuneMethod", trains_model_weights=True)

@@ -1,0 +1,1 @@
+"""The adapter algorithms' configs, one file each; each registers itself in ADAPTERS (adapter_configs.py)."""

@@ -1,0 +1,1 @@
+"""The optimizers' configs, one file each; each registers itself in OPTIMIZERS (optimizer_configs.py)."""
