@@ -127,3 +127,17 @@ def test_resume_refuses_changed_trained_embeddings_before_the_model_loads():
                     [{"placeholder": "<a>", "vectors": 2}, {"placeholder": "<c>"}], []):
         lines = resume_changes(old, config(*changed))
         assert any(line.startswith("embeddings: trained ['<a> x 2'] in the backup") for line in lines), changed
+
+
+def test_a_fine_tune_resume_ignores_the_adapter_settings_it_does_not_use():
+    """issue 31: a fine-tune's `--resume --set adapter.rank=8` was refused over an adapter it never
+    builds; an adapter run still refuses the same change (the backup holds rank-16 tensors)."""
+    from modules.config.loading import build_config
+    from modules.trainer.resume import resume_changes
+
+    fine_tune = [{"method": {"type": "fine_tune"}}]
+    old = json.loads(build_config(fine_tune).model_dump_json())
+    assert resume_changes(old, build_config(fine_tune, ["adapter.rank=8", "adapter.layer_preset=all"])) == []
+    old_adapter = json.loads(build_config([]).model_dump_json())
+    lines = resume_changes(old_adapter, build_config([], ["adapter.rank=8"]))
+    assert any(line.startswith("adapter.rank: 16 in the backup, 8 now") for line in lines), lines

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from modules.config.errors import located_error
+from modules.config.method_configs import METHODS
+from modules.config.optimizer_configs import OPTIMIZERS
 from modules.config.strict import StrictModel
 
 if TYPE_CHECKING:
@@ -37,7 +39,7 @@ def check_distributed(config: TrainConfig) -> None:
     """The first problem with running on several processes, raised as a located error."""
     # a fused backward steps each weight inside the backward pass, before any all-reduce could
     # average its gradient with the other processes'
-    if config.distributed.gpus > 1 and getattr(config.method, "fused_backward", False):
+    if config.distributed.gpus > 1 and config.method.steps_in_backward():
         raise located_error("a fused backward steps each weight before the processes' gradients are "
                             "averaged: set method.fused_backward to false to train on several GPUs",
                             "method", "fused_backward")
@@ -78,36 +80,23 @@ def check_sharding(config: TrainConfig) -> None:
             raise located_error(f"{part} is sharded (distributed.shard_parts), which splits dense weights only; "
                                 f"{mode} layers keep packed data and scales FSDP cannot split: choose float32, "
                                 f"bfloat16 or float16", "model", "parts", part, "weight_dtype")
-        if settings.train and config.method.type == "fine_tune":
+        if settings.train and METHODS.traits(config.method.type).trains_model_weights:
             _check_sharded_fine_tune(config, part)
     if config.compile:
         raise located_error("torch.compile of sharded parts is not supported: set compile to false, or leave "
                             "distributed.shard_parts empty", "compile")
 
 
-# optimizers whose step on DTensor weights (each rank's slice) equals a single process's step
-# (tests/test_sharded_variants.py): elementwise updates, and schedule-free's per-group scalars. The
-# others are refused for sharded trained weights, each for its reason (what torch's DTensor or the
-# package does with a weight split across GPUs)
-SHARDED_OPTIMIZERS = ("adamw", "lion", "schedule_free_adamw")
-UNSHARDABLE_OPTIMIZERS = {
-    "prodigy": "Prodigy's step size d sums products over each whole flattened weight, and a weight split "
-               "unevenly across the GPUs cannot be flattened",
-    "adafactor": "its factored second moment is per whole weight (row and column means), which torch's "
-                 "Adafactor cannot compute on the split weights (an in-place step DTensor refuses)",
-    "came": "its factored moments are per whole weight, and CAME mixes them with plain tensors a split "
-            "weight cannot take",
-    "adamw_8bit": "bitsandbytes' 8-bit kernels step plain tensors only, not weights split across GPUs",
-}
-
-
 def _check_sharded_fine_tune(config: TrainConfig, part: str) -> None:
     """A fine-tune of a sharded part trains DTensor weights (sharding.py)."""
-    if config.optimizer.type not in SHARDED_OPTIMIZERS:
-        why = UNSHARDABLE_OPTIMIZERS.get(config.optimizer.type, "it is not known to step them")
+    # each optimizer declares whether its step on DTensor weights (each rank's slice) equals one
+    # process's step (its `unshardable` trait, with the reason; tests/test_sharded_variants.py)
+    why = OPTIMIZERS.traits(config.optimizer.type).unshardable
+    if why:
+        able = [name for name, member in OPTIMIZERS.members().items() if not member.traits.unshardable]
         raise located_error(f"the fine-tune trains the sharded {part} (distributed.shard_parts), whose weights "
                             f"{config.optimizer.type} cannot step split across GPUs: {why}; choose "
-                            f"{', '.join(SHARDED_OPTIMIZERS)}", "optimizer", "type")
+                            f"{', '.join(able)}", "optimizer", "type")
     if config.train_dtype == "float16":
         raise located_error(f"float16's loss scaler cannot check the sharded {part}'s gradients "
                             f"(distributed.shard_parts): use bfloat16 or float32", "train_dtype")

@@ -50,8 +50,10 @@ class EmbeddingConfig(StrictModel):
         return re.sub(r"[^\w.-]+", "", self.placeholder).strip(".") or "embedding"
 
 
-def check_embeddings(embeddings: list[EmbeddingConfig], method_type: str) -> list[tuple[str, tuple]]:
-    """Problems of the embedding list as a whole: (message, path below the config root)."""
+def check_embeddings(embeddings: list[EmbeddingConfig], method_type: str,
+                     method_trains_them: bool) -> list[tuple[str, tuple]]:
+    """Problems of the embedding list as a whole: (message, path below the config root);
+    `method_trains_them`: the main method trains the embeddings (its trains_embeddings trait)."""
     problems = []
     stems: dict[str, int] = {}
     for index, embedding in enumerate(embeddings):
@@ -68,7 +70,7 @@ def check_embeddings(embeddings: list[EmbeddingConfig], method_type: str) -> lis
             if other.placeholder in embedding.placeholder or embedding.placeholder in other.placeholder:
                 problems.append((f"{embedding.placeholder!r} and {other.placeholder!r}: one contains the other, "
                                  "so captions could not tell them apart", ("embeddings", index, "placeholder")))
-    if method_type == "embedding" and not any(e.train for e in embeddings):
-        problems.append(("method.type is embedding: add an embedding with train on to embeddings "
+    if method_trains_them and not any(e.train for e in embeddings):
+        problems.append((f"method.type is {method_type}: add an embedding with train on to embeddings "
                          "(placeholder, init_text, vectors)", ("embeddings",)))
     return problems

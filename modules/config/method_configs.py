@@ -22,6 +22,11 @@ class MethodConfigBase(StrictModel):
     def check_config(self, config: Any) -> None:
         """Raise a located error where the rest of `config` does not fit this method."""
 
+    def steps_in_backward(self) -> bool:
+        """Whether the optimizer steps each weight inside the backward pass (a fused backward), before
+        several processes' gradients could be averaged."""
+        return False
+
 
 @dataclass(frozen=True)
 class MethodTraits:

@@ -423,7 +423,8 @@ class TrainConfig(StrictModel):
 
     @model_validator(mode="after")
     def _embeddings_fit(self) -> "TrainConfig":
-        problems = check_embeddings(self.embeddings, self.method.type)
+        problems = check_embeddings(self.embeddings, self.method.type,
+                                    METHODS.traits(self.method.type).trains_embeddings)
         if problems:
             text, at = problems[0]
             raise located_error(text, *at)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from modules.config.method_configs import METHODS
+
 HEADROOM = 0.8  # the share of free memory weights may take; the rest is activations and slack
 STEP = 0.05  # fractions are rounded up to this, so small estimate errors do not matter
 
@@ -31,7 +33,7 @@ def trained_bytes_factor(config, part: str) -> float:
     The state is measured from one step of the configured optimizer (a bfloat16 weight stepped with
     stochastic rounding has float32 state, as measured)."""
     part_config = config.model.parts[part]
-    if config.method.type != "fine_tune" or not part_config.train:
+    if not METHODS.traits(config.method.type).trains_model_weights or not part_config.train:
         return 1.0
     from modules.trainer.backup_size import optimizer_state_bytes_per_parameter
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from modules.config.errors import ConfigError
+from modules.config.method_configs import METHODS
 from modules.config.train_config import TrainConfig
 from modules.errors import UserError
 
@@ -212,7 +213,7 @@ def _init_from_problems(config: TrainConfig) -> list[str]:
     suffix is told here, before that."""
     from modules.adapters.formats.files import AdapterFileError, check_adapter_file
 
-    if not config.adapter.init_from or config.method.type != "adapter":
+    if not config.adapter.init_from or not METHODS.traits(config.method.type).uses_adapter:
         return []
     try:
         check_adapter_file(config.adapter.init_from)

@@ -16,6 +16,7 @@ import torch
 
 from modules.config.adapter_configs import DEFAULT_ADAPTER_TYPE, AdapterConfigBase, resolve_dora_axis
 from modules.config.errors import ConfigError
+from modules.config.method_configs import METHODS
 from modules.config.migrations import migrate
 from modules.config.train_config import TrainConfig
 from modules.trainer.guards import TrainingError
@@ -125,6 +126,8 @@ def resume_changes(backup_config: dict, config: TrainConfig) -> list[str]:
     if old_embeddings != new_embeddings:  # the backup holds these vectors, one tensor per placeholder
         changes.append(f"embeddings: trained {old_embeddings} in the backup, {new_embeddings} now")
 
+    if not METHODS.traits(config.method.type).uses_adapter:
+        return changes  # the adapter settings are not read: a change of them changes nothing trained
     for field in _adapter_fields(config):
         compare(("adapter", field))
     if getattr(config.adapter, "dora", False):

@@ -44,6 +44,9 @@ class FineTuneMethodConfig(MethodConfigBase):
         "named like output.path without .safetensors, for from_pretrained), or auto (single_file where the "
         "family has it, else diffusers).")
 
+    def steps_in_backward(self) -> bool:
+        return self.fused_backward
+
     def check_config(self, config) -> None:
         """Refusals that depend on the rest of the config (quantized trained parts, fused-step limits)."""
         _check_fine_tune_config(config)
