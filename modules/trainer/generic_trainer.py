@@ -185,7 +185,7 @@ class GenericTrainer:
     @property
     def adapters(self):
         """The adapter method's AdapterSet (None in a run that trains no adapter)."""
-        return next((m.adapters for m in self.methods if m.name == "adapter"), None)
+        return next((m.adapters for m in self.methods if hasattr(m, "adapters")), None)
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for method in self.methods for p in method.parameters()]
