@@ -360,9 +360,9 @@ class BackupConfig(StrictModel):
 class TrainConfig(StrictModel):
     version: int = CURRENT_VERSION
     model: ModelConfig = Field(default_factory=ModelConfig)
-    method: Annotated[MethodConfigBase, METHODS] = Field(default_factory=METHODS.default_config, description="What the run trains: an "
-                                 "adapter (adapter), the parts' own weights (fine_tune), or only the embeddings "
-                                 "(embedding).")
+    method: Annotated[MethodConfigBase, METHODS] = Field(
+        default_factory=METHODS.default_config, description="What the run trains: an adapter (adapter), the "
+        "parts' own weights (fine_tune), or only the embeddings (embedding).")
     adapter: Annotated[AdapterConfigBase, ADAPTERS] = Field(
         default_factory=ADAPTERS.default_config, description="The adapter a run with method.type adapter "
         "trains: its algorithm (type) and that algorithm's options.")

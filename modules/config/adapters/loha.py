@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from modules.config.adapter_configs import LowRankOptions, AdapterConfigBase, register_adapter_config
+from modules.config.adapter_configs import AdapterConfigBase, LowRankOptions, register_adapter_config
 
 
 class LoHaConfig(LowRankOptions, AdapterConfigBase):

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from modules.config.adapter_configs import DecompositionOptions, LowRankOptions, AdapterConfigBase, register_adapter_config
+from modules.config.adapter_configs import (AdapterConfigBase, DecompositionOptions, LowRankOptions,
+                                           register_adapter_config)
 from modules.config.limits import MAX_RANK
 
 

@@ -116,4 +116,5 @@ def _check_frozen_quantized_parts(config, single_file_families: tuple[str, ...])
                                 "keep it dense or choose the other save_format", "model", "parts", name, "weight_dtype")
 
 
-register_method_config(FineTuneMethodConfig, "modules.methods.fine_tune:FineTuneMethod", trains_model_weights=True)
+register_method_config(FineTuneMethodConfig, "modules.methods.fine_tune:FineTuneMethod",
+                       trains_model_weights=True)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from modules.config.limits import MAX_LEARNING_RATE, MAX_WEIGHT_DECAY
-from modules.config.optimizer_configs import OptimizerConfigBase, Epsilon, register_optimizer_config
+from modules.config.optimizer_configs import Epsilon, OptimizerConfigBase, register_optimizer_config
 
 
 class AdafactorConfig(OptimizerConfigBase):
@@ -24,4 +24,6 @@ class AdafactorConfig(OptimizerConfigBase):
 
 
 register_optimizer_config(AdafactorConfig, "modules.optim.optimizers:build_adafactor",
-                          unshardable=("its factored second moment is per whole weight (row and column means), which torch's Adafactor cannot compute on the split weights (an in-place step DTensor refuses)"))
+                          unshardable=("its factored second moment is per whole weight (row and column means), "
+                                       "which torch's Adafactor cannot compute on the split weights (an in-place "
+                                       "step DTensor refuses)"))

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from modules.config.limits import MAX_EPSILON, MAX_LEARNING_RATE, MAX_WEIGHT_DECAY
-from modules.config.optimizer_configs import OptimizerConfigBase, Betas, register_optimizer_config
+from modules.config.optimizer_configs import Betas, OptimizerConfigBase, register_optimizer_config
 
 
 class AdamWConfig(OptimizerConfigBase):

@@ -18,4 +18,5 @@ class AdamW8bitConfig(AdamWConfig):
 
 
 register_optimizer_config(AdamW8bitConfig, "modules.optim.optimizers:build_adamw_8bit",
-                          unshardable=("bitsandbytes' 8-bit kernels step plain tensors only, not weights split across GPUs"))
+                          unshardable=("bitsandbytes' 8-bit kernels step plain tensors only, not weights split "
+                                       "across GPUs"))

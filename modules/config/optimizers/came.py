@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from modules.config.limits import MAX_LEARNING_RATE, MAX_WEIGHT_DECAY
-from modules.config.optimizer_configs import OptimizerConfigBase, Beta, Epsilon, register_optimizer_config
+from modules.config.optimizer_configs import Beta, Epsilon, OptimizerConfigBase, register_optimizer_config
 
 
 class CAMEConfig(OptimizerConfigBase):
@@ -23,4 +23,5 @@ class CAMEConfig(OptimizerConfigBase):
 
 
 register_optimizer_config(CAMEConfig, "modules.optim.optimizers:build_came",
-                          unshardable=('its factored moments are per whole weight, and CAME mixes them with plain tensors a split weight cannot take'))
+                          unshardable=("its factored moments are per whole weight, and CAME mixes them with plain "
+                                       "tensors a split weight cannot take"))

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from modules.config.limits import MAX_EPSILON, MAX_LEARNING_RATE, MAX_WEIGHT_DECAY
-from modules.config.optimizer_configs import OptimizerConfigBase, Betas, register_optimizer_config
+from modules.config.optimizer_configs import Betas, OptimizerConfigBase, register_optimizer_config
 
 
 class ProdigyConfig(OptimizerConfigBase):
@@ -29,5 +29,6 @@ class ProdigyConfig(OptimizerConfigBase):
 
 
 register_optimizer_config(ProdigyConfig, "modules.optim.optimizers:build_prodigy",
-                          unshardable=("Prodigy's step size d sums products over each whole flattened weight, and a weight split unevenly across the GPUs cannot be flattened"),
-                          needs_whole_step=('Prodigy estimates its step size d from all parameters together'))
+                          unshardable=("Prodigy's step size d sums products over each whole flattened weight, and a"
+                                       " weight split unevenly across the GPUs cannot be flattened"),
+                          needs_whole_step=("Prodigy estimates its step size d from all parameters together"))

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from modules.config.limits import MAX_EPSILON, MAX_LEARNING_RATE, MAX_STEPS, MAX_WEIGHT_DECAY
-from modules.config.optimizer_configs import OptimizerConfigBase, Betas, register_optimizer_config
+from modules.config.optimizer_configs import Betas, OptimizerConfigBase, register_optimizer_config
 
 
 class ScheduleFreeAdamWConfig(OptimizerConfigBase):
@@ -24,4 +24,4 @@ class ScheduleFreeAdamWConfig(OptimizerConfigBase):
 
 
 register_optimizer_config(ScheduleFreeAdamWConfig, "modules.optim.optimizers:build_schedule_free_adamw",
-                          needs_whole_step=('schedule-free AdamW counts and weights its average once per whole step'))
+                          needs_whole_step=("schedule-free AdamW counts and weights its average once per whole step"))
