@@ -187,7 +187,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """A sample prompt with each multi-vector embedding placeholder written out as its tokens,
         for the families whose pipeline does not do it (TextualInversionLoaderMixin's
         maybe_convert_prompt, which SD1.5's, SDXL's and FLUX.1's pipelines run, would do it twice)."""
-        from modules.methods.embedding_tokens import write_out_added_tokens
+        from modules.model.components.embedding_tokens import write_out_added_tokens
 
         if not text or not self.embedding_slots:
             return text
