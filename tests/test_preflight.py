@@ -184,7 +184,7 @@ def test_the_estimated_adapter_is_the_one_training_builds(tmp_path, tiny_model, 
     """The disk estimate counts the adapter tensors a backup holds: equal to the real adapter set's."""
     from modules.adapters.adapter_set import build_adapter_set
     from modules.model.sd15 import SD15Family
-    from modules.trainer.backup_size import adapter_size
+    from modules.adapters.adapter_size import adapter_size
 
     loaded = None
     for adapter in ({"type": "lora"}, {"type": "lora", "dora": True, "layer_preset": "all"}, {"type": "loha"},

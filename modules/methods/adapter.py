@@ -58,7 +58,7 @@ class AdapterMethod(TrainingMethod):
 
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
-        from modules.trainer.backup_size import adapter_size
+        from modules.adapters.adapter_size import adapter_size
 
         return adapter_size(config, family)
 
