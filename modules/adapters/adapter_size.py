@@ -4,24 +4,23 @@ disk estimate, modules/trainer/backup_size.py).
 The trained parts' weight shapes come from their checkpoint headers (no weight is read). The
 layers the config's layer preset or filter selects get one real adapter each of the configured
 type, rank and dtype, built once per distinct shape on an uninitialised base layer; its tensors
-are what a backup and a saved file hold. A single file in the original layout names its layers
-otherwise than the presets expect: there every Linear-shaped weight of the part counts (an
-overestimate of about a third for attention+MLP presets).
+are what a backup and a saved file hold. Which layers: the rule training builds them by
+(layer_selection.py), applied to the checkpoint's names and shapes. A single file in the
+original layout names its layers otherwise than the presets expect: there every Linear-shaped
+weight of the part counts (an overestimate of about a third for attention+MLP presets).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from modules.adapters.layer_selection import layer_patterns, select_layers, trained_parts, weight_kind
 from modules.config.train_config import TrainConfig
 from modules.util.torch_utils import dtype_of
 
-# 2-D weights that are embedding tables, not Linear layers (CLIP, T5, Qwen names)
-_EMBEDDING = re.compile(r"(token_embedding|position_embedding|embed_tokens|relative_attention_bias|^shared)$")
 _SCALES = (".scale_weight", ".scale_input")
 
 
@@ -32,31 +31,22 @@ class AdapterSize:
     nbytes: int  # bytes of the saved tensors in adapter.dtype
 
 
-def trained_parts(config: TrainConfig, family) -> list[str]:
-    return [name for name, part in config.model.parts.items() if part.train and family.spec(name).adapter_prefix]
-
-
 def adapter_size(config: TrainConfig, family) -> AdapterSize | None:
     """The adapter this config trains, measured as described above; None where a part's weights are
     a pickled .bin file (no header to read shapes from)."""
-    adapter = config.adapter
-    if adapter.layer_filter:
-        patterns, with_conv = [re.compile(p) for p in adapter.layer_filter], True
-    else:
-        regexes, with_conv = family.layer_presets[adapter.layer_preset]
-        patterns = [re.compile(p) for p in regexes]
     measured: dict[tuple[str, tuple[int, ...]], AdapterSize] = {}
     parameters = elements = nbytes = 0
     for part in trained_parts(config, family):
         shapes = _weight_shapes(family, part)
         if shapes is None:
             return None
-        layers = {name: shape for name, shape in shapes.items()
-                  if (len(shape) == 2 and not _EMBEDDING.search(name)) or (with_conv and len(shape) == 4)}
-        chosen = [shape for name, shape in layers.items() if any(p.search(f"{part}.{name}") for p in patterns)]
+        kinds = {name: weight_kind(name, shape) for name, shape in shapes.items()}
+        selection = select_layers(family, part, kinds, config.adapter)
+        chosen = selection.chosen
         if not chosen and family.from_single_file(part):
-            chosen = list(layers.values())
-        for shape in chosen:
+            _, with_conv = layer_patterns(family, config.adapter)
+            chosen = [name for name, kind in kinds.items() if kind == "linear" or (with_conv and kind == "conv")]
+        for shape in (shapes[name] for name in chosen):
             key = (part, shape)
             if key not in measured:
                 measured[key] = _one_adapter(config, part, shape)
