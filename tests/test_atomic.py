@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from modules.saving.atomic import write_text, write_with
+from modules.util.atomic import write_text, write_with
 
 
 def test_failed_write_keeps_the_old_file(tmp_path):

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from modules.config.errors import ConfigError
 from modules.methods.embedding import EmbeddingMethod
-from modules.methods.embedding_tokens import token_embedding
+from modules.model.components.embedding_tokens import token_embedding
 from modules.model.registry import get_family_class
 from modules.trainer.generic_trainer import GenericTrainer
 
@@ -149,7 +149,7 @@ def test_a_single_encoder_embedding_from_a_file_works_in_captions_and_sample_pro
     the sample prompt is written out as training writes captions out (Chroma's sampling encodes
     through the family, ZImagePipeline does not write placeholders out)."""
     from modules.methods.embedding_files import write_embedding_file
-    from modules.methods.embedding_tokens import init_vectors, token_embedding
+    from modules.model.components.embedding_tokens import init_vectors, token_embedding
     from modules.model.registry import get_family_class
 
     model = tiny_family_model(family_name)

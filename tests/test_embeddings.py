@@ -176,7 +176,7 @@ def test_bad_embeddings_are_refused_naming_the_field(tmp_path, tiny_model, shape
 def test_a_placeholder_the_tokenizer_knows_or_a_long_init_text_is_refused(tmp_path):
     from transformers import CLIPTokenizer
 
-    from modules.methods.embedding_tokens import add_tokens, init_vectors
+    from modules.model.components.embedding_tokens import add_tokens, init_vectors
     from modules.model.tiny.clip_tokenizer import write_char_clip_tokenizer
 
     write_char_clip_tokenizer(tmp_path)

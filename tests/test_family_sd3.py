@@ -274,7 +274,7 @@ def test_an_embedding_trains_in_both_clips_beside_a_lora(tmp_path, tiny_sd3, sha
     clip_g, t5xxl)."""
     from safetensors.torch import load_file
 
-    from modules.methods.embedding_tokens import init_vectors, token_embedding
+    from modules.model.components.embedding_tokens import init_vectors, token_embedding
 
     placeholder = "<shape>"
     config = train_config(tiny_sd3, shape_images, tmp_path, {

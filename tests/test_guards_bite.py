@@ -18,6 +18,7 @@ from conftest import train_config
 from torch import nn
 
 import modules.methods.adapter as adapter_method
+from modules.adapters.layer_selection import module_kinds, select_layers
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
 from modules.model.registry import family_names, get_family_class
@@ -126,8 +127,9 @@ def test_adapters_are_built_after_the_parts_reach_the_train_device(fake_device, 
 
     def recording_build(family, adapter, trained_parts, device, *args, **kwargs):
         for part in trained_parts:
-            for name, module in family.adapter_targets(part, adapter.layer_filter, adapter.layer_preset):
-                seen[f"{part}.{name}"] = module.weight.device.type
+            modules = dict(family.parts[part].named_modules())
+            for name in select_layers(family, part, module_kinds(family.parts[part]), adapter).chosen:
+                seen[f"{part}.{name}"] = modules[name].weight.device.type
         return real_build(family, adapter, trained_parts, device, *args, **kwargs)
 
     monkeypatch.setattr(adapter_method, "build_adapter_set", recording_build)

@@ -127,7 +127,7 @@ _SAVER = textwrap.dedent("""
     import sys, time
     import torch
     from safetensors.torch import save
-    from modules.saving.atomic import write_with
+    from modules.util.atomic import write_with
 
     target, phase = sys.argv[1], sys.argv[2]
     data = save({"lora_unet_x.lora_down.weight": torch.full((512, 512), 2.0)})

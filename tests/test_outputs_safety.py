@@ -19,7 +19,7 @@ import torch
 from conftest import ROOT, train_config
 
 from modules.cli.train_command import run_training
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 from modules.saving.workspace_lock import LOCK_NAME, WorkspaceBusyError, WorkspaceLock
 from modules.trainer.callbacks import TrainCallbacks
 
@@ -225,7 +225,7 @@ def test_safetensors_writes_have_the_umask_s_permissions_too(tmp_path):
     # safetensors' save_file replaces the temp file it is given with a 0o600 file of its own
     from safetensors.torch import save_file
 
-    from modules.saving.atomic import write_with
+    from modules.util.atomic import write_with
 
     old = os.umask(0o022)
     try:

@@ -184,7 +184,7 @@ def test_the_estimated_adapter_is_the_one_training_builds(tmp_path, tiny_model, 
     """The disk estimate counts the adapter tensors a backup holds: equal to the real adapter set's."""
     from modules.adapters.adapter_set import build_adapter_set
     from modules.model.sd15 import SD15Family
-    from modules.trainer.backup_size import adapter_size
+    from modules.adapters.adapter_size import adapter_size
 
     loaded = None
     for adapter in ({"type": "lora"}, {"type": "lora", "dora": True, "layer_preset": "all"}, {"type": "loha"},
@@ -202,6 +202,29 @@ def test_the_estimated_adapter_is_the_one_training_builds(tmp_path, tiny_model, 
         real.unhook()
         assert estimate.parameters == sum(p.numel() for p in real.parameters()), adapter
         assert estimate.nbytes == sum(t.numel() * t.element_size() for t in real.state_dict().values()), adapter
+
+
+def test_the_estimate_leaves_out_the_layers_whose_output_never_reaches_the_loss(tmp_path, tiny_family_model,
+                                                                              shape_images):
+    """SDXL reads CLIP-L at its penultimate block: training gives its last block no adapters, and
+    the estimate, made from the checkpoint's names before the model loads, does not count them."""
+    from modules.adapters.adapter_set import build_adapter_set
+    from modules.adapters.adapter_size import adapter_size
+    from modules.model.sdxl import SDXLFamily
+
+    config = train_config(tiny_family_model("sdxl"), shape_images, tmp_path, {"model": {
+        "family": "sdxl", "parts": {"text_encoder": {"train": True}, "unet": {"train": False}}}})
+    family = SDXLFamily(config)
+    estimate = adapter_size(config, family)
+    family.weight_modes = {part: "float32" for part in config.model.parts}
+    family.load()
+    real = build_adapter_set(family, config.adapter, ["text_encoder"], torch.device("cpu"))
+    real.unhook()
+    (last,) = family.unreachable_prefixes("text_encoder")  # found from the module names
+    assert dict(family.parts["text_encoder"].named_modules())[last[:-1]] is family.checkpoint_blocks("text_encoder")[-1]
+    assert real.left_out and all(name.startswith(f"text_encoder.{last}") for name in real.left_out)
+    assert estimate.parameters == sum(p.numel() for p in real.parameters())
+    assert estimate.nbytes == sum(t.numel() * t.element_size() for t in real.state_dict().values())
 
 
 def test_a_workspace_without_room_for_the_backups(tmp_path, tiny_model, shape_images):

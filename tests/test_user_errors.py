@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from modules.config.errors import ConfigError
 from modules.config.presets import check_preset_name
 from modules.errors import DiskFullError
-from modules.saving.atomic import write_with
+from modules.util.atomic import write_with
 from modules.saving.backup import BackupError, read_backup, write_backup
 
 LONG_NAME = "a" * 300

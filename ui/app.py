@@ -48,7 +48,8 @@ METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  #
 
 
 def training_methods() -> dict[str, tuple[str, bool]]:
-    """Menu entry -> (adapter.type, adapter.dora): each registered algorithm, and DoRA after LoRA."""
+    """Menu entry -> (adapter.type, adapter.dora): each registered algorithm, and DoRA after LoRA.
+    Asked when the window is built, not at import (the algorithms' registry imports torch)."""
     from modules.config.adapter_configs import adapter_config_classes
 
     methods = {}
@@ -57,9 +58,6 @@ def training_methods() -> dict[str, tuple[str, bool]]:
         if kind == "lora":
             methods["DoRA"] = ("lora", True)
     return methods
-
-
-METHODS = training_methods()
 
 
 def fetch_machine_info() -> dict:
@@ -130,7 +128,8 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
                                              width=180)
         self.family_menu.pack(side="left", padx=4)
         ctk.CTkLabel(bar, text="Training method").pack(side="left", padx=(16, 4))
-        self.method_menu = ctk.CTkOptionMenu(bar, values=list(METHODS), command=self._method_chosen, width=110)
+        self.method_menu = ctk.CTkOptionMenu(bar, values=list(training_methods()), command=self._method_chosen,
+                                             width=110)
         self.method_menu.pack(side="left", padx=4)
 
     def _run_bar(self) -> None:
@@ -194,7 +193,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         return None, None
 
     def _method_chosen(self, method: str) -> None:
-        kind, dora = METHODS[method]
+        kind, dora = training_methods()[method]
         self.cfg.set("adapter.type", kind)  # the Adapter tab's hook keeps the options both algorithms have
         if "dora" in (self.cfg.data.get("adapter") or {}):
             self.cfg.set("adapter.dora", dora)
@@ -208,7 +207,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
                 self.family_menu.set(label)
         adapter = data.get("adapter", {})
         shown = (adapter.get("type"), bool(adapter.get("dora")) and adapter.get("type") == "lora")
-        method = next((name for name, value in METHODS.items() if value == shown), None)
+        method = next((name for name, value in training_methods().items() if value == shown), None)
         if method and self.method_menu.get() != method:
             self.method_menu.set(method)
         problems = self.cfg.problems

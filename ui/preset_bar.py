@@ -15,7 +15,7 @@ import customtkinter as ctk
 from modules.config.errors import ConfigError
 from modules.config.loading import build_config, read_json_file
 from modules.config.presets import list_presets, load_preset_overlay, save_preset
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 from ui.state import default_data
 
 

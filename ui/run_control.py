@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from modules.config.presets import user_dir
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 from ui.run_client import ROOT, RunClient
 from ui.run_history import history, run_dirs, sample_info
 

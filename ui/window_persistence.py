@@ -11,7 +11,7 @@ from tkinter import messagebox
 import customtkinter as ctk
 
 from modules.config.presets import user_dir
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 
 
 def gui_dir() -> Path:

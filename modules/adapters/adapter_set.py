@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from modules.errors import UserError
 
-import re
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from modules.adapters.base import AdapterModule, InertAdapter
+from modules.adapters.layer_selection import module_kinds, select_layers
 from modules.adapters.registry import create_adapter
 from modules.util.torch_utils import dtype_of
 
@@ -109,14 +109,14 @@ def build_adapter_set(family: ModelFamily, adapter: AdapterConfig, trained_parts
     matched_filters: set[int] = set()
     dtype = dtype_of(adapter.dtype)
     for part in trained_parts:
-        unreachable = family.unreachable_prefixes(part)
-        for module_name, module in family.adapter_targets(part, adapter.layer_filter, adapter.layer_preset):
-            qualified = f"{part}.{module_name}"
-            matched_filters.update(i for i, p in enumerate(adapter.layer_filter) if re.search(p, qualified))
-            if module_name.startswith(unreachable):  # an adapter there would never learn
-                adapters.left_out[qualified] = (f"their output never reaches the loss ({family.label} reads the "
-                                                "layer before)")
-                continue
+        modules = dict(family.parts[part].named_modules())
+        selection = select_layers(family, part, module_kinds(family.parts[part]), adapter)
+        matched_filters |= selection.matched_filters
+        for module_name in selection.unreachable:  # an adapter there would never learn
+            adapters.left_out[f"{part}.{module_name}"] = (f"their output never reaches the loss ({family.label} "
+                                                          "reads the layer before)")
+        for module_name in selection.chosen:
+            module, qualified = modules[module_name], f"{part}.{module_name}"
             name = family.adapter_name(part, module_name)
             try:
                 created = create_adapter(adapter, part, name, module, device, dtype, output_format)

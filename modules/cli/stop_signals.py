@@ -10,7 +10,7 @@ signals are also seen at once on a watcher thread, through the wakeup file descr
 handler writes each signal number to: it makes the first one's stop request and message prompt,
 and when the process still runs QUIT_GRACE_S after the second, it runs TrainCommands' quit hooks
 (the error event, the workspace lock) and ends the process with os._exit. Files stay whole either
-way: every file is written under a temporary name and renamed (modules/saving/atomic.py).
+way: every file is written under a temporary name and renamed (modules/util/atomic.py).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from pathlib import Path
 from modules.config.errors import ConfigError
 from modules.config.loading import config_overlay, read_json_file
 from modules.config.train_config import TrainConfig
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 
 BUILTIN_PRESETS_DIR = Path(__file__).resolve().parents[2] / "resources" / "presets"
 

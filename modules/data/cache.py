@@ -17,7 +17,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from modules.errors import UserError
-from modules.saving.atomic import write_errors
+from modules.util.atomic import write_errors
 
 CACHE_FORMAT = "1"  # bump when what is cached or how it is computed changes
 

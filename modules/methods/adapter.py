@@ -16,6 +16,7 @@ from modules.adapters.formats.files import (
     network_metadata,
     save_adapter_file,
 )
+from modules.adapters.layer_selection import trained_parts
 from modules.config.train_config import TrainConfig
 from modules.methods.base import TrainingMethod
 
@@ -27,9 +28,7 @@ class AdapterMethod(TrainingMethod):
     adapters: AdapterSet | None = None
 
     def trained_parts(self) -> list[str]:
-        # a part without an adapter prefix (e.g. the VAE) carries no adapters
-        return [name for name, part in self.config.model.parts.items()
-                if part.train and self.family.spec(name).adapter_prefix]
+        return trained_parts(self.config, self.family)
 
     def setup(self) -> None:
         config, callbacks = self.config, self.trainer.callbacks
@@ -57,7 +56,7 @@ class AdapterMethod(TrainingMethod):
 
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
-        from modules.trainer.backup_size import adapter_size
+        from modules.adapters.adapter_size import adapter_size
 
         return adapter_size(config, family)
 

@@ -110,7 +110,7 @@ class TrainingMethod(ABC):
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
         """What a backup and a saved file of this method hold, before the model loads (an
-        modules.trainer.backup_size.AdapterSize), for the preflight's disk estimate; None: not sized."""
+        modules.adapters.adapter_size.AdapterSize), for the preflight's disk estimate; None: not sized."""
         return None
 
     def parameters(self) -> list[nn.Parameter]:

@@ -21,7 +21,7 @@ from modules.config.errors import ConfigError
 from modules.config.train_config import TrainConfig
 from modules.methods.base import TrainingMethod
 from modules.methods.embedding_files import read_embedding_file, write_embedding_file
-from modules.methods.embedding_tokens import (
+from modules.model.components.embedding_tokens import (
     AddedTokenRows,
     add_tokens,
     expand_placeholders,

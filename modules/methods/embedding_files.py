@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from modules.saving.atomic import write_with
+from modules.util.atomic import write_with
 
 
 def embedding_problems(embeddings, captions: list[str]) -> list[str]:

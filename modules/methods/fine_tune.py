@@ -141,6 +141,6 @@ class FineTuneMethod(TrainingMethod):
 
     @classmethod
     def planned_size(cls, config: TrainConfig, family):
-        from modules.trainer.fine_tune_size import fine_tune_size
+        from modules.methods.fine_tune_size import fine_tune_size
 
         return fine_tune_size(config, family, single_file_output(config))

@@ -16,7 +16,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Collection
 
 import torch
 from torch import nn
@@ -24,7 +24,6 @@ from torch import nn
 from modules.model.adapter_keys import AdapterKeyNames
 from modules.model.noise import draw_noise, draw_unit_times
 from modules.model.part_loading import PartLoading
-from modules.quantization.base import is_linear
 from modules.quantization.replace import QuantizationReport
 
 if TYPE_CHECKING:
@@ -56,9 +55,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
-    # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]):
-    # the last block of checkpoint_blocks(part) never reaches the loss, so it gets no adapters
-    penultimate_parts: ClassVar[tuple[str, ...]] = ()
+    # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
+    # with the module name of their block list (its tail: see numbered_blocks): the last block
+    # never reaches the loss, so it gets no adapters (unreachable_prefixes)
+    penultimate_blocks: ClassVar[dict[str, str]] = {}
     # per part: regexes (searched in the module name) of Linear layers that stay dense when the
     # part is quantized, beyond the model class's own lists and the defaults (skip_rules.py)
     quantize_skip_patterns: ClassVar[dict[str, tuple[str, ...]]] = {}
@@ -187,7 +187,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """A sample prompt with each multi-vector embedding placeholder written out as its tokens,
         for the families whose pipeline does not do it (TextualInversionLoaderMixin's
         maybe_convert_prompt, which SD1.5's, SDXL's and FLUX.1's pipelines run, would do it twice)."""
-        from modules.methods.embedding_tokens import write_out_added_tokens
+        from modules.model.components.embedding_tokens import write_out_added_tokens
 
         if not text or not self.embedding_slots:
             return text
@@ -211,28 +211,25 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
 
     # --- adapters ----------------------------------------------------------------------------
 
-    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+    def unreachable_prefixes(self, part: str, names: Collection[str] | None = None) -> tuple[str, ...]:
         """Module-name prefixes inside `part` whose output never reaches the loss (adapters there
-        would get no gradient): the last block of a part read at its penultimate block."""
-        if part not in self.penultimate_parts:
+        would get no gradient): the last block of a part read at its penultimate block. Found from
+        the part's module names: the loaded part's, or `names` (a checkpoint's, before loading)."""
+        if part not in self.penultimate_blocks:
             return ()
-        last = self.checkpoint_blocks(part)[-1]
-        return tuple(f"{name}." for name, module in self.parts[part].named_modules() if module is last)
+        blocks, count = numbered_blocks(self._module_names(part, names), self.penultimate_blocks[part])
+        return (f"{blocks}.{count - 1}.",) if count else ()
 
-    def adapter_targets(self, part: str, layer_filter: list[str], layer_preset: str) -> list[tuple[str, nn.Module]]:
-        """(module name, module) of `part` chosen by the filter (or the preset when no filter)."""
-        if layer_filter:
-            patterns, with_conv = [re.compile(p) for p in layer_filter], True
-        else:
-            regexes, with_conv = self.layer_presets[layer_preset]
-            patterns = [re.compile(p) for p in regexes]
-        chosen = []
-        for name, module in self.parts[part].named_modules():
-            # a quantized Linear is a Linear to an adapter: it reads the base through the layer's forward
-            is_conv = isinstance(module, nn.Conv2d) and module.groups == 1
-            if not (is_linear(module) or (with_conv and is_conv)):
-                continue
-            qualified = f"{part}.{name}"
-            if any(p.search(qualified) for p in patterns):
-                chosen.append((name, module))
-        return chosen
+    def _module_names(self, part: str, names: Collection[str] | None) -> Collection[str]:
+        return names if names is not None else [name for name, _ in self.parts[part].named_modules()]
+
+
+def numbered_blocks(names: Collection[str], blocks: str) -> tuple[str, int]:
+    """The block list `blocks` among module names (`blocks.0.`, `blocks.1.`, ...; under any outer
+    module, as checkpoints of one class may name it with or without its wrapper, e.g. CLIP's
+    `text_model.`): its full name and its block count; ("", 0) where there is none."""
+    pattern = re.compile(rf"^((?:.*\.)?{re.escape(blocks)})\.(\d+)(?:\.|$)")
+    counts: dict[str, int] = {}
+    for match in filter(None, map(pattern.match, names)):
+        counts[match.group(1)] = max(counts.get(match.group(1), 0), int(match.group(2)) + 1)
+    return max(counts.items(), key=lambda item: item[1], default=("", 0))

@@ -36,12 +36,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from typing import Collection
 
 import torch
 
 from modules.loading.diffusers_folder import ModelLoadError
 from modules.model import flux
-from modules.model.base import ModelFamily, PartSpec
+from modules.model.base import ModelFamily, PartSpec, numbered_blocks
 from modules.model.components import mistral3_text
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
@@ -231,11 +232,12 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
             return list(self.parts[part].layers)
         return []
 
-    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+    def unreachable_prefixes(self, part: str, names: Collection[str] | None = None) -> tuple[str, ...]:
         # hidden_states[k] is what layer k-1 outputs: layers from max(out layers) on are never read
         if part != "text_encoder":
             return ()
-        return tuple(f"layers.{i}." for i in range(max(self.out_layers), len(self.parts[part].layers)))
+        blocks, count = numbered_blocks(self._module_names(part, names), "layers")
+        return tuple(f"{blocks}.{i}." for i in range(max(self.out_layers), count))
 
     # --- data --------------------------------------------------------------------------------
 

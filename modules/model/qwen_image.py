@@ -29,10 +29,12 @@ modules/model/keys/qwen_image.py.
 
 from __future__ import annotations
 
+from typing import Collection
+
 import torch
 
 from modules.loading.diffusers_folder import ModelLoadError
-from modules.model.base import ModelFamily, PartSpec
+from modules.model.base import ModelFamily, PartSpec, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.flux import pack_latents, unpack_latents
 from modules.model.keys.qwen_image import QWEN_IMAGE_KEYS
@@ -157,12 +159,15 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
             return list(self.parts[part].layers)
         return []
 
-    def unreachable_prefixes(self, part: str) -> tuple[str, ...]:
+    def unreachable_prefixes(self, part: str, names: Collection[str] | None = None) -> tuple[str, ...]:
         # the last block's text stream feeds nothing after it (only the image tokens reach proj_out):
         # its text queries, text attention output and text MLP never reach the loss
         if part != "transformer":
-            return super().unreachable_prefixes(part)
-        last = f"transformer_blocks.{len(self.transformer.transformer_blocks) - 1}."
+            return super().unreachable_prefixes(part, names)
+        blocks, count = numbered_blocks(self._module_names(part, names), "transformer_blocks")
+        if not count:
+            return ()
+        last = f"{blocks}.{count - 1}."
         return tuple(last + name for name in ("attn.add_q_proj", "attn.norm_added_q", "attn.to_add_out", "txt_mlp."))
 
     # --- data --------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ scheduler's fixed shift (3.0), the transformer's timestep sigma * 1000, target n
 as StableDiffusion3Pipeline samples it.
 
 Every CLIP block reaches the loss (the last one through the pooled projection), so no part is
-read at a penultimate block only (`penultimate_parts` stays empty).
+read at a penultimate block only (`penultimate_blocks` stays empty).
 
 Adapter key names (kohya: sd-scripts' MMDiT names with q/k/v fused; comfy: the kohya file;
 diffusers: `transformer.<module>`) are declared, with their sources, in modules/model/keys/sd3.py.

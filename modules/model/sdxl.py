@@ -50,7 +50,7 @@ class SDXLFamily(SD15Family):
     modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
     key_layout = SDXL_KEYS
     # CLIP-L is read at hidden_states[-2]; CLIP-G's last block feeds its pooled projection
-    penultimate_parts = ("text_encoder",)
+    penultimate_blocks = {"text_encoder": "encoder.layers"}
     layer_presets = {
         "attn": ([_UNET_ATTN, _TE_ATTN], False),
         "attn-mlp": ([_UNET_ATTN, _UNET_FF, _TE_ATTN, _TE_MLP], False),

@@ -45,7 +45,7 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
     kohya_base_version = "z_image"
     modelspec_architecture = "z-image/lora"
     key_layout = Z_IMAGE_KEYS
-    penultimate_parts = ("text_encoder",)  # Qwen3 is read at hidden_states[-2]
+    penultimate_blocks = {"text_encoder": "layers"}  # Qwen3 is read at hidden_states[-2]
     layer_presets = {
         "attn": ([_DIT_ATTN, _TE_ATTN], False),
         "attn-mlp": ([_DIT_ATTN, _DIT_MLP, _TE_ATTN, _TE_MLP], False),

@@ -35,7 +35,7 @@ def trained_bytes_factor(config, part: str) -> float:
     part_config = config.model.parts[part]
     if not METHODS.traits(config.method.type).trains_model_weights or not part_config.train:
         return 1.0
-    from modules.trainer.backup_size import optimizer_state_bytes_per_parameter
+    from modules.optim.state_size import optimizer_state_bytes_per_parameter
 
     weight_bytes = 2 if part_config.weight_dtype == "bfloat16" else 4
     return 1.0 + optimizer_state_bytes_per_parameter(config) / weight_bytes

@@ -28,7 +28,7 @@ from pathlib import Path
 from modules.config.train_config import TrainConfig
 from modules.remote import helper
 from modules.remote.ssh import RemoteError, SshTarget
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 from modules.saving.output_target import record_output, resolve_output
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

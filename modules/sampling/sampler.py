@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from modules.saving.atomic import write_with
+from modules.util.atomic import write_with
 from modules.util.stopping import StopCheck, StopRequested, raise_if_stopping
 
 

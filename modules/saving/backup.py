@@ -21,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from modules.errors import UserError
-from modules.saving.atomic import write_errors
+from modules.util.atomic import write_errors
 
 BACKUP_DIR = "backup"
 BACKUP_FILES = ("adapter.safetensors", "state.pt", "config.json")  # what write_backup writes, all needed to resume

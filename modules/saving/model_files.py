@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from modules.quantization.replace import DENSE_MODES
-from modules.saving.atomic import write_errors, write_with
+from modules.util.atomic import write_errors, write_with
 
 
 def _dense(family, part: str) -> bool:

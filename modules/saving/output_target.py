@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from modules.errors import UserError
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 
 RECORD_NAME = "output.json"
 

@@ -30,7 +30,7 @@ from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler, warmup_note
 from modules.sampling.sampler import sample_prompts
-from modules.saving.atomic import write_text
+from modules.util.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
 from modules.saving.output_target import record_output, resolve_output
 from modules.saving.workspace_lock import WorkspaceLock

@@ -33,7 +33,7 @@ from modules.adapters.adapter_set import AdapterSet, AdapterSetError
 from modules.adapters.formats import diffusers as peft_keys
 from modules.adapters.formats import fused
 from modules.adapters.registry import adapter_class, adapter_classes
-from modules.saving.atomic import write_with
+from modules.util.atomic import write_with
 
 if TYPE_CHECKING:
     from modules.config.train_config import AdapterConfig

@@ -1,5 +1,5 @@
 """What a full fine-tune's backups and saved files hold, for the preflight's disk estimate (the
-counterpart of backup_size.adapter_size): a backup holds every trained weight in its storage
+counterpart of adapters/adapter_size.py): a backup holds every trained weight in its storage
 dtype (float32 or bfloat16; planned_bytes adds the optimizer state and EMA per trained parameter),
 and each saved file is the whole model, every part, in output.dtype. Counts come from the
 checkpoint headers (family.part_parameters), nothing is loaded.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.trainer.backup_size import AdapterSize
+from modules.adapters.adapter_size import AdapterSize
 from modules.util.torch_utils import dtype_of
 
 
