@@ -62,6 +62,8 @@ class OneLayerFamily:
     comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
     diffusers_skips_key = ModelFamily.diffusers_skips_key
     unstacked_kohya_stem = ModelFamily.unstacked_kohya_stem
+    kohya_file_stem = ModelFamily.kohya_file_stem
+    comfy_text_encoder_stem = ModelFamily.comfy_text_encoder_stem
     file_layout = ModelFamily.file_layout
 
     def spec(self, part):

@@ -84,7 +84,7 @@ def stems(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, str]
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
         if fmt == "kohya":
-            out[name] = family.unstacked_kohya_stem(part, module_name) or name
+            out[name] = family.kohya_file_stem(part, module_name) or name
         elif fmt == "comfy":
             stem = _comfy_stem(family, part, module_name)
             if stem is None:
