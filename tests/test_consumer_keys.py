@@ -518,3 +518,41 @@ def test_old_flux2_and_qwen_image_files_still_load(llm_family, tmp_path, adapter
             again.unhook()
         assert loaded.keys() == state.keys()
         assert all(torch.allclose(loaded[k], state[k], atol=1e-6) for k in state), name
+
+
+def test_flux2_diffusers_files_warn_of_what_comfyui_will_not_load(llm_family):
+    """A FLUX.2 diffusers file's transformer keys go through ComfyUI's FLUX.1 diffusers names: the
+    warning counts exactly the adapters the reproduced map lacks (feed-forward, single blocks,
+    modulations, time/guidance embedders)."""
+    if llm_family.name != "flux2":
+        pytest.skip("FLUX.2 only")
+    comfyui = flux2_comfyui_map(llm_family)
+    adapters = _adapters(llm_family, layer_preset="all-linear")
+    try:
+        unread = sorted(s for s in _stems(file_state(adapters, llm_family, "diffusers"))
+                        if s.startswith("transformer.") and s not in comfyui)
+        warned = [w for w in format_warnings("diffusers", adapters, llm_family)
+                  if "ComfyUI" in w and "FLUX diffusers-name map" in w]
+        assert not [w for w in format_warnings("kohya", adapters, llm_family) if "ComfyUI" in w]
+    finally:
+        adapters.unhook()
+    assert unread and len(warned) == 1 and f"{len(unread)} of these adapters" in warned[0]
+    assert re.search(r"\(e\.g\. ([^)]*)\)", warned[0]).group(1) in unread
+
+
+def test_sd3_diffusers_files_warn_that_comfyui_drops_the_clip_text_projections(tiny_family_model, tmp_path_factory,
+                                                                               shape_images):
+    """ComfyUI maps a diffusers file's CLIP keys only as `text_encoder(_2).text_model.encoder.layers.
+    <b>.<c>` (model_lora_keys_clip); SD3's all-linear text_projection adapters are not among them."""
+    family = _load_family("sd3", tiny_family_model, tmp_path_factory, shape_images)
+    adapters = _adapters(family, layer_preset="all-linear")
+    try:
+        read = {f"{part}.text_model.encoder.layers.{b}.{c}" for part in ("text_encoder", "text_encoder_2")
+                for b in range(32) for c in CLIP_LAYERS}
+        unread = sorted(s for s in _stems(file_state(adapters, family, "diffusers"))
+                        if s.startswith(("text_encoder.", "text_encoder_2.")) and s not in read)
+        warned = [w for w in format_warnings("diffusers", adapters, family) if "text_projection" in w]
+    finally:
+        adapters.unhook()
+    assert unread == ["text_encoder.text_projection", "text_encoder_2.text_projection"]
+    assert len(warned) == 1 and "2 of these adapters" in warned[0]

@@ -124,7 +124,8 @@ def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt,
         path = tmp_path / f"flux2-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
         ours, count = prediction_with(family, family.transformer, 32), len(adapters)
-        assert not format_warnings(fmt, adapters, family)
+        # diffusers loads it all (ComfyUI's FLUX.1 names miss some, test_consumer_keys says which)
+        assert not [w for w in format_warnings(fmt, adapters, family) if "load_lora_weights" in w]
     finally:
         adapters.unhook()
     plain = prediction_with(family, family.transformer, 32)

@@ -79,7 +79,17 @@ FLUX2_KEYS = KeyLayout(
     comfy_is_kohya=True,
     unstacked_kohya_prefixes={"transformer": "lora_transformer"},
     comfy_text_encoders={"text_encoder": comfy_encoder_name},
-    comfyui_skips={"text_encoder": (None, "it reads this text encoder's adapters only under its own "
-                                          "text_encoders.<encoder>.transformer.model. names")},
+    comfyui_skips={
+        "text_encoder": (None, "it reads this text encoder's adapters only under its own "
+                               "text_encoders.<encoder>.transformer.model. names"),
+        # a diffusers file's `transformer.<module>` keys go through ComfyUI's FLUX map
+        # (comfy/utils.py flux_to_diffusers), which has FLUX.1's module names: FLUX.2's attention
+        # projections, embedders and final layers match, its other layers do not
+        "transformer": (r"^(transformer_blocks\.\d+\.(ff|ff_context)\.|single_transformer_blocks\.|"
+                        r"time_guidance_embed\.|(double_stream_modulation_img|double_stream_modulation_txt|"
+                        r"single_stream_modulation)\.)",
+                        "its FLUX diffusers-name map has FLUX.1's module names, not FLUX.2's feed-forward, "
+                        "single-block, modulation and time/guidance layers"),
+    },
     original_layers={"transformer": FLUX2_TRANSFORMER_LAYERS},
 )
