@@ -556,3 +556,31 @@ def test_sd3_diffusers_files_warn_that_comfyui_drops_the_clip_text_projections(t
         adapters.unhook()
     assert unread == ["text_encoder.text_projection", "text_encoder_2.text_projection"]
     assert len(warned) == 1 and "2 of these adapters" in warned[0]
+
+
+SD_SCRIPTS_TARGETS = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D", "CLIPAttention",
+                      "CLIPSdpaAttention", "CLIPMLP")
+
+
+def test_kohya_files_warn_of_what_sd_scripts_will_not_load(family):
+    """kohya's sd-scripts (networks/lora.py) adapts only the layers inside its target module
+    classes; a `layer_preset: all` kohya file's other adapters (SD1.5: conv_in, conv_out, both
+    time_embedding layers) it ignores, and the run says how many."""
+    if family.name == "flux":
+        pytest.skip("UNet families")
+    adapters = _adapters(family, layer_preset="all")
+    try:
+        inside = set()
+        for part in adapters.part_of.values():
+            for name, module in family.parts[part].named_modules():
+                if type(module).__name__ in SD_SCRIPTS_TARGETS:
+                    inside |= {f"{part}.{name}.{n}" for n, _ in module.named_modules() if n}
+        outside = sorted(f"{adapters.part_of[n]}.{adapters.module_name_of[n]}" for n in adapters.modules
+                         if f"{adapters.part_of[n]}.{adapters.module_name_of[n]}" not in inside)
+        warned = [w for w in format_warnings("kohya", adapters, family) if "sd-scripts" in w]
+        assert not [w for w in format_warnings("comfy", adapters, family) if "sd-scripts" in w]
+    finally:
+        adapters.unhook()
+    assert {"unet.conv_in", "unet.conv_out", "unet.time_embedding.linear_1", "unet.time_embedding.linear_2"} <= set(outside)
+    counted = sum(int(re.search(r"load (\d+) of these", w).group(1)) for w in warned)
+    assert counted == len(outside), (outside, warned)

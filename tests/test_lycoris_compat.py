@@ -60,6 +60,7 @@ class OneLayerFamily:
     comfy_module_name = ModelFamily.comfy_module_name
     canonical_module_name = ModelFamily.canonical_module_name
     comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
+    sd_scripts_skips_key = ModelFamily.sd_scripts_skips_key
     diffusers_skips_key = ModelFamily.diffusers_skips_key
     unstacked_kohya_stem = ModelFamily.unstacked_kohya_stem
     kohya_file_stem = ModelFamily.kohya_file_stem

@@ -33,11 +33,11 @@ class AdapterKeyNames:
     def comfyui_skips_diffusers_key(self, part: str, module_name: str) -> str | None:
         """Why ComfyUI's loader would not load this module's adapter from a diffusers-format file
         (its key map has no such name: "lora key not loaded"), or None."""
-        skip = self.key_layout.comfyui_skips.get(part)
-        if skip is None:
-            return None
-        pattern, why = skip
-        return why if pattern is None or re.search(pattern, module_name) else None
+        return _skipped(self.key_layout.comfyui_skips.get(part), module_name)
+
+    def sd_scripts_skips_key(self, part: str, module_name: str) -> str | None:
+        """Why kohya's sd-scripts would leave this module's adapter out of a kohya file it loads, or None."""
+        return _skipped(self.key_layout.sd_scripts_skips.get(part), module_name)
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
         """Why diffusers' `load_lora_weights` drops this module's adapter from a `fmt` file
@@ -120,3 +120,11 @@ class AdapterKeyNames:
             return self.adapter_name(part, module_name)
         name = stems.namer(self.parts[part], module_name) if stems.namer else module_name
         return stems.prefix + name
+
+
+def _skipped(skip: tuple[str | None, str] | None, module_name: str) -> str | None:
+    """The reason of a (regex or None for all, why) skip that matches the module, else None."""
+    if skip is None:
+        return None
+    pattern, why = skip
+    return why if pattern is None or re.search(pattern, module_name) else None

@@ -90,6 +90,9 @@ class KeyLayout:
     # modules ComfyUI would not load from a diffusers-format file: (regex searched in the module
     # name, None for every module of the part, why)
     comfyui_skips: Mapping[str, tuple[str | None, str]] = field(default_factory=dict)
+    # modules kohya's sd-scripts would not load from a kohya file (its networks/lora.py LoRANetwork
+    # builds modules only inside its target module classes and loads non-strictly): as comfyui_skips
+    sd_scripts_skips: Mapping[str, tuple[str | None, str]] = field(default_factory=dict)
     # more stems read when loading (never written): prefix + the canonical module name
     other_stem_prefixes: Mapping[str, str] = field(default_factory=dict)
     # original-layout layers kohya files name fused adapters by (sd-scripts' FLUX files)
