@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
-from modules.adapters.formats.adopt import adopt_file_layout
 from modules.adapters.formats.files import (
     check_output_format,
     format_warnings,
@@ -35,10 +34,6 @@ class AdapterMethod(TrainingMethod):
 
     def setup(self) -> None:
         config, callbacks = self.config, self.trainer.callbacks
-        if config.adapter.init_from:  # the file's own layout (DoRA axis, rank) where the config leaves it open
-            config.adapter, adopted = adopt_file_layout(config.adapter, config.adapter.init_from, config.output.format)
-            for line in adopted:
-                callbacks.on_warning(line)
         self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts(), self.device,
                                           config.output.format)
         if self.adapters.left_out:

@@ -6,13 +6,14 @@ Only tensor shapes are read (safetensors' header), before the adapters are built
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
 from modules.adapters.formats.files import AdapterFileError, check_adapter_file
 from modules.config.adapter_configs import resolve_dora_axis
-from modules.config.train_config import AdapterConfig
+from modules.config.train_config import AdapterConfig, TrainConfig
 
 
 def file_shapes(path: str | Path, where: str = "adapter.init_from") -> dict[str, tuple[int, ...]]:
@@ -95,3 +96,14 @@ def adopt_file_layout(config: AdapterConfig, source: str | Path,
     adopted = config.model_copy(update=changes)
     type(config).model_validate(adopted.model_dump(exclude_unset=False))  # the combination is valid
     return adopted, [f"adapter.init_from: {name}: adopted the file's layout: " + ", ".join(said)]
+
+
+def adopt_init_from(config: TrainConfig, warn: Callable[[str], None]) -> None:
+    """Set the run's adapter config to the init_from file's layout (said through `warn`). The
+    trainer calls it right after preflight: before a resumed run's config is compared with its
+    backup's (which holds the adopted settings) and before the adapters are built."""
+    if config.method.type != "adapter" or not config.adapter.init_from:
+        return
+    config.adapter, adopted = adopt_file_layout(config.adapter, config.adapter.init_from, config.output.format)
+    for line in adopted:
+        warn(line)
