@@ -94,3 +94,65 @@ def test_an_unknown_part_override_is_named(tmp_path, tiny_model, shape_images):
     config = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"parts": {"vae": {"rank": 2}}}})
     with pytest.raises(AdapterSetError, match=r"^adapter\.parts\.vae: no part of Stable Diffusion 1\.5 carries adapters"):
         GenericTrainer(config).start()
+
+
+def test_continuing_from_a_file_adopts_its_rank_and_dora_axis(tmp_path, tiny_model, shape_images):
+    """The run given only adapter.init_from (and its layers) takes the file's rank and output-axis
+    DoRA instead of refusing it, says so, and starts from the file's tensors."""
+    from modules.config.train_config import AdapterConfig
+    from modules.trainer.callbacks import TrainCallbacks
+
+    made = {"type": "lora", "rank": 2, "dora": True, "dora_axis": "output", "layer_preset": "attn"}
+    first = GenericTrainer(train_config(tiny_model, shape_images, tmp_path / "a", {
+        "adapter": made, "schedule": {"epochs": 1, "max_steps": 1}}))
+    first.start()
+    first.train()
+    path = first.end()
+    saved = {k: v.clone() for k, v in first.adapters.state_dict().items()}
+
+    class Warnings(TrainCallbacks):
+        said: list[str] = []
+
+        def on_warning(self, message):
+            self.said.append(message)
+
+    callbacks = Warnings()
+    config = train_config(tiny_model, shape_images, tmp_path / "b", {"schedule": {"epochs": 1, "max_steps": 1}})
+    config.adapter = AdapterConfig(type="lora", layer_preset="attn", init_from=str(path))  # no rank, no DoRA given
+    resumed = GenericTrainer(config, callbacks)
+    resumed.start()
+    assert resumed.config.adapter.rank == 2 and resumed.config.adapter.dora_axis == "output"
+    assert [w for w in callbacks.said if "adopted the file's layout" in w and "adapter.rank: 2" in w], callbacks.said
+    loaded = resumed.adapters.state_dict()
+    assert loaded.keys() == saved.keys()
+    assert all(torch.allclose(loaded[k], saved[k].to(loaded[k].dtype), atol=1e-3) for k in saved)
+
+
+def test_a_run_that_adopted_its_start_files_layout_resumes(tmp_path, tiny_model, shape_images):
+    """The backup holds the adopted rank; resuming the same config (rank still unset) compares
+    after the adoption, so nothing reads as changed."""
+    from modules.config.train_config import AdapterConfig
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    first = GenericTrainer(train_config(tiny_model, shape_images, tmp_path / "a", {
+        "adapter": {"type": "lora", "rank": 2, "layer_preset": "attn"}, "schedule": {"epochs": 1, "max_steps": 1}}))
+    first.start()
+    first.train()
+    path = first.end()
+
+    def config(resume: bool):
+        made = train_config(tiny_model, shape_images, tmp_path / "b", {
+            "schedule": {"epochs": 2, "batch_size": 4, "backup_every": "1 epochs"}, "backup": {"resume": resume}})
+        made.adapter = AdapterConfig(type="lora", layer_preset="attn", init_from=str(path))
+        return made
+
+    trainer = GenericTrainer(config(False))
+    trainer.start()
+    trainer.train()
+    trainer.end()
+    resumed = GenericTrainer(config(True))
+    try:
+        resumed.start()  # adopted after the backup check it would read "adapter.rank: 2 in the backup, 16 now"
+    finally:
+        resumed.release()
+    assert resumed.config.adapter.rank == 2

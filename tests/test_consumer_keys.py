@@ -125,7 +125,8 @@ def family(request, tmp_path_factory, shape_images):
 
 def _adapters(family, **options):
     parts = [s.name for s in family.part_specs if s.adapter_prefix]
-    return build_adapter_set(family, AdapterConfig(**{"rank": 2, **options}), parts, torch.device("cpu"))
+    sized = {} if options.get("type") == "oft" else {"rank": 2}  # OFT is sized by its blocks
+    return build_adapter_set(family, AdapterConfig(**{**sized, **options}), parts, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("adapter", [{"type": "lora"}, {"type": "loha"}, {"type": "lokr"}],
@@ -209,9 +210,10 @@ def _unet_diffusers_stems(family) -> set[str]:
 # q/k/v at row offsets 0, dim, 2*dim of qkv. comfy/lora.py `model_lora_keys_unet` keys LoRAs by
 # `lora_unet_<own name with _>` and `diffusion_model.<own name>` (any model) and, for Lumina2, by
 # `diffusion_model.<D>`, `transformer.<D>`, `lycoris_<D with _>` and `<D>` for each diffusers name
-# D. `model_lora_keys_clip`: the Qwen3 encoder's weights `qwen3_4b.transformer.model.<k>` as
-# `text_encoders.<weight>`, `text_encoders.transformer.model.<k>` and, for a model with one
-# encoder, `lora_te_<k with _>`. Forge (classic) has no Z-Image.
+# D. `model_lora_keys_clip` (Comfy-Org/ComfyUI 0.3.64 and pollockjj/ComfyUI 0.8.0 + upstream of
+# 2026-01-07 alike): the Qwen3 encoder's weights `qwen3_4b.transformer.model.<k>` (SD1ClipModel
+# named "qwen3_4b", its SDClipModel's `transformer`, Qwen3_4B's `model`) only as
+# `text_encoders.<weight>`: no `lora_te_` name for llama-style encoders. Forge (classic) has no Z-Image.
 
 
 def _z_image_to_diffusers(transformer) -> dict[str, tuple[str, int | None]]:
@@ -244,9 +246,8 @@ def z_image_comfyui_map(family) -> dict[str, tuple[str, int | None]]:
     for key in family.parts["text_encoder"].state_dict():
         if key.endswith(".weight"):
             k = key.removesuffix(".weight")
-            for stem in (f"text_encoders.qwen3_4b.transformer.model.{k}", f"text_encoders.transformer.model.{k}",
-                         f"lora_te_{k.replace('.', '_')}"):
-                stems[stem] = (stem, None)
+            stem = f"text_encoders.qwen3_4b.transformer.model.{k}"
+            stems[stem] = (stem, None)
     return stems
 
 
@@ -269,7 +270,7 @@ def test_every_z_image_stem_is_one_comfyui_maps(z_image, adapter):
         for fmt in ("kohya", "comfy"):
             stems = _stems(file_state(adapters, z_image, fmt))
             assert stems and not stems - comfyui.keys(), (fmt, sorted(stems - comfyui.keys())[:5])
-            assert any(s.startswith("lora_te_") for s in stems)
+            assert any(s.startswith("text_encoders.qwen3_4b.transformer.model.layers.") for s in stems)
         kohya = _stems(file_state(adapters, z_image, "kohya"))
         if adapter == {"type": "lora"}:  # ComfyUI reads `transformer.<D>` peft keys, not the Qwen3 ones
             unread = _stems(file_state(adapters, z_image, "diffusers")) - comfyui.keys()
@@ -305,7 +306,7 @@ def test_comfyui_applies_z_image_files_as_the_trainer_does(z_image, fmt):
         adapters.unhook()
     patched: dict[str, torch.Tensor] = {}
     for key in state:
-        if not key.endswith(".lora_up.weight") or key.startswith("lora_te_"):
+        if not key.endswith(".lora_up.weight") or key.startswith("text_encoders."):
             continue
         stem = key.removesuffix(".lora_up.weight")
         up, down = state[key], state[f"{stem}.lora_down.weight"]
@@ -341,3 +342,245 @@ def test_z_image_files_load_back_into_the_same_adapters(z_image, tmp_path, fmt, 
         again.unhook()
     assert loaded.keys() == state.keys()
     assert all(torch.allclose(loaded[k], state[k], atol=1e-6) for k in state)
+
+
+def test_old_lora_te_z_image_files_still_load(z_image, tmp_path):
+    """Files written before the text encoder took ComfyUI's paths (`lora_te_layers_0_...`) load."""
+    from safetensors.torch import save_file
+
+    adapters = _adapters(z_image, layer_preset="attn")
+    try:
+        old = adapters.state_dict()  # adapter names: the old kohya stems
+        assert any(k.startswith("lora_te_layers_") for k in old)
+        save_file({k: v.contiguous() for k, v in old.items()}, str(tmp_path / "old.safetensors"))
+        load_adapter_file(tmp_path / "old.safetensors", adapters, z_image)
+    finally:
+        adapters.unhook()
+
+
+# --- FLUX.2 and Qwen-Image --------------------------------------------------------------------
+# ComfyUI's FLUX.2 model is a Flux model (comfy/model_base.py `class Flux2(Flux)`) built from
+# comfy/ldm/flux/model.py with `global_modulation`: its own weights are BFL's (below); the Flux
+# branch of model_lora_keys_unet adds `transformer.<D>`, `lycoris_<D with _>`,
+# `lora_transformer_<D with _>` for each FLUX.1 diffusers name D of comfy/utils.py
+# flux_to_diffusers, and a key whose target weight the FLUX.2 model lacks patches nothing
+# (ModelPatcher.add_patches skips it). Its text encoder: SD1ClipModel named "qwen3_4b"/"qwen3_8b"
+# (klein) or "mistral3_24b" ([dev], comfy/text_encoders/flux.py Flux2TEModel), weights
+# `<name>.transformer.model.<k>`, mapped only as `text_encoders.<weight>`. ComfyUI's Qwen-Image
+# (comfy/ldm/qwen_image/model.py) has diffusers' module names; model_lora_keys_unet maps
+# `lora_unet_<k with _>`, `diffusion_model.<k>` and, for QwenImage, `<k>`, `transformer.<k>`,
+# `lycoris_<k with _>`; its Qwen2.5-VL encoder is "qwen25_7b".
+
+
+def _flux2_original_keys(transformer) -> list[str]:
+    keys = ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "final_layer.linear",
+            "final_layer.adaLN_modulation.1", "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin",
+            "single_stream_modulation.lin"]
+    if transformer.config.guidance_embeds:
+        keys += ["guidance_in.in_layer", "guidance_in.out_layer"]
+    for i in range(len(transformer.transformer_blocks)):
+        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
+                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
+    for i in range(len(transformer.single_transformer_blocks)):
+        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2")]
+    return keys
+
+
+def _flux1_diffusers_names(double: int, single: int) -> dict[str, str]:
+    """comfy/utils.py flux_to_diffusers: FLUX.1 diffusers module -> the original weight it patches."""
+    out = {"proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
+           "norm_out.linear": "final_layer.adaLN_modulation.1"}
+    for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                           ("guidance_in", "guidance_embedder")):
+        out |= {f"time_text_embed.{target}.linear_1": f"{source}.in_layer",
+                f"time_text_embed.{target}.linear_2": f"{source}.out_layer"}
+    for i in range(double):
+        b, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        out |= {f"{b}.attn.{p}": f"{o}.img_attn.qkv" for p in ("to_q", "to_k", "to_v")}
+        out |= {f"{b}.attn.{p}": f"{o}.txt_attn.qkv" for p in ("add_q_proj", "add_k_proj", "add_v_proj")}
+        out |= {f"{b}.attn.to_out.0": f"{o}.img_attn.proj", f"{b}.attn.to_add_out": f"{o}.txt_attn.proj",
+                f"{b}.norm1.linear": f"{o}.img_mod.lin", f"{b}.norm1_context.linear": f"{o}.txt_mod.lin",
+                f"{b}.ff.net.0.proj": f"{o}.img_mlp.0", f"{b}.ff.net.2": f"{o}.img_mlp.2",
+                f"{b}.ff_context.net.0.proj": f"{o}.txt_mlp.0", f"{b}.ff_context.net.2": f"{o}.txt_mlp.2"}
+    for i in range(single):
+        b, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        out |= {f"{b}.attn.{p}": f"{o}.linear1" for p in ("to_q", "to_k", "to_v")}
+        out |= {f"{b}.proj_mlp": f"{o}.linear1", f"{b}.norm.linear": f"{o}.modulation.lin", f"{b}.proj_out": f"{o}.linear2"}
+    return out
+
+
+def _text_encoder_stems(encoder, name: str) -> set[str]:
+    return {f"text_encoders.{name}.transformer.model.{k.removesuffix('.weight')}"
+            for k in encoder.state_dict() if k.endswith(".weight")}
+
+
+def flux2_comfyui_map(family) -> set[str]:
+    transformer = family.transformer
+    own = _flux2_original_keys(transformer)
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    for name, target in _flux1_diffusers_names(len(transformer.transformer_blocks),
+                                               len(transformer.single_transformer_blocks)).items():
+        if target in own:
+            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
+                      f"lora_transformer_{name.replace('.', '_')}"}
+    encoder = family.parts["text_encoder"]
+    width = encoder.config.hidden_size
+    name = "mistral3_24b" if family.is_dev else ("qwen3_8b" if width == 4096 else "qwen3_4b")
+    return stems | _text_encoder_stems(encoder, name)
+
+
+def qwen_image_comfyui_map(family) -> set[str]:
+    stems = set()
+    for key in family.transformer.state_dict():
+        if key.endswith(".weight"):
+            k = key.removesuffix(".weight")
+            stems |= {f"lora_unet_{k.replace('.', '_')}", f"diffusion_model.{k}", k, f"transformer.{k}",
+                      f"lycoris_{k.replace('.', '_')}"}
+    return stems | _text_encoder_stems(family.parts["text_encoder"], "qwen25_7b")
+
+
+def _load_family(name, tiny_family_model, tmp_path_factory, shape_images, **options):
+    from modules.model.registry import get_family_class
+
+    cls = get_family_class(name)
+    family = cls(train_config(tiny_family_model(name, **options), shape_images, tmp_path_factory.mktemp(name),
+                              {"model": {"family": name}}))
+    family.load()
+    return family
+
+
+@pytest.fixture(scope="module", params=[("flux2", {}), ("flux2", {"variant": "dev"}), ("qwen_image", {})],
+                ids=["flux2-klein", "flux2-dev", "qwen_image"])
+def llm_family(request, tiny_family_model, tmp_path_factory, shape_images):
+    name, options = request.param
+    return _load_family(name, tiny_family_model, tmp_path_factory, shape_images, **options)
+
+
+ALGORITHMS = [{"type": "lora"}, {"type": "lora", "dora": True}, {"type": "loha"}, {"type": "lokr"}, {"type": "oft"}]
+
+
+@pytest.mark.parametrize("adapter", ALGORITHMS, ids=["lora", "dora", "loha", "lokr", "oft"])
+def test_every_flux2_and_qwen_image_stem_is_one_comfyui_maps(llm_family, adapter):
+    """Every adapter of every algorithm, transformer and text encoder, is a key ComfyUI maps to a
+    weight its model has: no "lora key not loaded", none patching nothing."""
+    comfyui = (flux2_comfyui_map if llm_family.name == "flux2" else qwen_image_comfyui_map)(llm_family)
+    adapters = _adapters(llm_family, layer_preset="all-linear", **adapter)
+    try:
+        for fmt in ("kohya", "comfy"):
+            stems = _stems(file_state(adapters, llm_family, fmt))
+            assert not stems - comfyui, (fmt, sorted(stems - comfyui)[:5])
+            encoder = [s for s in stems if s.startswith("text_encoders.")]
+            assert encoder and not [s for s in stems if s.startswith("lora_te_")]
+    finally:
+        adapters.unhook()
+
+
+def test_flux2_unstacked_attention_is_read_as_rows_of_the_fused_qkv(llm_family):
+    """LoHa on FLUX.2's q/k/v: `lora_transformer_transformer_blocks_0_attn_to_q` (ComfyUI's FLUX
+    diffusers map), not the `lora_unet_` spelling it has no name for; the final adaLN, whose
+    original swaps its halves, under its diffusers name (ComfyUI swaps it)."""
+    if llm_family.name != "flux2":
+        pytest.skip("FLUX.2 only")
+    adapters = _adapters(llm_family, layer_preset="all-linear", type="loha")
+    try:
+        stems = _stems(file_state(adapters, llm_family, "kohya"))
+    finally:
+        adapters.unhook()
+    assert "lora_transformer_transformer_blocks_0_attn_to_q" in stems
+    assert "lora_transformer_norm_out_linear" in stems and "lora_unet_final_layer_adaLN_modulation_1" not in stems
+    assert "lora_unet_double_blocks_0_img_attn_proj" in stems  # a whole original layer keeps its name
+
+
+@pytest.mark.parametrize("adapter", [{"type": "loha"}, {"type": "lora", "dora": True}], ids=["loha", "dora"])
+def test_old_flux2_and_qwen_image_files_still_load(llm_family, tmp_path, adapter):
+    """Files of the old names (`lora_unet_transformer_blocks_0_attn_to_q`, `lora_te_layers_0_...`:
+    the adapter names) and of the new ones load into the same adapters."""
+    from safetensors.torch import save_file
+
+    from modules.adapters.formats.files import save_adapter_file
+
+    adapters = _adapters(llm_family, layer_preset="all-linear", **adapter)
+    try:
+        with torch.no_grad():
+            for parameter in adapters.parameters():
+                parameter.add_(torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+        state = {k: v.clone() for k, v in adapters.state_dict().items()}
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "old.safetensors"))
+        save_adapter_file(tmp_path / "new.safetensors", adapters, llm_family, "kohya", torch.float32, {})
+    finally:
+        adapters.unhook()
+    for name in ("old", "new"):
+        again = _adapters(llm_family, layer_preset="all-linear", **adapter)
+        try:
+            load_adapter_file(tmp_path / f"{name}.safetensors", again, llm_family)
+            loaded = again.state_dict()
+        finally:
+            again.unhook()
+        assert loaded.keys() == state.keys()
+        assert all(torch.allclose(loaded[k], state[k], atol=1e-6) for k in state), name
+
+
+def test_flux2_diffusers_files_warn_of_what_comfyui_will_not_load(llm_family):
+    """A FLUX.2 diffusers file's transformer keys go through ComfyUI's FLUX.1 diffusers names: the
+    warning counts exactly the adapters the reproduced map lacks (feed-forward, single blocks,
+    modulations, time/guidance embedders)."""
+    if llm_family.name != "flux2":
+        pytest.skip("FLUX.2 only")
+    comfyui = flux2_comfyui_map(llm_family)
+    adapters = _adapters(llm_family, layer_preset="all-linear")
+    try:
+        unread = sorted(s for s in _stems(file_state(adapters, llm_family, "diffusers"))
+                        if s.startswith("transformer.") and s not in comfyui)
+        warned = [w for w in format_warnings("diffusers", adapters, llm_family)
+                  if "ComfyUI" in w and "FLUX diffusers-name map" in w]
+        assert not [w for w in format_warnings("kohya", adapters, llm_family) if "ComfyUI" in w]
+    finally:
+        adapters.unhook()
+    assert unread and len(warned) == 1 and f"{len(unread)} of these adapters" in warned[0]
+    assert re.search(r"\(e\.g\. ([^)]*)\)", warned[0]).group(1) in unread
+
+
+def test_sd3_diffusers_files_warn_that_comfyui_drops_the_clip_text_projections(tiny_family_model, tmp_path_factory,
+                                                                               shape_images):
+    """ComfyUI maps a diffusers file's CLIP keys only as `text_encoder(_2).text_model.encoder.layers.
+    <b>.<c>` (model_lora_keys_clip); SD3's all-linear text_projection adapters are not among them."""
+    family = _load_family("sd3", tiny_family_model, tmp_path_factory, shape_images)
+    adapters = _adapters(family, layer_preset="all-linear")
+    try:
+        read = {f"{part}.text_model.encoder.layers.{b}.{c}" for part in ("text_encoder", "text_encoder_2")
+                for b in range(32) for c in CLIP_LAYERS}
+        unread = sorted(s for s in _stems(file_state(adapters, family, "diffusers"))
+                        if s.startswith(("text_encoder.", "text_encoder_2.")) and s not in read)
+        warned = [w for w in format_warnings("diffusers", adapters, family) if "text_projection" in w]
+    finally:
+        adapters.unhook()
+    assert unread == ["text_encoder.text_projection", "text_encoder_2.text_projection"]
+    assert len(warned) == 1 and "2 of these adapters" in warned[0]
+
+
+SD_SCRIPTS_TARGETS = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D", "CLIPAttention",
+                      "CLIPSdpaAttention", "CLIPMLP")
+
+
+def test_kohya_files_warn_of_what_sd_scripts_will_not_load(family):
+    """kohya's sd-scripts (networks/lora.py) adapts only the layers inside its target module
+    classes; a `layer_preset: all` kohya file's other adapters (SD1.5: conv_in, conv_out, both
+    time_embedding layers) it ignores, and the run says how many."""
+    if family.name == "flux":
+        pytest.skip("UNet families")
+    adapters = _adapters(family, layer_preset="all")
+    try:
+        inside = set()
+        for part in adapters.part_of.values():
+            for name, module in family.parts[part].named_modules():
+                if type(module).__name__ in SD_SCRIPTS_TARGETS:
+                    inside |= {f"{part}.{name}.{n}" for n, _ in module.named_modules() if n}
+        outside = sorted(f"{adapters.part_of[n]}.{adapters.module_name_of[n]}" for n in adapters.modules
+                         if f"{adapters.part_of[n]}.{adapters.module_name_of[n]}" not in inside)
+        warned = [w for w in format_warnings("kohya", adapters, family) if "sd-scripts" in w]
+        assert not [w for w in format_warnings("comfy", adapters, family) if "sd-scripts" in w]
+    finally:
+        adapters.unhook()
+    assert {"unet.conv_in", "unet.conv_out", "unet.time_embedding.linear_1", "unet.time_embedding.linear_2"} <= set(outside)
+    counted = sum(int(re.search(r"load (\d+) of these", w).group(1)) for w in warned)
+    assert counted == len(outside), (outside, warned)

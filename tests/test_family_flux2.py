@@ -64,7 +64,8 @@ def test_flux2_trains_the_transformer_and_qwen3_and_the_loss_falls(tmp_path, tin
         assert file.metadata()["modelspec.architecture"] == "flux-2-klein-4b/lora"
     for stem in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_mlp_0",
                  "lora_unet_single_blocks_1_linear1", "lora_unet_single_blocks_1_linear2",
-                 "lora_unet_double_stream_modulation_img_lin", "lora_te_layers_26_self_attn_q_proj"):
+                 "lora_unet_double_stream_modulation_img_lin",
+                 "text_encoders.qwen3_4b.transformer.model.layers.26.self_attn.q_proj"):
         assert f"{stem}.lora_down.weight" in keys, stem
 
 
@@ -123,7 +124,8 @@ def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt,
         path = tmp_path / f"flux2-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
         ours, count = prediction_with(family, family.transformer, 32), len(adapters)
-        assert not format_warnings(fmt, adapters, family)
+        # diffusers loads it all (ComfyUI's FLUX.1 names miss some, test_consumer_keys says which)
+        assert not [w for w in format_warnings(fmt, adapters, family) if "load_lora_weights" in w]
     finally:
         adapters.unhook()
     plain = prediction_with(family, family.transformer, 32)
@@ -386,7 +388,7 @@ def test_dev_trains_the_transformer_and_mistral_and_the_loss_falls(tmp_path, tin
     assert after < before * 0.8, (before, after)
     with safe_open(str(path), "pt") as file:
         assert file.metadata()["modelspec.architecture"] == "flux-2-dev/lora"
-        assert "lora_te_layers_29_self_attn_q_proj.lora_down.weight" in file.keys()
+        assert "text_encoders.mistral3_24b.transformer.model.layers.29.self_attn.q_proj.lora_down.weight" in file.keys()
 
 
 def test_dev_load_lora_weights_matches_the_hooked_model(dev_family, dev_pipe, tmp_path):

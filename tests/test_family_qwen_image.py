@@ -58,7 +58,8 @@ def test_qwen_image_trains_the_transformer_and_text_encoder_and_the_loss_falls(t
         assert file.metadata()["ss_base_model_version"] == "qwen_image"
     for stem in ("lora_unet_transformer_blocks_0_attn_to_q", "lora_unet_transformer_blocks_1_img_mlp_net_0_proj",
                  "lora_unet_transformer_blocks_0_txt_mod_1", "lora_unet_norm_out_linear",
-                 "lora_te_layers_0_self_attn_q_proj", "lora_te_layers_1_mlp_down_proj"):
+                 "text_encoders.qwen25_7b.transformer.model.layers.0.self_attn.q_proj",
+                 "text_encoders.qwen25_7b.transformer.model.layers.1.mlp.down_proj"):
         assert f"{stem}.lora_down.weight" in keys, stem
 
 
@@ -162,7 +163,7 @@ def test_the_run_says_diffusers_and_comfyui_skip_text_encoder_adapters(family):
 # diffusers' module names (comfy/ldm/qwen_image/model.py), and per weight `diffusion_model.<X>` it
 # maps `lora_unet_<X with _>`, `diffusion_model.<X>`, and for QwenImage models `<X>`,
 # `transformer.<X>`, `lycoris_<X with _>`; the lone Qwen2.5-VL's `qwen25_7b.transformer.model.<k>`
-# as `lora_te_<k with _>` and `text_encoders.qwen25_7b.transformer.model.<k>`.
+# only as `text_encoders.qwen25_7b.transformer.model.<k>` (no `lora_te_` name for it).
 def _comfyui_qwen_image_map(family) -> set[str]:
     stems = set()
     for key in family.transformer.state_dict():
@@ -173,7 +174,7 @@ def _comfyui_qwen_image_map(family) -> set[str]:
     for key in family.parts["text_encoder"].state_dict():
         if key.endswith(".weight"):
             k = key.removesuffix(".weight")
-            stems |= {f"lora_te_{k.replace('.', '_')}", f"text_encoders.qwen25_7b.transformer.model.{k}"}
+            stems.add(f"text_encoders.qwen25_7b.transformer.model.{k}")
     return stems
 
 

@@ -60,8 +60,11 @@ class OneLayerFamily:
     comfy_module_name = ModelFamily.comfy_module_name
     canonical_module_name = ModelFamily.canonical_module_name
     comfyui_skips_diffusers_key = ModelFamily.comfyui_skips_diffusers_key
+    sd_scripts_skips_key = ModelFamily.sd_scripts_skips_key
     diffusers_skips_key = ModelFamily.diffusers_skips_key
     unstacked_kohya_stem = ModelFamily.unstacked_kohya_stem
+    kohya_file_stem = ModelFamily.kohya_file_stem
+    comfy_text_encoder_stem = ModelFamily.comfy_text_encoder_stem
     file_layout = ModelFamily.file_layout
 
     def spec(self, part):
@@ -286,3 +289,53 @@ def test_oft_files_compute_the_same_in_comfyui_and_a1111_maths(tmp_path, constra
     comfyui = (_comfyui_oft_weight(weight, blocks, alpha) - ours).abs().max()
     assert comfyui < 1e-5 if constraint == 0 else comfyui > 1e-4
     assert (_a1111_oft_weight(weight, blocks, 0.0) - weight).abs().max() < 1e-8  # what alpha 0 would do: nothing
+
+
+@pytest.mark.parametrize("algorithm", ["dora", "lokr-weight-decomposed", "lora"])
+def test_continuing_from_a_lycoris_file_adopts_its_layout(algorithm, tmp_path):
+    """adapter.init_from with no DoRA or rank settings: the file's output-axis dora_scale and a
+    LoRA's rank are adopted (and said), and the run continues with LyCORIS's outputs."""
+    from modules.adapters.formats.adopt import adopt_file_layout
+
+    layer = nn.Linear(768, 320)
+    options = ALGORITHMS[algorithm]
+    lycoris = _lycoris_module(layer, options)
+    path = tmp_path / "lycoris.safetensors"
+    save_file({f"{NAME}.{k}": v.detach().contiguous() for k, v in lycoris.state_dict().items() if k != "scalar"},
+              str(path))
+    given = {k: v for k, v in options.items() if k not in ("rank", "dora", "dora_axis")}
+    config, said = adopt_file_layout(AdapterConfig(**given, init_from=str(path)), path)
+    if options.get("dora"):
+        assert config.dora and config.dora_axis == "output"
+        assert len(said) == 1 and "adapter.dora_axis: 'output'" in said[0] and "adapter.dora: True" in said[0]
+    if options["type"] == "lora":
+        assert config.rank == options["rank"] and "adapter.rank: 8" in said[0]
+    x = _input(layer)
+    theirs = _lycoris_forward([lycoris], layer, x)
+    adapter = create_adapter(config, "unet", NAME, layer, torch.device("cpu"), torch.float32)
+    adapters = AdapterSet()
+    adapters.add("unet", adapter, "layer")
+    adapters.hook()
+    try:
+        load_adapter_file(path, adapters, OneLayerFamily())
+        with torch.no_grad():
+            ours = layer(x)
+    finally:
+        adapters.unhook()
+    assert (ours - theirs).abs().max() <= 1e-5
+
+
+def test_an_explicit_setting_the_lycoris_file_contradicts_is_refused(tmp_path):
+    from modules.adapters.formats.adopt import adopt_file_layout
+    from modules.adapters.formats.files import AdapterFileError
+
+    lycoris = _lycoris_module(nn.Linear(768, 320), ALGORITHMS["dora"])
+    path = tmp_path / "lycoris.safetensors"
+    save_file({f"{NAME}.{k}": v.detach().contiguous() for k, v in lycoris.state_dict().items() if k != "scalar"},
+              str(path))
+    with pytest.raises(AdapterFileError, match=r"adapter\.dora_axis is 'input' but the file's is 'output'"):
+        adopt_file_layout(AdapterConfig(type="lora", dora=True, dora_axis="input"), path)
+    with pytest.raises(AdapterFileError, match=r"adapter\.rank is 4 but the file's is 8"):
+        adopt_file_layout(AdapterConfig(type="lora", rank=4), path)
+    config, said = adopt_file_layout(AdapterConfig(type="lora", rank=8, dora=True, dora_axis="output"), path)
+    assert said == [] and config.dora_axis == "output"

@@ -57,5 +57,11 @@ def test_training_every_text_encoder_runs_to_the_end(tmp_path, one_image, name):
     block = names[0].removeprefix(part + ".").split(f"layers.{last}.")[0] + "layers"
     assert len(said) == 1 and f"{part}.{block}.{last}" in said[0], warnings.messages
     # the block before it does carry adapters, the left-out one none
-    assert not any(k.startswith(trainer.family.adapter_name(part, f"{block}.{last}") + "_") for k in keys)
-    assert any(k.startswith(trainer.family.adapter_name(part, f"{block}.{last - 1}") + "_") for k in keys)
+    family = trainer.family
+
+    def stem(layer: str) -> str:  # a block's key prefix in the saved (kohya) file
+        path = family.comfy_text_encoder_stem(part, layer)  # ComfyUI's own path for LLM encoders
+        return path + "." if path else family.adapter_name(part, layer) + "_"
+
+    assert not any(k.startswith(stem(f"{block}.{last}")) for k in keys)
+    assert any(k.startswith(stem(f"{block}.{last - 1}")) for k in keys)

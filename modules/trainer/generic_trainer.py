@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from modules.adapters.formats.adopt import adopt_init_from
 from modules.config.errors import ConfigError
 from modules.config.train_config import SamplePromptConfig, TrainConfig
 from modules.data.concepts import check_concepts
@@ -92,6 +93,7 @@ class GenericTrainer:
     def start(self) -> None:
         config = self.config
         run_preflight(config)  # every problem the config alone shows, together, before the slow model load
+        adopt_init_from(config, self.callbacks.on_warning)  # the start file's layout (adapters/formats/adopt.py)
         check_concepts(config.concepts)  # before the slow model load
         if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)
             self.lock.acquire()  # before anything is written into the workspace

@@ -84,7 +84,7 @@ def stems(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, str]
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
         if fmt == "kohya":
-            out[name] = family.unstacked_kohya_stem(part, module_name) or name
+            out[name] = family.kohya_file_stem(part, module_name) or name
         elif fmt == "comfy":
             stem = _comfy_stem(family, part, module_name)
             if stem is None:
@@ -148,6 +148,7 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
     stacked = fused.fused_names(adapters, family) if family.file_layout(fmt) == "kohya" else set()
     comfyui: dict[str, list[str]] = {}
     diffusers: dict[str, list[str]] = {}
+    sd_scripts: dict[str, list[str]] = {}
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
         shown = f"{part}.{family.canonical_module_name(part, module_name)}"
@@ -157,10 +158,16 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
         why = family.diffusers_skips_key(fmt, part, module_name, name in stacked)
         if why:
             diffusers.setdefault(why, []).append(shown)
+        why = family.sd_scripts_skips_key(part, module_name) if fmt == "kohya" else None
+        if why:
+            sd_scripts.setdefault(why, []).append(shown)
     warnings = [f"output.format: {fmt!r}: ComfyUI will not load {len(names)} of these adapters (e.g. {names[0]}): "
                 f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in comfyui.items()]
     warnings += [f"output.format: {fmt!r}: diffusers' load_lora_weights will not load {len(names)} of these adapters "
                  f"(e.g. {names[0]}): {why}" for why, names in diffusers.items()]
+    warnings += [f"output.format: {fmt!r}: kohya's sd-scripts (networks/lora.py) will not load {len(names)} of these "
+                 f"adapters (e.g. {names[0]}): {why}; ComfyUI, Forge and diffusers load them"
+                 for why, names in sd_scripts.items()]
     return warnings
 
 

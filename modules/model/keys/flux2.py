@@ -10,16 +10,34 @@
   the final adaLN: Flux2Family.diffusers_skips_key); ComfyUI's comfy/lora.py `model_lora_keys_unet`
   maps `lora_unet_<original weight name with _>` for every weight of the diffusion model.
 - other algorithms (no stacking): a module that is a whole original layer keeps that layer's name
-  (Flux2Family.unstacked_kohya_stem); q/k/v members `lora_transformer_<module>`.
-- the Qwen3 encoder: `lora_te_<module>` (as Z-Image's Qwen3, keys/z_image.py: ComfyUI maps a single
-  llama-style encoder under lora_te_); diffusers' Flux2 loader reads transformer adapters only.
+  (Flux2Family.unstacked_kohya_stem), except the final adaLN whose original swaps its halves;
+  q/k/v members and that one `lora_transformer_<module>`: ComfyUI's Flux2 model is a Flux model
+  (comfy/model_base.py `class Flux2(Flux)`), whose diffusers map (comfy/utils.py flux_to_diffusers)
+  reads `lora_transformer_transformer_blocks_N_attn_to_q` as rows of `double_blocks.N.img_attn.qkv`
+  and `norm_out.linear` with its halves swapped. Older `lora_unet_<module>` files still load.
+- the text encoder: ComfyUI's own path `text_encoders.<encoder>.transformer.model.<module>`, encoder
+  `qwen3_4b` / `qwen3_8b` (klein 4B / 9B) or `mistral3_24b` ([dev], comfy/text_encoders/flux.py
+  Flux2TEModel); model_lora_keys_clip maps only `text_encoders.<weight>` for them. Older
+  `lora_te_<module>` files still load. diffusers' Flux2 loader reads transformer adapters only.
 - comfy: the kohya layout (Flux2Family.file_layout).
 - diffusers: `transformer.<module>`, `text_encoder.<module>` (Flux2LoraLoaderMixin).
 """
 
 from __future__ import annotations
 
+from torch import nn
+
 from modules.model.keys.layout import FusedLayer, KeyLayout, OriginalLayout
+
+
+def comfy_encoder_name(encoder: nn.Module) -> str:
+    """ComfyUI's name for the loaded FLUX.2 text encoder: Mistral-Small-3.1 for [dev], Qwen3-8B
+    (4096 wide) for klein 9B, Qwen3-4B otherwise (smaller test encoders read as 4B)."""
+    config = encoder.config
+    if getattr(config, "model_type", "") == "mistral":
+        return "mistral3_24b"
+    return "qwen3_8b" if getattr(config, "hidden_size", 0) == 4096 else "qwen3_4b"
+
 
 FLUX2_TRANSFORMER_LAYERS = OriginalLayout(
     prefix="lora_unet",
@@ -59,6 +77,19 @@ FLUX2_KEYS = KeyLayout(
     # `lora_unet_<original name>` for every weight
     whole_layer_original_names=("transformer",),
     comfy_is_kohya=True,
-    comfyui_skips={"text_encoder": (None, "it reads Qwen3 adapters only under lora_te_ or text_encoders. names")},
+    unstacked_kohya_prefixes={"transformer": "lora_transformer"},
+    comfy_text_encoders={"text_encoder": comfy_encoder_name},
+    comfyui_skips={
+        "text_encoder": (None, "it reads this text encoder's adapters only under its own "
+                               "text_encoders.<encoder>.transformer.model. names"),
+        # a diffusers file's `transformer.<module>` keys go through ComfyUI's FLUX map
+        # (comfy/utils.py flux_to_diffusers), which has FLUX.1's module names: FLUX.2's attention
+        # projections, embedders and final layers match, its other layers do not
+        "transformer": (r"^(transformer_blocks\.\d+\.(ff|ff_context)\.|single_transformer_blocks\.|"
+                        r"time_guidance_embed\.|(double_stream_modulation_img|double_stream_modulation_txt|"
+                        r"single_stream_modulation)\.)",
+                        "its FLUX diffusers-name map has FLUX.1's module names, not FLUX.2's feed-forward, "
+                        "single-block, modulation and time/guidance layers"),
+    },
     original_layers={"transformer": FLUX2_TRANSFORMER_LAYERS},
 )

@@ -90,6 +90,9 @@ class KeyLayout:
     # modules ComfyUI would not load from a diffusers-format file: (regex searched in the module
     # name, None for every module of the part, why)
     comfyui_skips: Mapping[str, tuple[str | None, str]] = field(default_factory=dict)
+    # modules kohya's sd-scripts would not load from a kohya file (its networks/lora.py LoRANetwork
+    # builds modules only inside its target module classes and loads non-strictly): as comfyui_skips
+    sd_scripts_skips: Mapping[str, tuple[str | None, str]] = field(default_factory=dict)
     # more stems read when loading (never written): prefix + the canonical module name
     other_stem_prefixes: Mapping[str, str] = field(default_factory=dict)
     # original-layout layers kohya files name fused adapters by (sd-scripts' FLUX files)
@@ -100,3 +103,13 @@ class KeyLayout:
     # ComfyUI reads the family's kohya layout as its own (it fuses q/k/v the same way): a `comfy`
     # file is written as the kohya one
     comfy_is_kohya: bool = False
+    # parts ComfyUI reads only under its own weight paths, `text_encoders.<encoder>.transformer.model.<module>`
+    # (comfy/lora.py model_lora_keys_clip maps no kohya-style name for llama-style encoders such as
+    # Qwen3, Mistral3, Qwen2.5-VL): kohya and comfy files write those stems, the old `lora_te_` ones
+    # still load. part -> ComfyUI's name for the encoder (its SD1ClipModel `name`), or a function of
+    # the loaded part module where the checkpoint decides (FLUX.2: qwen3_4b, qwen3_8b, mistral3_24b)
+    comfy_text_encoders: Mapping[str, str | Callable[[nn.Module], str]] = field(default_factory=dict)
+    # the prefix of a kohya file's per-module stem where it is not the part's adapter prefix (adapter
+    # names, and so backups, keep the part's): FLUX.2's transformer `lora_transformer`, the name
+    # ComfyUI's FLUX diffusers map reads (comfy/utils.py flux_to_diffusers), as for FLUX.1
+    unstacked_kohya_prefixes: Mapping[str, str] = field(default_factory=dict)

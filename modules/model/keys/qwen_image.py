@@ -9,12 +9,12 @@ mapping for QwenImageTransformer2DModel is the identity), so no original layout 
   `_convert_non_diffusers_qwen_lora_to_diffusers` (loaders/lora_conversion_utils.py) reads them
   back, keeping the underscores of `to_q`, `add_k_proj`, `img_mlp`, `txt_mod`, ... and mapping the
   top-level `img_in`, `txt_in`, `proj_out`, `norm_out_linear`, `time_text_embed_...` explicitly.
-  The Qwen2.5-VL language model: `lora_te_<module>` (`lora_te_layers_0_self_attn_q_proj`):
-  `model_lora_keys_clip` maps `lora_te_<k with _>` for the weights `<encoder>.transformer.model.<k>`
-  of a model with one text encoder (ComfyUI's `qwen25_7b`).
+  The Qwen2.5-VL language model: ComfyUI's own path `text_encoders.qwen25_7b.transformer.model.<module>`
+  (`model_lora_keys_clip` maps only `text_encoders.<weight>` for it, comfy/text_encoders/qwen_image.py
+  names the encoder `qwen25_7b`); older `lora_te_<module>` files still load.
 - comfy: `diffusion_model.<diffusers module>`: the generic name `model_lora_keys_unet` maps for every
   weight (and, for QwenImage models, also `<module>` and `transformer.<module>`); the text encoder
-  keeps its kohya stem, which ComfyUI maps and Forge requires.
+  as in kohya files.
 - diffusers: `transformer.<module>` (QwenImageLoraLoaderMixin; ComfyUI maps these too for
   QwenImage models) and `text_encoder.<module>`, which neither diffusers' loader nor ComfyUI reads
   (QwenImageFamily.diffusers_skips_key, comfyui_skips below).
@@ -22,9 +22,11 @@ mapping for QwenImageTransformer2DModel is the identity), so no original layout 
 
 from __future__ import annotations
 
-from modules.model.keys.layout import KOHYA_STEMS, ComfyStems, KeyLayout
+from modules.model.keys.layout import ComfyStems, KeyLayout
 
 QWEN_IMAGE_KEYS = KeyLayout(
-    comfy={"transformer": ComfyStems("diffusion_model."), "text_encoder": KOHYA_STEMS},
-    comfyui_skips={"text_encoder": (None, "it reads Qwen2.5-VL adapters only under lora_te_ or text_encoders. names")},
+    comfy={"transformer": ComfyStems("diffusion_model.")},
+    comfy_text_encoders={"text_encoder": "qwen25_7b"},
+    comfyui_skips={"text_encoder": (None, "it reads Qwen2.5-VL adapters only under its own "
+                                          "text_encoders.qwen25_7b.transformer.model. names")},
 )

@@ -77,7 +77,12 @@ SD3_KEYS = KeyLayout(
     # ComfyUI's own MMDiT layout fuses q/k/v like sd-scripts' names, and ComfyUI maps
     # `lora_unet_<MMDiT name>` for every weight
     comfy_is_kohya=True,
-    comfyui_skips={"text_encoder_3": (None, "it reads T5 adapters only under kohya's lora_te3_ names")},
+    comfyui_skips={"text_encoder_3": (None, "it reads T5 adapters only under kohya's lora_te3_ names"),
+                   # model_lora_keys_clip maps the CLIPs' text_projection only as lora_te1_/lora_te2_
+                   # (and text_encoders.<weight>), no diffusers name
+                   **{part: (r"(^|\.)text_projection$", "it reads CLIP text_projection adapters only under "
+                                                         "kohya's lora_te1_/lora_te2_ names")
+                      for part in ("text_encoder", "text_encoder_2")}},
     other_stem_prefixes={"text_encoder": "text_encoders.clip_l.transformer.",
                          "text_encoder_2": "text_encoders.clip_g.transformer.",
                          "text_encoder_3": "text_encoders.t5xxl.transformer."},

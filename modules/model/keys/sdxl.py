@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from modules.model.components.ldm_unet_keys import COMFYUI_UNET_ATTENTION_SKIP, ldm_unet_module_name
 from modules.model.keys.layout import KOHYA_STEMS, ComfyStems, KeyLayout
+from modules.model.keys.sd15 import SD_SCRIPTS_CLIP_SKIP, SD_SCRIPTS_UNET_SKIP
 
 # SDXL's extra UNet modules under their ldm names (the rest is shared with SD1.x: ldm_unet_keys.py)
 _ADD_EMBEDDING = {"add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
@@ -32,6 +33,8 @@ SDXL_KEYS = KeyLayout(
     comfy={"unet": ComfyStems("diffusion_model.", sdxl_ldm_unet_module_name),
            "text_encoder": KOHYA_STEMS, "text_encoder_2": KOHYA_STEMS},
     comfyui_skips={"unet": COMFYUI_UNET_ATTENTION_SKIP},
+    sd_scripts_skips={"unet": SD_SCRIPTS_UNET_SKIP, "text_encoder": SD_SCRIPTS_CLIP_SKIP,
+                      "text_encoder_2": SD_SCRIPTS_CLIP_SKIP},
     other_stem_prefixes={"text_encoder": "text_encoders.clip_l.transformer.",
                          "text_encoder_2": "text_encoders.clip_g.transformer."},
 )

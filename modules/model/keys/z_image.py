@@ -4,8 +4,10 @@ fused `attention.qkv` and whose output projection is `attention.out`:
 - kohya: LoRA on those original layers, `lora_unet_layers_0_attention_qkv` (q/k/v stacked
   block-diagonally, formats/fused.py), which ComfyUI maps from its own weights and diffusers'
   Z-Image converter splits back; other algorithms, which do not stack, use ComfyUI's diffusers-name
-  keys (`ZImageFamily.unstacked_kohya_stem`). The Qwen3 encoder keeps `lora_te_<module>` (ComfyUI
-  maps it for a single llama-style encoder). musubi-style `lora_unet_<diffusers module>` files
+  keys (`ZImageFamily.unstacked_kohya_stem`). The Qwen3 encoder: ComfyUI's own path
+  `text_encoders.qwen3_4b.transformer.model.<module>` (model_lora_keys_clip maps only
+  `text_encoders.<weight>` for it; comfy/text_encoders/z_image.py names the encoder `qwen3_4b`);
+  older `lora_te_<module>` files still load. musubi-style `lora_unet_<diffusers module>` files
   are still read.
 - comfy: `diffusion_model.layers.0.attention.to_q` (ComfyUI applies them to rows of the fused weight).
 - diffusers: `transformer.<module>`, `text_encoder.<module>`.
@@ -18,7 +20,7 @@ onto them (q/k/v as row offsets 0, dim, 2*dim of `attention.qkv`), and comfy/lor
 
 from __future__ import annotations
 
-from modules.model.keys.layout import KOHYA_STEMS, ComfyStems, FusedLayer, KeyLayout, OriginalLayout
+from modules.model.keys.layout import ComfyStems, FusedLayer, KeyLayout, OriginalLayout
 
 # (ComfyUI's name, the diffusers modules it holds) in each refiner / main block
 _BLOCK_LAYERS = (("attention.qkv", ("attention.to_q", "attention.to_k", "attention.to_v")),
@@ -41,7 +43,9 @@ Z_IMAGE_TRANSFORMER_LAYERS = OriginalLayout(
 )
 
 Z_IMAGE_KEYS = KeyLayout(
-    comfy={"transformer": ComfyStems("diffusion_model."), "text_encoder": KOHYA_STEMS},
-    comfyui_skips={"text_encoder": (None, "it reads Qwen3 adapters only under lora_te_ or text_encoders. names")},
+    comfy={"transformer": ComfyStems("diffusion_model.")},
+    comfy_text_encoders={"text_encoder": "qwen3_4b"},
+    comfyui_skips={"text_encoder": (None, "it reads Qwen3 adapters only under its own "
+                                          "text_encoders.qwen3_4b.transformer.model. names")},
     original_layers={"transformer": Z_IMAGE_TRANSFORMER_LAYERS},
 )

@@ -1,0 +1,109 @@
+"""Continuing from an adapter file (`adapter.init_from`) adopts what the file says about its own
+layout where the config leaves it open: whether it has weight decomposition and on which axis
+(LyCORIS writes `dora_scale` on the output axis, kohya/ComfyUI-style files on the input axis), and
+a LoRA's rank. A setting given explicitly that the file contradicts is refused, naming both.
+Only tensor shapes are read (safetensors' header), before the adapters are built."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+from modules.adapters.formats.files import AdapterFileError, check_adapter_file
+from modules.config.adapter_configs import resolve_dora_axis
+from modules.config.train_config import AdapterConfig, TrainConfig
+
+
+def file_shapes(path: str | Path, where: str = "adapter.init_from") -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the header alone."""
+    check_adapter_file(path, where)
+    try:
+        with safe_open(str(path), "pt") as file:
+            return {key: tuple(file.get_slice(key).get_shape()) for key in file.keys()}
+    except (SafetensorError, OSError) as error:
+        raise AdapterFileError(f"{where}: {Path(path).name} is not a readable safetensors file ({error})") from None
+
+
+def _dora_axis(shape: tuple[int, ...]) -> str | None:
+    """LyCORIS's output-axis dora_scale is (out, 1[, 1, 1]); the input-axis one (1, in[, k, k])."""
+    if len(shape) < 2 or shape[0] == shape[1] == 1:
+        return None
+    if all(s == 1 for s in shape[1:]):
+        return "output"
+    return "input" if shape[0] == 1 else None
+
+
+# the tensors whose shape tells the rank, and on which axis: LoRA's down/A (rank, in), LoHa's
+# w1_b (rank, in), LoKr's decomposed w2_a/w1_a (rows, rank); a full LoKr factor has no rank
+_RANK_AXES = {"lora_down.weight": 0, "lora_A.weight": 0, "hada_w1_b": 0, "lokr_w2_a": 1, "lokr_w1_a": 1}
+
+
+def _found(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[object, str]]:
+    """setting -> (value the file says, an example key), for what the file decides."""
+    found: dict[str, tuple[object, str]] = {}
+    scales = {k: s for k, s in shapes.items() if k.endswith((".dora_scale", ".lora_magnitude_vector"))}
+    found["dora"] = (bool(scales), next(iter(scales), next(iter(shapes), "")))
+    axes = {}
+    for key, shape in scales.items():
+        axis = "output" if key.endswith(".lora_magnitude_vector") else _dora_axis(shape)
+        if axis:
+            axes.setdefault(axis, key)
+    if len(axes) == 1:
+        (axis, key), = axes.items()
+        found["dora_axis"] = (axis, key)
+    ranks = {}
+    for key, shape in shapes.items():
+        for suffix, axis in _RANK_AXES.items():
+            if key.endswith("." + suffix):
+                ranks.setdefault(shape[axis], key)
+    if len(ranks) == 1:
+        (rank, key), = ranks.items()
+        found["rank"] = (rank, key)
+    return found
+
+
+def adopt_file_layout(config: AdapterConfig, source: str | Path,
+                      output_format: str = "kohya") -> tuple[AdapterConfig, list[str]]:
+    """The adapter config with the file's layout adopted where no setting was given, and what was
+    adopted (one line per setting); a given setting the file contradicts is an AdapterFileError."""
+    shapes = file_shapes(source)
+    name = Path(source).name
+    explicit = config.model_fields_set
+    changes: dict[str, object] = {}
+    said, conflicts = [], []
+    for field, (value, key) in _found(shapes).items():
+        if field not in type(config).model_fields:
+            continue  # an algorithm without this option (OFT has no rank); its own checks say what differs
+        if field == "dora_axis" and not changes.get("dora", getattr(config, "dora", False)):
+            continue
+        current = getattr(config, field)
+        if field == "dora_axis" and resolve_dora_axis(current, output_format) == value:
+            continue  # `auto` already means the file's axis with this output format
+        if current == value:
+            continue
+        if field in explicit:
+            conflicts.append(f"adapter.{field} is {current!r} but the file's is {value!r} (e.g. {key})")
+            continue
+        changes[field] = value
+        said.append(f"adapter.{field}: {value!r} (e.g. {key})")
+    if conflicts:
+        raise AdapterFileError(f"adapter.init_from: {name} does not fit the explicit adapter settings: "
+                               + "; ".join(conflicts) + "; remove the setting to adopt the file's")
+    if not changes:
+        return config, []
+    adopted = config.model_copy(update=changes)
+    type(config).model_validate(adopted.model_dump(exclude_unset=False))  # the combination is valid
+    return adopted, [f"adapter.init_from: {name}: adopted the file's layout: " + ", ".join(said)]
+
+
+def adopt_init_from(config: TrainConfig, warn: Callable[[str], None]) -> None:
+    """Set the run's adapter config to the init_from file's layout (said through `warn`). The
+    trainer calls it right after preflight: before a resumed run's config is compared with its
+    backup's (which holds the adopted settings) and before the adapters are built."""
+    if config.method.type != "adapter" or not config.adapter.init_from:
+        return
+    config.adapter, adopted = adopt_file_layout(config.adapter, config.adapter.init_from, config.output.format)
+    for line in adopted:
+        warn(line)
