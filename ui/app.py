@@ -88,6 +88,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self.run_config: dict = {}
         self.total_steps = 0
         self._stop_requested = False
+        self._stage: tuple[str, float] | None = None  # before a run's first step: (stage, since)
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
         self.tensorboard = TensorBoard()
@@ -108,6 +109,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
             last = self._read_json(gui_dir() / "last_config.json")
             if last is not None:
                 self.cfg.restore(last)
+                self.show_loaded_preset(self.settings.get("preset"))
         self.cfg.validate()
         self.protocol("WM_DELETE_WINDOW", self.on_close)
         if restore:

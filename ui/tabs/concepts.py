@@ -11,7 +11,7 @@ from collections import Counter
 import customtkinter as ctk
 
 from modules.config.train_config import CaptionConfig, ConceptConfig
-from ui.components import subsection
+from ui.components import show_picture, subsection
 from ui.tabs import Tab
 
 THUMB_SIZE = 160
@@ -211,13 +211,15 @@ class ConceptsTab(Tab):
         self._show_item(index)
 
     def _show_item(self, index: int) -> None:
+        """The image at the slot's position and its trained caption. The label is pointed at the new
+        picture (or at none) before the old one is let go: a label left on a deleted photo image
+        fails on its next redraw."""
         from PIL import Image
 
         slot = self.previews[index]
-        slot["picture"] = None
-        slot["images"] = []
         if not slot["items"]:
-            slot["image"].configure(image=None, text="")
+            self._set_picture(slot, None)
+            slot["image"].configure(text="")
             slot["caption"].configure(text="")
             return
         position = slot["position"]
@@ -228,11 +230,17 @@ class ConceptsTab(Tab):
                 image.thumbnail((THUMB_SIZE, THUMB_SIZE))
                 picture = ctk.CTkImage(light_image=image, dark_image=image, size=image.size)
         except OSError as error:
-            slot["image"].configure(image=None, text=str(error))
+            self._set_picture(slot, None)
+            slot["image"].configure(text=str(error))
             return
-        slot["picture"] = picture
-        slot["images"] = [picture]
-        slot["image"].configure(image=picture, text="")
+        self._set_picture(slot, picture)
+        slot["image"].configure(text="")
         caption = trained_caption(item.caption, self.concepts()[index], position, int(self.cfg.get("seed") or 0))
         slot["caption"].configure(text=f"{position + 1}/{len(slot['items'])}  {item.image.name}\n"
                                        f"Trained caption: {caption or '(empty)'}")
+
+    @staticmethod
+    def _set_picture(slot: dict, picture) -> None:
+        show_picture(slot["image"], picture)
+        slot["picture"] = picture
+        slot["images"] = [picture] if picture is not None else []
