@@ -101,19 +101,20 @@ def test_preset_box_names_the_loaded_preset_and_none_at_first(app, home):
     assert app.preset_var.get() == NO_PRESET
 
 
-def test_reset_asks_before_clearing_the_model_concepts_and_prompts(app, tiny_model, shape_images):
+def test_reset_asks_before_clearing_the_model_concepts_and_prompts(app, shape_images):
     fresh(app)
     asked = []
     app.ask_reset = lambda lost: asked.append(lost) or False
     app.reset_button.invoke()
     assert asked == []  # nothing of the user's to lose: no question
-    edit(app, "Model", "model.base", str(tiny_model))
+    base = str(shape_images.parent / "some-model")  # any path: only what Reset would clear matters
+    edit(app, "Model", "model.base", base)
     app.tabs["Concepts"].add(str(shape_images))
     app.tabs["Sampling"].add("a red circle")
     edit(app, "Adapter", "adapter.rank", "5")
     app.reset_button.invoke()
     assert asked == [["the base model", "1 concept", "1 prompt"]]
-    assert app.cfg.get("model.base") == str(tiny_model) and app.cfg.get("adapter.rank") == 5
+    assert app.cfg.get("model.base") == base and app.cfg.get("adapter.rank") == 5
     assert app.status_label.cget("text") == "Reset cancelled."
     app.ask_reset = lambda lost: asked.append(lost) or True
     app.reset_button.invoke()
@@ -201,3 +202,176 @@ def test_preset_name_dialog_opens_over_the_window(app):
     assert abs(seen["x"] - (app.winfo_rootx() + app.winfo_width() // 2)) <= 20
     assert seen["y"] > app.winfo_rooty() + 40
     assert app.preset_var.get() == "placed dialog preset"
+
+
+STAGED_RUN = """
+import json, os, sys, time
+def wait(path):
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+def emit(**event):
+    print(json.dumps(event), flush=True)
+print("[loading model]", file=sys.stderr, flush=True)
+print("[caching latents and text]", file=sys.stderr, flush=True)
+wait(sys.argv[1])
+emit(event="started", total_steps=2)
+emit(event="progress", step=1, total_steps=2, epoch=0, epochs=1, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=1.0)
+wait(sys.argv[2])
+emit(event="finished")
+"""
+
+
+def test_status_line_names_the_stage_before_the_first_step(app, tmp_path, monkeypatch):
+    import sys
+
+    from gui_driver import run_to_end
+
+    fresh(app)
+    cached, ended = tmp_path / "cached", tmp_path / "ended"
+    monkeypatch.setattr(app.cfg, "start_problems", lambda: [])  # the child below trains nothing
+    monkeypatch.setattr(app, "run_argv", lambda _config: [sys.executable, "-c", STAGED_RUN, str(cached), str(ended)])
+    assert app.start()
+    pump(app, lambda: app.status_label.cget("text").startswith("Caching latents and text… "), timeout=30,
+         what="the caching stage in the status line")
+    assert app.progress.cget("mode") == "indeterminate"  # alive, length unknown
+    cached.touch()
+    pump(app, lambda: app.status_label.cget("text").startswith("step 1/2"), timeout=30, what="the first step")
+    assert app.progress.cget("mode") == "determinate" and app.progress.get() == pytest.approx(0.5)
+    ended.touch()
+    assert run_to_end(app, timeout=30) == 0
+    assert app.status_label.cget("text") == "Finished."
+
+
+def test_top_bar_names_the_adapter_and_one_family_name(app):
+    from ui.app import family_menu_text
+
+    fresh(app)
+    pump(app, timeout=0.05)
+    assert app.family_menu.get() == family_menu_text("sd15") and "(sd15)" in app.family_menu.get()
+    assert field(app, "Model", "model.family").var.get() == "sd15"
+    assert app.method_menu.cget("state") == "normal" and app.method_note.cget("text") == ""
+    edit(app, "Training", "method.type", "fine_tune")
+    pump(app, timeout=0.05)
+    assert app.cfg.get("method.type") == "fine_tune"
+    assert app.method_menu.cget("state") == "disabled" and "fine_tune" in app.method_note.cget("text")
+
+
+def test_flux_without_a_preset_plans_its_weights_and_hides_what_it_does_not_use(app):
+    fresh(app)
+    app.tabs["Sampling"].add("a cat")
+    app._family_chosen("FLUX.1")  # what picking it in the selector calls
+    pump(app, timeout=0.1)
+    assert app.cfg.get("model.family") == "flux"
+    parts = app.cfg.data["model"]["parts"]
+    assert parts and {p["weight_dtype"] for p in parts.values()} == {"auto"}, parts
+    assert parts["transformer"]["train"] is True  # the family's own train defaults stay
+    app.tabview.set("Sampling")
+    pump(app, timeout=0.1)
+    assert not field(app, "Sampling", "sampling.scheduler").shown
+    assert not field(app, "Sampling", "sampling.prompts[0].negative_prompt").shown
+    assert field(app, "Sampling", "sampling.prompts[0].prompt").shown
+    app._family_chosen("Stable Diffusion 1.5")
+    pump(app, timeout=0.1)
+    assert field(app, "Sampling", "sampling.scheduler").shown
+    assert field(app, "Sampling", "sampling.prompts[0].negative_prompt").shown
+    assert app.cfg.config is not None, app.cfg.problems  # "auto" weights are a valid config
+
+
+LEFT_RUNNING = """
+import json, signal, sys, time
+def emit(**event):
+    print(json.dumps(event), flush=True)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # as the trainer: a stop request
+emit(event="started", total_steps=3)
+emit(event="progress", step=1, total_steps=3, epoch=0, epochs=1, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=2.0)
+deadline = time.monotonic() + 60
+while not stop and time.monotonic() < deadline:
+    time.sleep(0.05)
+emit(event="backup", path=sys.argv[1])
+emit(event="finished")
+"""
+
+
+def test_a_run_left_by_an_earlier_window_is_reattached_and_stopped(app, tmp_path, monkeypatch):
+    import sys
+
+    from modules.config.presets import user_dir
+    from ui.app import App
+    from ui.attached_run import find_live_run
+
+    first = App(machine_info=MACHINE, restore=False)
+    second = None
+    try:
+        monkeypatch.setattr(first.cfg, "start_problems", lambda: [])  # the child below trains nothing
+        first.run_argv = lambda _config: [sys.executable, "-c", LEFT_RUNNING, str(tmp_path / "backup")]
+        assert first.start()
+        process = first.client.process
+        pump(first, lambda: any(e["event"] == "progress" for e in first.run_events), timeout=30, what="step 1")
+        first.ask_close = lambda: "leave"
+        first.on_close()  # closed, the run left training
+        assert process.poll() is None
+        assert find_live_run(user_dir() / "runs")[1] == process.pid
+
+        second = App(machine_info=MACHINE)  # a new window finds it, follows it and can stop it
+        pump(second, lambda: second.running and second.tabs["Run"].steps == [1], timeout=30,
+             what="the reattached run's first step")
+        assert second.status_label.cget("text").startswith("step 1/3")
+        assert second.start_button.cget("text") == "Stop"
+        assert "[reattached to the run in " in second.tabs["Run"].log_text()
+        second.start_button.invoke()  # Stop
+        assert second.status_label.cget("text").startswith("Stopping")
+        pump(second, lambda: not second.running and second.start_button.cget("text") == "Start training",
+             timeout=30, what="the reattached run to stop")
+        assert process.wait(10) == 0
+        assert second.status_label.cget("text") == "Stopped at step 1/3; a backup was written."
+        assert find_live_run(user_dir() / "runs") is None
+    finally:
+        for window in (first, second):
+            try:
+                if window is not None and window.winfo_exists():
+                    window.destroy()
+            except Exception:
+                pass
+        if first.client is not None:
+            first.client.kill()
+
+
+def test_ui_scale_round_trip_keeps_layout_and_place_and_the_tensorboard_button(app, tmp_path, monkeypatch):
+    """Last in the file: it changes the scale (and back)."""
+    fresh(app)
+    app.tabs["Concepts"].add(str(tmp_path))
+    app.geometry("900x600+40+30")
+    app.tabview.set("Concepts")
+    pump(app, timeout=0.3)
+    before = (app.tabs["Concepts"].winfo_reqheight(), app.tabs["Backup"].winfo_reqheight())
+    place = app.geometry().split("+", 1)[1]
+
+    # the TensorBoard URL has its own place: the next progress line does not replace it
+    (tmp_path / "ws" / "tensorboard").mkdir(parents=True)
+    edit(app, "General", "workspace_dir", str(tmp_path / "ws"))
+    monkeypatch.setattr(app.tensorboard, "open", lambda folder: "http://127.0.0.1:6006/")
+    assert app.open_tensorboard() == "http://127.0.0.1:6006/"
+    app._event({"event": "progress", "step": 1, "total_steps": 9, "epoch": 0, "epochs": 3, "loss": 0.1})
+    assert app.tensorboard_url.cget("text") == "http://127.0.0.1:6006/"
+    assert app.status_label.cget("text").startswith("step 1/9")
+
+    app.set_ui_scale("150%")
+    pump(app, timeout=0.5)
+    app.set_status("a long status line " * 20)
+    pump(app, timeout=0.3)
+    button = app.tensorboard_button
+    assert button.winfo_ismapped() and button.winfo_width() >= round(100 * 1.5) - 2
+    assert button.winfo_rootx() + button.winfo_width() <= app.winfo_rootx() + app.winfo_width()
+
+    app.set_ui_scale("100%")
+    pump(app, timeout=0.5)
+    for name in ("Concepts", "Backup"):
+        app.tabview.set(name)
+        pump(app, timeout=0.2)
+    after = (app.tabs["Concepts"].winfo_reqheight(), app.tabs["Backup"].winfo_reqheight())
+    assert after == before, "the tabs kept the 150% spacing"
+    assert app.geometry().split("+", 1)[1] == place
+    app.run_events.clear()
+    assert app.callback_errors == []

@@ -180,8 +180,6 @@ class Field(ctk.CTkFrame):
         stretch = widget in ("path", "lines") or (widget == "entry" and not numeric and not unit)
         self.input.grid(row=0, column=1, sticky="ew" if stretch else "w", padx=4, pady=2)
         self.error = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w", justify="left", wraplength=520)
-        self.error.grid(row=1, column=1, sticky="w", padx=6)
-        self.error.grid_remove()
         text = tooltip or field_description(path)
         self.tooltip_text = text
         if text:
@@ -266,12 +264,14 @@ class Field(ctk.CTkFrame):
     def show_error(self, message: str | None) -> None:
         if not self.winfo_exists() or (message or "") == self.error.cget("text"):
             return  # unchanged: configuring the label would redraw it for nothing
+        # grid and grid_forget, never grid_remove: CTk re-applies a widget's last grid() call when the
+        # UI scale changes, which would bring back every hidden (empty) message line
         if message:
             self.error.configure(text=message)
-            self.error.grid()
+            self.error.grid(row=1, column=1, sticky="w", padx=6)
         else:
             self.error.configure(text="")
-            self.error.grid_remove()
+            self.error.grid_forget()
 
     @property
     def error_text(self) -> str:
