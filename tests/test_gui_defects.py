@@ -375,3 +375,54 @@ def test_ui_scale_round_trip_keeps_layout_and_place_and_the_tensorboard_button(a
     assert app.geometry().split("+", 1)[1] == place
     app.run_events.clear()
     assert app.callback_errors == []
+
+
+def test_dataset_tool_edits_a_caption_in_place_filters_and_bulk_edits(app, shape_images, tmp_path):
+    import shutil
+
+    from ui.dataset_tool import edited
+
+    folder = tmp_path / "concept"
+    shutil.copytree(shape_images, folder)
+    fresh(app)
+    app.tabs["Concepts"].add(str(folder))
+    pump(app, timeout=0.1)
+    tool = app.tabs["Concepts"].open_dataset_tool(0)  # the concept's "Captions…" button
+    try:
+        pump(app, lambda: tool.winfo_ismapped(), timeout=5, what="the dataset tool")
+        images = sorted(p for p in folder.iterdir() if p.suffix == ".png")
+        assert list(tool.rows) == images and tool.count_label.cget("text") == f"4 of 4 images"
+        first = images[0]
+        box = tool.rows[first]["box"]
+        box.delete("1.0", "end")
+        box.insert("1.0", "a hand-written caption")
+        box._textbox.event_generate("<FocusOut>")  # leaving the box saves it
+        pump(app, timeout=0.05)
+        assert first.with_suffix(".txt").read_text() == "a hand-written caption\n"
+        assert not list(folder.glob("*.tmp*"))  # written atomically: no temp file left
+
+        tool.filter_var.set("hand-written")
+        pump(app, timeout=0.05)
+        assert list(tool.rows) == [first] and tool.count_label.cget("text") == "1 of 4 images"
+        tool.filter_var.set("")
+        tool.select_shown()
+        tool.edit_var.set("add tag")
+        tool.text_var.set("sks")
+        assert tool.apply_bulk() == 4
+        assert first.with_suffix(".txt").read_text() == "a hand-written caption, sks\n"
+        tool.edit_var.set("remove tag")
+        assert tool.apply_bulk() == 4
+        assert first.with_suffix(".txt").read_text() == "a hand-written caption\n"
+        assert edited("a, b", "prefix", "x ") == "x a, b" and edited("a b", "replace", "a", "c") == "c b"
+    finally:
+        tool.destroy()
+    pump(app, timeout=0.5)
+    preview = app.tabs["Concepts"].previews[0]
+    pump(app, lambda: "hand-written" in preview["caption"].cget("text") or _browse_to_first(app), timeout=5,
+         what="the preview to show the edited caption")
+    assert app.callback_errors == []
+
+
+def _browse_to_first(app) -> bool:
+    app.tabs["Concepts"].browse(0, 1)
+    return False

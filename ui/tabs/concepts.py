@@ -113,6 +113,8 @@ class ConceptsTab(Tab):
         ctk.CTkLabel(head, text=f"Concept {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
         ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
                       command=lambda: self.remove(index)).pack(side="right", padx=8, pady=4)
+        ctk.CTkButton(head, text="Captions…", width=90,
+                      command=lambda: self.open_dataset_tool(index)).pack(side="right", padx=4, pady=4)
         self.form(box, ConceptConfig, at, HEAD)
         placed = set(HEAD) | {"captions"}
         for title, names in GROUPS:
@@ -125,6 +127,27 @@ class ConceptsTab(Tab):
         if rest:
             self.form(subsection(box, "More"), ConceptConfig, at, rest)
         self._preview_widgets(box, index)
+
+    def open_dataset_tool(self, index: int):
+        """The concept's images and captions in the dataset tool (ui/dataset_tool.py)."""
+        from pathlib import Path
+
+        from ui.dataset_tool import DatasetTool
+
+        concept = self.concepts()[index]
+        folder = str(concept.get("path") or "").strip()
+        if not folder or not Path(folder).is_dir():
+            self.app.set_status(f"concepts[{index}].path: choose a folder of images first.")
+            return None
+        tool = DatasetTool(self.app, folder, bool(concept.get("include_subfolders")))
+        tool.bind("<Destroy>", lambda event: event.widget is tool and self._captions_edited(index), add="+")
+        return tool
+
+    def _captions_edited(self, index: int) -> None:
+        """The preview reads the captions again (its concept's settings did not change)."""
+        if index < len(self.previews):
+            self.previews[index]["key"] = None
+        self._schedule_previews()
 
     # --- the preview --------------------------------------------------------------------------------
 
