@@ -426,3 +426,30 @@ def test_dataset_tool_edits_a_caption_in_place_filters_and_bulk_edits(app, shape
 def _browse_to_first(app) -> bool:
     app.tabs["Concepts"].browse(0, 1)
     return False
+
+
+def test_a_caption_edited_in_the_tool_is_the_only_one_the_next_run_encodes_again(app, tiny_model, shape_images,
+                                                                                   tmp_path):
+    import shutil
+
+    from conftest import train_config
+    from modules.trainer.generic_trainer import GenericTrainer
+    from ui.dataset_tool import DatasetTool
+
+    folder = tmp_path / "concept"
+    shutil.copytree(shape_images, folder)
+    config = train_config(tiny_model, folder, tmp_path)
+    first = GenericTrainer(config)
+    first.start()
+    assert first.dataset.cache_stats["text"] == (0, 4)
+    first.lock.release()
+    tool = DatasetTool(app, folder)
+    try:
+        assert tool.save(tool.images[0], "a caption from the dataset tool")
+    finally:
+        tool.destroy()
+    second = GenericTrainer(config)
+    second.start()
+    second.lock.release()
+    assert second.dataset.cache_stats["text"] == (3, 1)  # (reused, encoded): that caption only
+    assert second.dataset.cache_stats["latents"][1] == 0
