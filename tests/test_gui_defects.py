@@ -391,7 +391,8 @@ def test_dataset_tool_edits_a_caption_in_place_filters_and_bulk_edits(app, shape
     try:
         pump(app, lambda: tool.winfo_ismapped(), timeout=5, what="the dataset tool")
         images = sorted(p for p in folder.iterdir() if p.suffix == ".png")
-        assert list(tool.rows) == images and tool.count_label.cget("text") == f"4 of 4 images"
+        assert list(tool.rows) == images and tool.count_label.cget("text") == "4 of 4 images"
+        assert tool.stats.cget("text") == "Sizes 64x64: 4; 0 without a caption."
         first = images[0]
         box = tool.rows[first]["box"]
         box.delete("1.0", "end")

@@ -4,7 +4,7 @@ Each row is an image's thumbnail and its caption (`<image>.txt`, as training rea
 modules/data/concepts.py), edited in place and saved atomically when the box loses the focus or on
 Ctrl+S; the run's next cache check re-encodes just that caption. Above the rows: a filter by caption
 text, and bulk edits over the selected rows (prefix, suffix, find/replace, add or remove a
-comma-separated tag)."""
+comma-separated tag), and the images' sizes and how many have no caption."""
 
 from __future__ import annotations
 
@@ -34,6 +34,25 @@ def read_caption_file(image: Path) -> str:
         return image.with_suffix(".txt").read_text(encoding="utf-8-sig").strip()
     except (OSError, UnicodeDecodeError):
         return ""
+
+
+def size_stats(images: list[Path], captions: dict[Path, str]) -> str:
+    """One line: how many images, their sizes (from the headers), how many have no caption."""
+    from collections import Counter
+
+    from PIL import Image
+
+    sizes: Counter = Counter()
+    for image in images:
+        try:
+            with Image.open(image) as opened:
+                sizes[opened.size] += 1
+        except OSError:
+            sizes["unreadable"] += 1
+    common = ", ".join(f"{s[0]}x{s[1]}: {n}" if isinstance(s, tuple) else f"{s}: {n}" for s, n in sizes.most_common(4))
+    more = f" and {len(sizes) - 4} more sizes" if len(sizes) > 4 else ""
+    empty = sum(not captions.get(image) for image in images)
+    return f"Sizes {common}{more}; {empty} without a caption."
 
 
 def edited(caption: str, edit: str, text: str, replacement: str = "") -> str:
@@ -84,6 +103,8 @@ class DatasetTool(ctk.CTkToplevel):
         ctk.CTkEntry(bulk, textvariable=self.replacement_var, width=160,
                      placeholder_text="replace with").pack(side="left", padx=4)
         ctk.CTkButton(bulk, text="Apply to selected", width=130, command=self.apply_bulk).pack(side="left", padx=4)
+        self.stats = ctk.CTkLabel(self, text=size_stats(self.images, self.captions), anchor="w")
+        self.stats.pack(fill="x", padx=12)
         self.status = ctk.CTkLabel(self, text="", anchor="w")
         self.status.pack(fill="x", padx=12)
 
@@ -161,6 +182,8 @@ class DatasetTool(ctk.CTkToplevel):
             return False
         write_text(image.with_suffix(".txt"), caption + "\n")
         self.captions[image] = caption
+        empty = sum(not self.captions[i] for i in self.images)
+        self.stats.configure(text=self.stats.cget("text").rsplit("; ", 1)[0] + f"; {empty} without a caption.")
         self.status.configure(text=f"Saved {image.with_suffix('.txt').name}.")
         return True
 
