@@ -45,9 +45,12 @@ def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
     # a preset without prompts (the GUI's defaults have none) samples one, so sampling is tested too
     prompts = [{**prompt, "steps": 2, "width": 64, "height": 64}
                for prompt in preset_overlay.get("sampling", {}).get("prompts", [{"prompt": "a red square"}])]
+    # an embedding preset's placeholder goes into the captions, as its user writes it into theirs
+    placeholders = " ".join(e["placeholder"] for e in preset_overlay.get("embeddings", []) if e.get("train", True))
+    captions = {"captions": {"prefix": f"{placeholders} "}} if placeholders else {}
     return {
         "model": {"base": str(model)},
-        "concepts": [{"path": str(images)}],
+        "concepts": [{"path": str(images), **captions}],
         "data": {"resolution": 64},
         "schedule": {"max_steps": 2},
         "sampling": {"prompts": prompts},
@@ -111,6 +114,8 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
     saved = trainer.end()
     assert saved.is_file()
 
+    if config.method.type != "adapter":
+        return  # a fine-tune saves a model, an embedding run its embedding file: no LoRA to load
     if config.adapter.type not in DIFFUSERS_LOADS:
         return  # no diffusers loader for this adapter type (see DIFFUSERS_LOADS)
     if config.model.family in ("flux", "chroma") and config.output.format in ("kohya", "comfy"):

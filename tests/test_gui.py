@@ -153,21 +153,12 @@ PRESET = "gui test preset"
 
 
 def test_preset_bar_save_and_load(app, tiny_model, shape_images, tmp_path_factory, monkeypatch):
-    import customtkinter as ctk
-
     from modules.config.presets import user_presets_dir
 
     fresh(app)
     configure_tiny_run(app, tiny_model, shape_images, tmp_path_factory.mktemp("gui-run"))
-
-    class NameDialog:  # the "Save as…" dialog, answered
-        def __init__(self, **_kwargs):
-            pass
-
-        def get_input(self):
-            return PRESET
-
-    monkeypatch.setattr(ctk, "CTkInputDialog", NameDialog)
+    monkeypatch.setattr(app, "ask_preset_name", lambda: PRESET)  # the "Save as…" dialog, answered
+    monkeypatch.setattr(app, "ask_reset", lambda lost: True)  # "Reset to the defaults?", answered yes
     app.save_as_button.invoke()
     saved = user_presets_dir() / f"{PRESET}.json"
     assert saved.is_file()

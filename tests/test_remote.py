@@ -229,7 +229,7 @@ def test_events_drive_console_callbacks_in_text_mode():
                   {"event": "finished"}):
         dispatch(event, console)
     text = stream.getvalue()
-    assert "step 1/2 epoch 0/1 loss 0.5000" in text and "eta ?" in text
+    assert "step 1/2 epoch 1/1 loss 0.5000" in text and "eta ?" in text
     assert "sample: /here/s.png" in text and "warning: careful" in text
 
 

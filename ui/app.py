@@ -60,6 +60,11 @@ def training_methods() -> dict[str, tuple[str, bool]]:
     return methods
 
 
+def family_menu_text(name: str) -> str:
+    label = get_family_class(name).label
+    return label if label == name else f"{label} ({name})"
+
+
 def fetch_machine_info() -> dict:
     """`launch.py info --json` in a child process, so probing the device never blocks the window."""
     result = subprocess.run([sys.executable, str(ROOT / "launch.py"), "info", "--json"], cwd=ROOT,
@@ -86,6 +91,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self.run_config: dict = {}
         self.total_steps = 0
         self._stop_requested = False
+        self._stage: tuple[str, float] | None = None  # before a run's first step: (stage, since)
         self._closing = False
         self._info_queue: queue.Queue = queue.Queue()
         self.tensorboard = TensorBoard()
@@ -106,6 +112,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
             last = self._read_json(gui_dir() / "last_config.json")
             if last is not None:
                 self.cfg.restore(last)
+                self.show_loaded_preset(self.settings.get("preset"))
         self.cfg.validate()
         self.protocol("WM_DELETE_WINDOW", self.on_close)
         if restore:
@@ -123,14 +130,17 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         bar = ctk.CTkFrame(self, fg_color="transparent")
         bar.pack(fill="x", padx=8, pady=(0, 4))
         ctk.CTkLabel(bar, text="Model family").pack(side="left", padx=(8, 4))
-        self.family_labels = {get_family_class(name).label: name for name in family_names()}
+        # the family's name with the config's name for it (model.family on the Model tab): one family, one name
+        self.family_labels = {family_menu_text(name): name for name in family_names()}
         self.family_menu = ctk.CTkOptionMenu(bar, values=list(self.family_labels), command=self._family_chosen,
-                                             width=180)
+                                             width=220)
         self.family_menu.pack(side="left", padx=4)
-        ctk.CTkLabel(bar, text="Training method").pack(side="left", padx=(16, 4))
-        self.method_menu = ctk.CTkOptionMenu(bar, values=list(training_methods()), command=self._method_chosen,
-                                             width=110)
+        # the adapter algorithm (adapter.type and dora); what trains is the Training tab's Method
+        ctk.CTkLabel(bar, text="Adapter").pack(side="left", padx=(16, 4))
+        self.method_menu = ctk.CTkOptionMenu(bar, values=list(training_methods()), command=self._method_chosen, width=110)
         self.method_menu.pack(side="left", padx=4)
+        self.method_note = ctk.CTkLabel(bar, text="", anchor="w")
+        self.method_note.pack(side="left", padx=4)
 
     def _run_bar(self) -> None:
         """Start/Stop, the commands, step and epoch progress; below: the status and what blocks Start."""
@@ -157,10 +167,14 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self.epoch_progress.pack(fill="x", pady=(0, 2))
         line = ctk.CTkFrame(bar, fg_color="transparent")
         line.pack(fill="x", padx=8, pady=(0, 4))
-        self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
-        self.status_label.pack(side="left")
+        # packed first, so a long status is cut, never the button; the URL has its own label, so the
+        # next progress line does not overwrite it
         self.tensorboard_button = ctk.CTkButton(line, text="TensorBoard", width=100, command=self.open_tensorboard)
         self.tensorboard_button.pack(side="right")
+        self.tensorboard_url = ctk.CTkLabel(line, text="", anchor="e", text_color=("#1f6aa5", "#6cb4ee"))
+        self.tensorboard_url.pack(side="right", padx=(8, 8))
+        self.status_label = ctk.CTkLabel(line, text="Ready.", anchor="w")
+        self.status_label.pack(side="left")
         # what blocks Start, always in view (the run bar never leaves the window)
         self.problem_label = ctk.CTkLabel(line, text="", text_color=ERROR_COLOR, anchor="w", justify="left")
         self.problem_label.pack(side="left", fill="x", expand=True, padx=(12, 0))
@@ -168,7 +182,9 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
     # --- selectors -------------------------------------------------------------------------------
 
     def _family_chosen(self, label: str) -> None:
-        self.cfg.set("model.family", self.family_labels[label])
+        """The menu's text (or the family's label or name) -> model.family."""
+        by_label = {get_family_class(name).label: name for name in family_names()}
+        self.cfg.set("model.family", self.family_labels.get(label) or by_label.get(label) or label)
 
     def _family_changed(self, family) -> bool:
         """model.family set (the selector or the Model tab): the new family's parts, the rest kept."""
@@ -176,7 +192,10 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
             return False
         overlay = config_overlay(self.cfg.config) if self.cfg.config else {}
         overlay.setdefault("model", {})["family"] = family
-        overlay["model"].pop("parts", None)  # parts are the family's own
+        # parts are the family's own; their weights "auto": planned for this machine's memory, not
+        # float32 (48 GB for FLUX.1) until the user or a preset says otherwise
+        overlay["model"]["parts"] = {part: {**defaults, "weight_dtype": "auto"}
+                                     for part, defaults in get_family_class(family).default_parts().items()}
         try:
             data = build_config([overlay]).model_dump(mode="json")
         except ConfigError:
@@ -210,6 +229,10 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         method = next((name for name, value in training_methods().items() if value == shown), None)
         if method and self.method_menu.get() != method:
             self.method_menu.set(method)
+        trains = (data.get("method") or {}).get("type")
+        uses_adapter = trains in (None, "adapter")
+        self.method_menu.configure(state="normal" if uses_adapter else "disabled")
+        self.method_note.configure(text="" if uses_adapter else f"(not used: the method is {trains})")
         problems = self.cfg.problems
         text = ""
         if problems:

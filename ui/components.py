@@ -66,6 +66,33 @@ def pack_in_place(widget, options: dict) -> None:
     widget.pack(**options)
 
 
+def _page_of(widget):
+    """The scrollable tab page a widget sits on, or None."""
+    node = widget.master
+    while node is not None and not isinstance(node, ctk.CTkScrollableFrame):
+        node = node.master
+    return node
+
+
+def forward_wheel_to_page(textbox) -> None:
+    """The mouse wheel over a multi-line box scrolls the box while it has more lines than it shows,
+    else the page under it (CTkScrollableFrame ignores the wheel over any CTkTextbox)."""
+    inner = textbox._textbox
+
+    def wheel(event):
+        if inner.yview() != (0.0, 1.0):
+            return None  # the box's own scrolling
+        page = _page_of(textbox)
+        if page is None:
+            return None
+        up = event.num == 4 or getattr(event, "delta", 0) > 0
+        page._parent_canvas.yview_scroll(-1 if up else 1, "units")
+        return "break"
+
+    for sequence in ("<Button-4>", "<Button-5>", "<MouseWheel>"):
+        inner.bind(sequence, wheel, add="+")
+
+
 def section(parent, text: str):
     label = ctk.CTkLabel(parent, text=text, font=ctk.CTkFont(size=15, weight="bold"), anchor="w")
     label.pack(fill="x", padx=8, pady=(12, 2))
@@ -147,13 +174,12 @@ class Field(ctk.CTkFrame):
             self.input.bind("<KeyRelease>", self._text_to_var)
             self.input.bind("<FocusOut>", self._text_to_var)
             self.var.trace_add("write", lambda *_: self._var_to_text())
+            forward_wheel_to_page(self.input)
         else:
             raise ValueError(f"unknown widget {widget!r}")
         stretch = widget in ("path", "lines") or (widget == "entry" and not numeric and not unit)
         self.input.grid(row=0, column=1, sticky="ew" if stretch else "w", padx=4, pady=2)
         self.error = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w", justify="left", wraplength=520)
-        self.error.grid(row=1, column=1, sticky="w", padx=6)
-        self.error.grid_remove()
         text = tooltip or field_description(path)
         self.tooltip_text = text
         if text:
@@ -238,12 +264,14 @@ class Field(ctk.CTkFrame):
     def show_error(self, message: str | None) -> None:
         if not self.winfo_exists() or (message or "") == self.error.cget("text"):
             return  # unchanged: configuring the label would redraw it for nothing
+        # grid and grid_forget, never grid_remove: CTk re-applies a widget's last grid() call when the
+        # UI scale changes, which would bring back every hidden (empty) message line
         if message:
             self.error.configure(text=message)
-            self.error.grid()
+            self.error.grid(row=1, column=1, sticky="w", padx=6)
         else:
             self.error.configure(text="")
-            self.error.grid_remove()
+            self.error.grid_forget()
 
     @property
     def error_text(self) -> str:
@@ -281,32 +309,69 @@ class Field(ctk.CTkFrame):
             self.input.insert("1.0", text)
 
 
+def centre_over(window, master, width: int | None = None, height: int | None = None) -> None:
+    """Place `window` over `master`, centred and a third from its top, kept on the screen; with a
+    size, the window gets that size too (CTk scales the size by the window scaling, not the position)."""
+    try:
+        window.update_idletasks()
+        scale = window._get_window_scaling() if hasattr(window, "_get_window_scaling") else 1.0
+        w = round(width * scale) if width else window.winfo_reqwidth()
+        h = round(height * scale) if height else window.winfo_reqheight()
+        x = master.winfo_rootx() + (master.winfo_width() - w) // 2
+        y = master.winfo_rooty() + (master.winfo_height() - h) // 3
+        x = min(max(0, x), max(0, window.winfo_screenwidth() - w))
+        y = min(max(0, y), max(0, window.winfo_screenheight() - h))
+        window.geometry(f"{width}x{height}+{x}+{y}" if width and height else f"+{x}+{y}")
+    except tk.TclError:
+        if width and height:
+            window.geometry(f"{width}x{height}")
+
+
+def show_picture(label, picture) -> None:
+    """Show a CTkImage in a CTkLabel, or none (picture None). CTkLabel.configure(image=None) leaves
+    the Tk label pointing at the old photo image, which is deleted with its CTkImage: the next
+    redraw of the label fails with 'image "pyimageN" doesn't exist'. So the Tk label is cleared
+    too, before the caller drops the old picture."""
+    label.configure(image=picture)
+    if picture is None:
+        label._label.configure(image="")
+
+
+HEADLINE_CHARS = 400  # the bold line stays a few lines tall; the full text is in the box below
+
+
 class ErrorDialog(ctk.CTkToplevel):
     """A non-modal window: the title, the error line (`message`) first and in bold, then the
-    details (a traceback, a log tail) below it, selectable; the main window stays live."""
+    details (a traceback, a log tail) below it, selectable; the main window stays live. OK sits at
+    the bottom whatever the text's length (packed before the box that takes the rest), and Escape
+    or Return closes the dialog."""
 
     def __init__(self, master, title: str, message: str, details: str = ""):
         super().__init__(master)
         self.title(title)
         width, height = 620, 300
-        try:  # centred over the main window
-            x = master.winfo_rootx() + max(0, (master.winfo_width() - width) // 2)
-            y = master.winfo_rooty() + max(0, (master.winfo_height() - height) // 3)
-            self.geometry(f"{width}x{height}+{x}+{y}")
-        except tk.TclError:
-            self.geometry(f"{width}x{height}")
+        centre_over(self, master, width, height)
         self.message = message + (f"\n\n{details}" if details else "")
         self.headline, self.details = message, details
         ctk.CTkLabel(self, text=title, font=ctk.CTkFont(size=15, weight="bold"),
                      text_color=ERROR_COLOR, anchor="w").pack(fill="x", padx=12, pady=(12, 4))
-        ctk.CTkLabel(self, text=message, font=ctk.CTkFont(weight="bold"), anchor="w", justify="left",
+        self.ok_button = ctk.CTkButton(self, text="OK", width=90, command=self.destroy)
+        self.ok_button.pack(side="bottom", pady=(4, 12))
+        headline = message if len(message) <= HEADLINE_CHARS else message[:HEADLINE_CHARS - 1] + "…"
+        ctk.CTkLabel(self, text=headline, font=ctk.CTkFont(weight="bold"), anchor="w", justify="left",
                      wraplength=width - 24).pack(fill="x", padx=12, pady=(0, 4))
-        box = ctk.CTkTextbox(self, wrap="word")
+        box = ctk.CTkTextbox(self, wrap="word", height=40)
         box.insert("1.0", self.message)
         box.configure(state="disabled")
         box.pack(fill="both", expand=True, padx=12, pady=4)
-        ctk.CTkButton(self, text="OK", width=90, command=self.destroy).pack(pady=(4, 12))
-        self.after(50, self.lift)
+        for key in ("<Escape>", "<Return>", "<KP_Enter>"):
+            self.bind(key, lambda _event: self.destroy())
+        self.after(50, self._raise)
+
+    def _raise(self) -> None:
+        if self.winfo_exists():
+            self.lift()
+            self.focus_force()  # so Escape reaches it
 
 
 def button_row(parent, buttons: list[tuple[str, Callable[[], None]]], **pack):

@@ -122,6 +122,14 @@ def _layer_presets(cfg) -> list[str]:
     return list(get_family_class(family).layer_presets)
 
 
+def _family_has(value, attribute: str) -> bool | None:
+    """The model.family's class attribute, or None while the family is not a known one."""
+    from modules.model.registry import family_names, get_family_class
+
+    family = value("model.family")
+    return getattr(get_family_class(family), attribute) if family in family_names() else None
+
+
 def _weight_dtypes(cfg) -> list[str]:
     from modules.config.train_config import weight_dtype_choices
 
@@ -160,6 +168,9 @@ VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
     "ema.decay": lambda s, v: bool(s("enabled")),
     "ema.update_every": lambda s, v: bool(s("enabled")),
     "ema.device": lambda s, v: bool(s("enabled")),
+    # flow-matching families sample with their own scheduler; a guidance-distilled one with no negative prompt
+    "sampling.scheduler": lambda s, v: _family_has(v, "flow_matching") is not True,
+    "sampling.prompts[].negative_prompt": lambda s, v: _family_has(v, "negative_prompt") is not False,
 }
 
 NOT_EDITABLE = {"version"}  # the file format's version: written by the trainer, never a user choice

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tkinter as tk
 from pathlib import Path
-from tkinter import filedialog
+from tkinter import filedialog, messagebox
 
 import customtkinter as ctk
 
@@ -16,7 +16,10 @@ from modules.config.errors import ConfigError
 from modules.config.loading import build_config, read_json_file
 from modules.config.presets import list_presets, load_preset_overlay, save_preset
 from modules.util.atomic import write_text
+from ui.components import centre_over
 from ui.state import default_data
+
+NO_PRESET = "(no preset)"  # shown until a preset is loaded or saved: the box names what is loaded, never a guess
 
 
 class PresetBar:
@@ -24,7 +27,7 @@ class PresetBar:
         bar = ctk.CTkFrame(self)
         bar.pack(fill="x", padx=8, pady=(8, 4))
         ctk.CTkLabel(bar, text="Preset").pack(side="left", padx=(8, 4))
-        self.preset_var = tk.StringVar(self)
+        self.preset_var = tk.StringVar(self, value=NO_PRESET)
         self.preset_menu = ctk.CTkOptionMenu(bar, variable=self.preset_var, values=["-"], width=160)
         self.preset_menu.pack(side="left", padx=4, pady=6)
         self.load_button = ctk.CTkButton(bar, text="Load", width=70, command=self.load_selected_preset)
@@ -51,9 +54,15 @@ class PresetBar:
         for preset in list_presets():
             if preset.name not in names:
                 names.append(preset.name)
-        self.preset_menu.configure(values=names or ["-"])
-        if self.preset_var.get() not in names and names:
-            self.preset_var.set(names[0])
+        self.preset_menu.configure(values=names or [NO_PRESET])
+        if self.preset_var.get() not in names:
+            self.preset_var.set(NO_PRESET)
+
+    def show_loaded_preset(self, name: str | None) -> None:
+        """The preset box names the preset the config came from (kept in the settings for the next
+        start), or says there is none."""
+        self.settings["preset"] = name
+        self.preset_var.set(name if name in self.preset_menu.cget("values") else NO_PRESET)
 
     def load_preset(self, name: str) -> None:
         """Defaults, then the preset: exactly what `launch.py train --preset NAME` starts from, except
@@ -73,18 +82,30 @@ class PresetBar:
             data["concepts"] = self.cfg.get("concepts")
             kept.append("concepts")
         self.cfg.load(data)
+        self.show_loaded_preset(name)
         self.set_status(f"Loaded preset {name!r}" + (f" (kept your {' and '.join(kept)})." if kept else "."))
 
     def load_selected_preset(self) -> None:
+        if self.preset_var.get() == NO_PRESET:
+            self.set_status("Choose a preset in the box first, then Load.")
+            return
         self.load_preset(self.preset_var.get())
+
+    def ask_preset_name(self) -> str | None:
+        """The name for "Save as…", asked in a dialog over the window (not at the screen's edge)."""
+        dialog = ctk.CTkInputDialog(text="Name of the new preset:", title="Save preset")
+        # its widgets are made 10 ms after it opens: centred once they give it its size
+        dialog.after(30, lambda: dialog.winfo_exists() and centre_over(dialog, self))
+        self.name_dialog = dialog
+        return dialog.get_input()
 
     def save_preset_as(self, name: str | None = None) -> Path | None:
         if self.cfg.config is None:
             self._refuse("Cannot save the preset", self.cfg.problems)
             return None
         if name is None:
-            name = ctk.CTkInputDialog(text="Name of the new preset:", title="Save preset").get_input()
-            if not name:
+            name = self.ask_preset_name()
+            if not name or not name.strip():
                 return None
         try:
             path = save_preset(self.cfg.config, name.strip())
@@ -92,13 +113,35 @@ class PresetBar:
             self.show_error("Cannot save the preset", str(error))
             return None
         self.refresh_presets()
-        self.preset_var.set(name.strip())
+        self.show_loaded_preset(name.strip())
         self.set_status(f"Saved preset {name.strip()!r} to {path}.")
         return path
 
-    def reset_defaults(self) -> None:
+    def reset_defaults(self) -> bool:
+        """Every setting back to the family's defaults, after asking when that would clear the
+        user's own base model, concepts or prompts."""
+        lost = []
+        if self.cfg.get("model.base"):
+            lost.append("the base model")
+        for key, what in ((("concepts",), "concept"), (("sampling", "prompts"), "prompt")):
+            node = self.cfg.data
+            for step in key:
+                node = (node or {}).get(step) if isinstance(node, dict) else None
+            if node:
+                lost.append(f"{len(node)} {what}{'s' if len(node) != 1 else ''}")
+        if lost and not self.ask_reset(lost):
+            self.set_status("Reset cancelled.")
+            return False
         self.cfg.load(default_data(self.cfg.get("model.family") or "sd15"))
+        self.show_loaded_preset(None)
         self.set_status("Reset to the defaults.")
+        return True
+
+    def ask_reset(self, lost: list[str]) -> bool:
+        what = ", ".join(lost[:-1]) + (" and " if len(lost) > 1 else "") + lost[-1]
+        return messagebox.askyesno("Reset to the defaults?",
+                                   f"Every setting goes back to its default; this also clears {what}.",
+                                   parent=self)
 
     def import_config(self, path: str | None = None) -> None:
         path = path or filedialog.askopenfilename(parent=self, filetypes=[("config", "*.json"), ("all files", "*")])
@@ -110,6 +153,7 @@ class PresetBar:
             self.show_error("Cannot import the config", str(error))
             return
         self.cfg.load(data)
+        self.show_loaded_preset(None)
         self.set_status(f"Imported {path}.")
 
     def export_config(self, path: str | None = None) -> None:

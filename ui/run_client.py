@@ -27,13 +27,25 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("stop", "sample", "backup", "save")
+PROCESS_FILE = "process.json"  # the child's PID and creation time: ui/attached_run.py finds the run again by it
 
 
 def local_train_argv(config_file: str | os.PathLike) -> list[str]:
     """`launch.py train --config FILE --protocol jsonl` with this interpreter, unbuffered."""
     return [sys.executable, "-u", str(ROOT / "launch.py"), "train", "--config", str(config_file), "--protocol", "jsonl"]
+
+
+def record_process(run_dir: Path, pid: int) -> None:
+    """Written by the window that starts the run: who to look for after a reopen."""
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.Error:
+        return
+    (run_dir / PROCESS_FILE).write_text(json.dumps({"pid": pid, "created": created}), encoding="utf-8")
 
 
 class RunClient:
@@ -69,8 +81,13 @@ class RunClient:
             # and the run outlives the window when the user chooses to leave it running
             self.process = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdin=subprocess.PIPE,
                                             stdout=out, stderr=err, start_new_session=True)
+        record_process(self.run_dir, self.process.pid)  # so a window opened later finds the run again
         self._thread = threading.Thread(target=self._read, name="run-reader", daemon=True)
         self._thread.start()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
 
     @property
     def running(self) -> bool:
@@ -152,14 +169,19 @@ class RunClient:
         return True
 
     def _line(self, name: str, raw: bytes) -> None:
-        text = raw.decode("utf-8", errors="replace").rstrip("\r")
-        if name == "out":
-            try:
-                event = json.loads(text)
-            except json.JSONDecodeError:
-                event = None
-            if isinstance(event, dict) and "event" in event:
-                self.events.put(("event", event))
-                return
-        if text.strip():
-            self.events.put(("log", text))
+        item = decode_line(name, raw)
+        if item is not None:
+            self.events.put(item)
+
+
+def decode_line(name: str, raw: bytes) -> tuple[str, object] | None:
+    """A line of the run's stdout ("out") or stderr ("err") as a queue item, None for a blank one."""
+    text = raw.decode("utf-8", errors="replace").rstrip("\r")
+    if name == "out":
+        try:
+            event = json.loads(text)
+        except json.JSONDecodeError:
+            event = None
+        if isinstance(event, dict) and "event" in event:
+            return ("event", event)
+    return ("log", text) if text.strip() else None

@@ -16,10 +16,14 @@ from pathlib import Path
 
 from modules.config.presets import user_dir
 from modules.util.atomic import write_text
+from ui.attached_run import AttachedRun, find_live_run
 from ui.run_client import ROOT, RunClient
-from ui.run_history import history, run_dirs, sample_info
+from ui.run_history import history, read_config, run_dirs, sample_info
 
 REFUSED_STATUS = "Training cannot start"
+# the console's status lines in the run's log (modules/cli/console.py: `[loading model]`), shown in
+# the status line until the first step: loading and caching take minutes on a big data set
+STAGE_LINE = re.compile(r"^\[([a-z][^\[\]]*)\]$")
 
 
 def error_line(lines: list[str]) -> str | None:
@@ -87,20 +91,68 @@ class RunControl:
             button.configure(state="normal")
         self.progress.set(0)
         self.epoch_progress.set(0)
+        self._stage = ("starting", time.monotonic())
+        self._waiting_bar(True)
         self.set_status("Starting…")
         self.after(100, self._poll)
         return True
 
+    def _waiting_bar(self, waiting: bool) -> None:
+        """Before the first step the step bar moves back and forth: the run is alive, its length unknown."""
+        if waiting:
+            self.progress.configure(mode="indeterminate")
+            self.progress.start()
+        elif self.progress.cget("mode") == "indeterminate":
+            self.progress.stop()
+            self.progress.configure(mode="determinate")
+
+    def _show_stage(self) -> None:
+        """The stage the run is in before its first step, with the seconds it has taken so far."""
+        if self._stage is None:
+            return
+        text, since = self._stage
+        self.set_status(f"{text[:1].upper()}{text[1:]}… {time.monotonic() - since:.0f} s")
+
     def _show_last_run(self) -> None:
-        """On opening the window: the newest run's curve and samples (with those it resumed)."""
+        """On opening the window: a run an earlier window left training, followed again; else the
+        newest run's curve and samples (with those it resumed)."""
+        if self.reattach():
+            return
         runs = run_dirs(user_dir() / "runs")
         if runs:
             self.tabs["Run"].load_history(history(runs[-1]))
             self.tabs["Run"].append_log(f"[last run: {runs[-1]}]")
 
+    def reattach(self) -> bool:
+        """Follow a run an earlier window started and left training (ui/attached_run.py): its curve,
+        samples and log from the start, then live; Stop stops it (with its backup)."""
+        found = find_live_run(user_dir() / "runs")
+        if found is None:
+            return False
+        run_dir, pid = found
+        self.run_events, self.total_steps, self._stop_requested = [], 0, False
+        self.run_config = read_config(run_dir)
+        run_tab = self.tabs["Run"]
+        run_tab.clear()
+        if (self.run_config.get("backup") or {}).get("resume"):
+            run_tab.load_history(history(run_dir, include_own=False))
+        run_tab.append_log(f"[reattached to the run in {run_dir} (pid {pid}), started by an earlier window: "
+                           "Stop reaches it; sample, backup and save now do not]")
+        self.client = AttachedRun(run_dir, pid)
+        self.client.start()
+        self.tabview.set("Run")
+        self.start_button.configure(text="Stop", fg_color="#b23b3b", hover_color="#8e2b2b")
+        for button in self.command_buttons.values():
+            button.configure(state="disabled")  # they travel on the old window's pipe, gone with it
+        self._stage = ("following the run an earlier window started", time.monotonic())
+        self._waiting_bar(True)
+        self.after(100, self._poll)
+        return True
+
     def stop(self) -> None:
         if self.running and self.client.stop():
             self._stop_requested = True
+            self._stage = None  # the stop's own line stays
             self.set_status("Stopping at the next step (a backup will be written)…")
             self.start_button.configure(state="disabled")
 
@@ -116,6 +168,7 @@ class RunControl:
                             "has trained a step).")
             return None
         url = self.tensorboard.open(folder)
+        self.tensorboard_url.configure(text=url)
         self.set_status(f"TensorBoard: {url} ({folder})")
         return url
 
@@ -136,9 +189,13 @@ class RunControl:
                 self._event(payload)
             elif kind == "log":
                 self.tabs["Run"].append_log(payload)
+                stage = STAGE_LINE.match(payload.strip())
+                if stage and self._stage is not None:
+                    self._stage = (stage.group(1), time.monotonic())
             elif kind == "exit":
                 ended = payload
         if ended is None:
+            self._show_stage()
             self.after(100, self._poll)
         else:
             self._ended(ended)
@@ -149,8 +206,12 @@ class RunControl:
         run_tab = self.tabs["Run"]
         if name == "started":
             self.total_steps = event.get("total_steps") or 0
-            self.set_status(f"Started: {self.total_steps} steps.")
+            if self._stage is not None:
+                self._stage = (f"starting {self.total_steps} steps", time.monotonic())
         elif name == "progress":
+            if self._stage is not None:  # training: the step bar and the progress line from here on
+                self._stage = None
+                self._waiting_bar(False)
             step, total = event.get("step", 0), event.get("total_steps") or self.total_steps or 1
             self.progress.set(min(1.0, step / total))
             epoch, epochs = event.get("epoch") or 0, event.get("epochs") or 1  # epoch: those done
@@ -177,6 +238,8 @@ class RunControl:
             self.epoch_progress.set(1.0)
 
     def _ended(self, returncode: int) -> None:
+        self._stage = None
+        self._waiting_bar(False)
         names = {e.get("event") for e in self.run_events}
         errors = [e.get("message", "") for e in self.run_events if e.get("event") == "error"]
         if returncode != 0 and not errors:

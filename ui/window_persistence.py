@@ -27,8 +27,13 @@ class WindowPersistence:
             return None
 
     def set_ui_scale(self, text: str) -> None:
+        """Every widget at the new scale; the window stays where it is (CTk re-sets the window's size
+        without its position, which some window managers answer by moving it to the corner)."""
         scale = int(text.rstrip("%")) / 100
+        position = "+" + self.geometry().split("+", 1)[1] if "+" in self.geometry() else None
         ctk.set_widget_scaling(scale)
+        if position:
+            self.after_idle(lambda: self.winfo_exists() and self.geometry(position))
         self.settings["ui_scale"] = scale
         self.save_settings()
 
@@ -61,7 +66,7 @@ class WindowPersistence:
                 return  # _ended closes the window once the run has written its backup
             self.client.detach()
             log = self.client.log_path
-            print(f"difftrainer: training left running (pid {self.client.process.pid}); its log: {log}", file=sys.stderr)
+            print(f"difftrainer: training left running (pid {self.client.pid}); its log: {log}", file=sys.stderr)
         self._destroy()
 
     def _destroy(self) -> None:

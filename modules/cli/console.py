@@ -37,10 +37,11 @@ class ConsoleCallbacks(TrainCallbacks):
                 # and ETA cover only the steps this process ran
                 self.bar.initial = self.bar.n = self.bar.last_print_n = p.step - 1
             self.bar.update(p.step - self.bar.n)
-            self.bar.set_postfix(epoch=f"{p.epoch}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}")
+            # p.epoch counts from 0; the user reads epoch 1 of N, as the GUI's status line says
+            self.bar.set_postfix(epoch=f"{p.epoch + 1}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}")
         elif p.step % self.every == 0 or p.step == p.total_steps or p.step == 1:
             eta = f"{p.eta_s:.0f}s" if p.eta_s != float("inf") else "?"
-            self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch}/{p.epochs} loss {p.loss:.4f} "
+            self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch + 1}/{p.epochs} loss {p.loss:.4f} "
                        f"lr {p.lr:.2e} {p.it_per_s:.2f} it/s eta {eta}")
 
     def on_sample(self, path: str) -> None:

@@ -55,6 +55,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
+    negative_prompt: ClassVar[bool] = True
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)

@@ -145,6 +145,7 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
         PartSpec("vae", "vae", None),
     )
     bucket_quantum = 64
+    negative_prompt = False  # guidance-distilled: FluxPipeline samples without a negative prompt
     kohya_base_version = "flux1"
     modelspec_architecture = "flux-1-dev/lora"
     key_layout = FLUX_KEYS

@@ -11,7 +11,7 @@ from collections import Counter
 import customtkinter as ctk
 
 from modules.config.train_config import CaptionConfig, ConceptConfig
-from ui.components import subsection
+from ui.components import show_picture, subsection
 from ui.tabs import Tab
 
 THUMB_SIZE = 160
@@ -113,6 +113,8 @@ class ConceptsTab(Tab):
         ctk.CTkLabel(head, text=f"Concept {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
         ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
                       command=lambda: self.remove(index)).pack(side="right", padx=8, pady=4)
+        ctk.CTkButton(head, text="Captions…", width=90,
+                      command=lambda: self.open_dataset_tool(index)).pack(side="right", padx=4, pady=4)
         self.form(box, ConceptConfig, at, HEAD)
         placed = set(HEAD) | {"captions"}
         for title, names in GROUPS:
@@ -125,6 +127,27 @@ class ConceptsTab(Tab):
         if rest:
             self.form(subsection(box, "More"), ConceptConfig, at, rest)
         self._preview_widgets(box, index)
+
+    def open_dataset_tool(self, index: int):
+        """The concept's images and captions in the dataset tool (ui/dataset_tool.py)."""
+        from pathlib import Path
+
+        from ui.dataset_tool import DatasetTool
+
+        concept = self.concepts()[index]
+        folder = str(concept.get("path") or "").strip()
+        if not folder or not Path(folder).is_dir():
+            self.app.set_status(f"concepts[{index}].path: choose a folder of images first.")
+            return None
+        tool = DatasetTool(self.app, folder, bool(concept.get("include_subfolders")))
+        tool.bind("<Destroy>", lambda event: event.widget is tool and self._captions_edited(index), add="+")
+        return tool
+
+    def _captions_edited(self, index: int) -> None:
+        """The preview reads the captions again (its concept's settings did not change)."""
+        if index < len(self.previews):
+            self.previews[index]["key"] = None
+        self._schedule_previews()
 
     # --- the preview --------------------------------------------------------------------------------
 
@@ -211,13 +234,15 @@ class ConceptsTab(Tab):
         self._show_item(index)
 
     def _show_item(self, index: int) -> None:
+        """The image at the slot's position and its trained caption. The label is pointed at the new
+        picture (or at none) before the old one is let go: a label left on a deleted photo image
+        fails on its next redraw."""
         from PIL import Image
 
         slot = self.previews[index]
-        slot["picture"] = None
-        slot["images"] = []
         if not slot["items"]:
-            slot["image"].configure(image=None, text="")
+            self._set_picture(slot, None)
+            slot["image"].configure(text="")
             slot["caption"].configure(text="")
             return
         position = slot["position"]
@@ -228,11 +253,17 @@ class ConceptsTab(Tab):
                 image.thumbnail((THUMB_SIZE, THUMB_SIZE))
                 picture = ctk.CTkImage(light_image=image, dark_image=image, size=image.size)
         except OSError as error:
-            slot["image"].configure(image=None, text=str(error))
+            self._set_picture(slot, None)
+            slot["image"].configure(text=str(error))
             return
-        slot["picture"] = picture
-        slot["images"] = [picture]
-        slot["image"].configure(image=picture, text="")
+        self._set_picture(slot, picture)
+        slot["image"].configure(text="")
         caption = trained_caption(item.caption, self.concepts()[index], position, int(self.cfg.get("seed") or 0))
         slot["caption"].configure(text=f"{position + 1}/{len(slot['items'])}  {item.image.name}\n"
                                        f"Trained caption: {caption or '(empty)'}")
+
+    @staticmethod
+    def _set_picture(slot: dict, picture) -> None:
+        show_picture(slot["image"], picture)
+        slot["picture"] = picture
+        slot["images"] = [picture] if picture is not None else []

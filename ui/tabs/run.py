@@ -41,7 +41,10 @@ class RunTab(ctk.CTkFrame):
         for spine in self.axes.spines.values():
             spine.set_color(text)
         self.axes.grid(True, alpha=0.2)
-        (self.line,) = self.axes.plot([], [], color="#4a9eda", linewidth=1.4)
+        (self.line,) = self.axes.plot([], [], color="#4a9eda", linewidth=1.4, markersize=5)
+        # before the first step there is nothing to scale the axes to: a line of text instead
+        self.placeholder = self.figure.text(0.5, 0.5, "The loss curve appears here after the first step.",
+                                            ha="center", va="center", color=text)
         self.figure.tight_layout()
         self.canvas = FigureCanvasTkAgg(self.figure, master=plot)
         # a small requested size: the figure follows the space the window gives it
@@ -51,6 +54,7 @@ class RunTab(ctk.CTkFrame):
         self.losses: list[float] = []
         self.redraws = 0
         self._redraw_job = None
+        self._redraw()
 
         gallery = ctk.CTkFrame(self)
         gallery.grid(row=0, column=1, sticky="nsew", padx=4, pady=4)
@@ -97,6 +101,11 @@ class RunTab(ctk.CTkFrame):
 
     def _redraw(self) -> None:
         self._redraw_job = None
+        empty = not self.steps
+        self.axes.set_visible(not empty)
+        self.placeholder.set_visible(empty)
+        # one point is no line: a dot, so a one-step run still shows its loss
+        self.line.set_marker("o" if len(self.steps) == 1 else "")
         self.line.set_data(self.steps, self.losses)
         self.axes.relim()
         self.axes.autoscale_view()
