@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--gpus", type=int, metavar="N", help="train on N GPUs of this machine (one process each, "
                        "through torchrun); the same as --set distributed.gpus=N")
     train.add_argument("--protocol", choices=["text", "jsonl"], default="text",
-                       help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see README)")
+                       help="jsonl: one JSON event per line on stdout, JSON commands on stdin (see docs/run-protocol.md)")
     train.set_defaults(run=cmd_train)
 
     cache = sub.add_parser("cache", help="fill the latent and text caches of a config without training "

@@ -3,7 +3,7 @@
     python -m benchmarks.release_check [--work DIR] [--sizes tiny small] [--rounds 2]
                                        [--steps tiny=20 small=6] [--baseline REF] [--no-counts]
 
-Goals, per size (README "Benchmark"):
+Goals, per size (docs/benchmarks.md):
 - mean step time (steps 2..N) of the trainer <= 1.05x the bare loop's;
 - peak RSS of the trainer within 5% of the bare loop's, either way: a peak well below the bare
   loop's means the step holds or frees memory differently (issue 19 showed as 0.66x);

@@ -120,7 +120,7 @@ def test_a_quantized_part_computes_in_train_dtype_not_float32(tiny_model, tmp_pa
 
 def test_adapters_are_built_after_the_parts_reach_the_train_device(fake_device, tiny_model, one_image, tmp_path,
                                                                    monkeypatch):
-    """DESIGN.md lifecycle 4-5: the conductor has parked half the UNet and the rest is on the train
+    """docs/architecture.md, lifecycle 4-5: the conductor has parked half the UNet and the rest is on the train
     device when the adapters are built; each adapter is on the train device, parked layer or not."""
     seen: dict[str, str] = {}
     real_build = adapter_method.build_adapter_set

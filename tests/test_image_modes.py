@@ -1,5 +1,5 @@
 """Every image mode Pillow reads trains as what it shows: 16-bit grey scaled (not clipped to white),
-palette, CMYK, 1-bit and grey converted, transparency composited on white (README, Data)."""
+palette, CMYK, 1-bit and grey converted, transparency composited on white (docs/data.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Peak RAM while loading stays near the final model: the checkpoint is streamed one tensor at a
-time and each is cast or quantized into place before the next is read (DESIGN.md, lifecycle 2)."""
+time and each is cast or quantized into place before the next is read (docs/architecture.md, lifecycle 2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The quantized linear layers keep the QuantizedLinear contract (DESIGN.md, "Contracts that tests pin").
+"""The quantized linear layers keep the QuantizedLinear contract (docs/architecture.md, "Contracts the tests pin").
 
 Every contract test runs for every class and mode: LinearFp8, LinearInt8 (torchao), LinearW8A8 (int8
 and fp8 weights) and LinearNf4 (with and without double quantization).

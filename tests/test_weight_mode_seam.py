@@ -1,6 +1,6 @@
 """The weight-mode seam: a mode defined in this file only, registered at runtime, is accepted by
 the config, offered by the schema, budgeted by the policy and trained on by the real trainer,
-with no other file edited (modules/quantization/weight_modes.py; README "Adding a weight mode").
+with no other file edited (modules/quantization/weight_modes.py; docs/quantization.md, "Adding a weight mode").
 
 The toy mode is a fake 4-bit quantization on the CPU: int8 codes limited to [-8, 7] with one
 float32 scale per output channel. It keeps the QuantizedLinear contract (modules/quantization/base.py)

@@ -1,4 +1,4 @@
-"""A training run as a child process speaking the run protocol (DESIGN.md, README "The run protocol").
+"""A training run as a child process speaking the run protocol (docs/run-protocol.md).
 
 `RunClient(argv, cwd)` is generic over the command line: a local run is
 `local_train_argv(config_file)`; a remote one is any argv (e.g. `ssh host ...`) whose stdout

@@ -18,7 +18,7 @@ An algorithm is one subclass that declares, besides its math: its name (the conf
 `adapter.type`), its own config (`config_class`), the tensor names it saves (`key_names`, kohya/
 LyCORIS names after the layer's key stem) and their peft names, how it is built from its config
 (`from_config`), and kohya's network metadata. modules/adapters/registry.py finds it; formats/
-read all of this from the class, so a new algorithm is one new file (README: "Adding an adapter
+read all of this from the class, so a new algorithm is one new file (docs/adapters.md: "Adding an adapter
 algorithm").
 """
 

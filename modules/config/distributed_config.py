@@ -31,7 +31,7 @@ class DistributedConfig(StrictModel):
 
 
 def _processes(config: TrainConfig) -> int:
-    # a run torchrun started directly (several machines: README) has its world in the environment
+    # a run torchrun started directly (several machines: docs/distributed.md) has its world in the environment
     return max(config.distributed.gpus, int(os.environ.get("WORLD_SIZE", "1") or 1))
 
 

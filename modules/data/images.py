@@ -47,7 +47,7 @@ def crop_origin(size: tuple[int, int], width: int, height: int,
     return top, left
 
 
-# what transparent pixels become in training images (README, "Data")
+# what transparent pixels become in training images (docs/data.md)
 ALPHA_BACKGROUND = (255, 255, 255)
 _WIDE_GREY = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 

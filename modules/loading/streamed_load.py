@@ -1,6 +1,6 @@
 """Load a model part tensor by tensor into an empty (meta) model, quantizing as it goes.
 
-The order DESIGN.md asks for: build the architecture on the meta device (no memory), decide
+The order of docs/architecture.md: build the architecture on the meta device (no memory), decide
 which Linear layers are quantized, then read the checkpoint one tensor at a time; each tensor is
 cast or quantized into its final place and the source buffer released before the next is read.
 Peak memory stays near the final model (tests/test_load_memory.py measures it).

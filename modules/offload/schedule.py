@@ -6,7 +6,7 @@ every pass: while a block runs, the parked blocks on the train device are the fi
 blocks among those still to run, counting from the running block through the rest of this pass
 and on into the pass that follows it. The first is the one that must be there; the others (the
 prefetch depth, `offload_prefetch`, 1 by default) are being prefetched. So at least two layers
-are resident (DESIGN.md), a block leaves as soon as the passes have moved past it, and nothing
+are resident (docs/memory-and-offload.md), a block leaves as soon as the passes have moved past it, and nothing
 leaves only to come straight back at a pass boundary.
 
 What follows each pass:

@@ -1,4 +1,4 @@
-"""QuantizedLinear: the contract every quantized linear layer keeps (DESIGN.md, "Contracts").
+"""QuantizedLinear: the contract every quantized linear layer keeps (docs/architecture.md, "Contracts the tests pin").
 
 - `unquantized_weight(dtype, device)` returns the dense weight on exactly that device and dtype,
   wherever the storage sits, and changes nothing stored. Adapters (DoRA, weight-decomposed LoKr)

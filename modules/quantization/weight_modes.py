@@ -6,7 +6,7 @@ nn.Linear becomes the mode's QuantizedLinear; None for a dense dtype, where the 
 simply stored in that dtype), a capability probe (does it run on this machine) and a fast-kernel
 probe (does its own kernel run here, or a slower fallback). The config validation, the policy,
 `capabilities.mode_support`, `replace.quantize_model_`, the streamed loader and `dtype_of` all
-read this registry; a new mode is one `register_weight_mode(...)` (README, "Adding a weight mode").
+read this registry; a new mode is one `register_weight_mode(...)` (docs/quantization.md, "Adding a weight mode").
 
 The probes are pure functions of a `capabilities.Capabilities` (what one device and the installed
 libraries can do), so the policy can reason about any machine without having it. A probe returns

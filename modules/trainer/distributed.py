@@ -12,7 +12,7 @@ How the processes stay one run:
   step. Not DDP: the trained weights are adapters (or embeddings) spread over several parts that
   `family.predict` reaches in its own way, DDP would want one wrapped module whose forward is the
   step, all-reduce on every accumulated backward unless told `no_sync`, and unused-parameter
-  tracking for the frozen base. One reduction per optimizer step is also what the README's
+  tracking for the frozen base. One reduction per optimizer step is also what docs/distributed.md's
   traffic figures count. Each rank's loss is weighted by its share of the global batch, so the
   sum over ranks is the global batch's mean loss (an uneven last batch included).
 - Decisions: rank 0 alone samples, validates, logs and saves; which actions run at a step (a

@@ -1,4 +1,4 @@
-"""The run protocol (DESIGN.md): one JSON event per line out, one JSON command per line in.
+"""The run protocol (docs/run-protocol.md): one JSON event per line out, one JSON command per line in.
 
 Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
 saved (path), warning (message), error (message), finished. Commands: stop, sample, backup, save;

@@ -1,4 +1,4 @@
-"""GenericTrainer: one training run, in the order DESIGN.md gives.
+"""GenericTrainer: one training run, in the order docs/architecture.md ("The lifecycle of a run") gives.
 
 start():  validate paths, snapshot the config, load the model through its family, set up each
           part, move parts to the train device, set up the training methods (modules/methods/:

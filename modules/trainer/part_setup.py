@@ -1,4 +1,4 @@
-"""Each model part made ready for training, in the lifecycle's order (DESIGN.md, steps 3 and 4):
+"""Each model part made ready for training, in the lifecycle's order (docs/architecture.md, lifecycle 3-4):
 gradient checkpointing and torch.compile of its blocks, then its place on the train device (with a
 LayerOffloadConductor where part of it is parked on the temp device)."""
 
