@@ -190,7 +190,7 @@ def cmd_schema(_args) -> int:
 
 
 def cmd_make_tiny_model(args) -> int:
-    from modules.model.registry import family_names, get_family_class
+    from modules.config.families import family_names, get_family_class
 
     if args.family not in family_names():
         print(f"error: --family: unknown family {args.family!r} (known: {', '.join(family_names())})", file=sys.stderr)

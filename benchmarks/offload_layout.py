@@ -37,7 +37,7 @@ def real_width_block_bytes(family: str, part: str, folder: str) -> list[int]:
     from accelerate import init_empty_weights
 
     from modules.config.loading import build_config
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
     from modules.offload.layer_tensors import block_bytes
 
     path = CONFIGS / folder

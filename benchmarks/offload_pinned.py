@@ -35,7 +35,7 @@ def skeleton_blocks(family_name: str, part: str, class_path: str, dtype: torch.d
     import importlib
 
     from modules.config.loading import build_config
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     module_name, class_name = class_path.rsplit(".", 1)
     cls = getattr(importlib.import_module(module_name), class_name)

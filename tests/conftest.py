@@ -50,7 +50,7 @@ def tiny_model(tmp_path_factory) -> Path:
 def tiny_family_model(tmp_path_factory, tiny_model):
     """family name (and make_tiny_model options, such as FLUX.2's variant "dev") -> a tiny random
     model folder of that family, built once per session on first use."""
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     built = {"sd15": tiny_model}
 

@@ -21,7 +21,7 @@ from PIL import Image
 
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay, save_preset
-from modules.model.registry import family_names
+from modules.config.families import family_names
 from modules.quantization.capabilities import detect_capabilities, working_modes
 
 BUILTIN = [preset for preset in list_presets() if preset.builtin]
@@ -72,7 +72,7 @@ def _lora_layers(pipe) -> int:
 
 @pytest.mark.parametrize("preset", _params())
 def test_builtin_preset_trains_samples_backs_up_and_saves(preset, tmp_path, tiny_family_model, shape_images):
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     overlay = load_preset_overlay(preset.name)
     # the tiny stand-in of the model the preset is made for (FLUX.2 [dev] presets: the dev architecture)

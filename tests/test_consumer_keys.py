@@ -114,7 +114,7 @@ def _stems(state: dict) -> set[str]:
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl", "flux"])
 def family(request, tmp_path_factory, shape_images):
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     cls = get_family_class(request.param)
     model = cls.make_tiny_model(tmp_path_factory.mktemp("models") / request.param)
@@ -440,7 +440,7 @@ def qwen_image_comfyui_map(family) -> set[str]:
 
 
 def _load_family(name, tiny_family_model, tmp_path_factory, shape_images, **options):
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     cls = get_family_class(name)
     family = cls(train_config(tiny_family_model(name, **options), shape_images, tmp_path_factory.mktemp(name),

@@ -115,7 +115,7 @@ def test_the_warnings_reach_the_protocol_as_warning_events(tmp_path, tiny_model,
 @pytest.mark.parametrize("name", ["flux", "sd3", "chroma"])
 def test_a_caption_longer_than_t5_s_window_is_said_for_the_t5_families(tmp_path, tiny_family_model, name, concept):
     """CLIP cuts at 77 there too, but T5 reads on (to 256 or 512 tokens): its cut is the one that loses text."""
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     model = tiny_family_model(name)
     loaded = get_family_class(name)(train_config(model, concept, tmp_path / "family", {"model": {"family": name}}))

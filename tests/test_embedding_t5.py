@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from modules.config.errors import ConfigError
 from modules.methods.embedding import EmbeddingMethod
 from modules.model.components.embedding_tokens import token_embedding
-from modules.model.registry import get_family_class
+from modules.config.families import get_family_class
 from modules.trainer.generic_trainer import GenericTrainer
 
 PLACEHOLDER = "<shape>"
@@ -150,7 +150,7 @@ def test_a_single_encoder_embedding_from_a_file_works_in_captions_and_sample_pro
     through the family, ZImagePipeline does not write placeholders out)."""
     from modules.methods.embedding_files import write_embedding_file
     from modules.model.components.embedding_tokens import init_vectors, token_embedding
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     model = tiny_family_model(family_name)
     config = train_config(model, shape_images, tmp_path, {"model": {"family": family_name}})

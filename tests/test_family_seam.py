@@ -27,7 +27,7 @@ from modules.model.components.ldm_unet_keys import ldm_unet_module_name
 from modules.model.components.unet import unet_checkpoint_blocks
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.keys.layout import KOHYA_STEMS, ComfyStems, KeyLayout
-from modules.model.registry import family_names, register_family, unregister_family
+from modules.config.families import family_names, register_family, unregister_family
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.util.torch_utils import make_generator
 

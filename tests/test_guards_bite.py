@@ -21,7 +21,7 @@ import modules.methods.adapter as adapter_method
 from modules.adapters.layer_selection import module_kinds, select_layers
 from modules.adapters.registry import create_adapter
 from modules.config.train_config import AdapterConfig
-from modules.model.registry import family_names, get_family_class
+from modules.config.families import family_names, get_family_class
 from modules.trainer.callbacks import TrainCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.trainer.guards import TrainingError, check_first_step, snapshot

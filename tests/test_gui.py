@@ -88,7 +88,7 @@ def test_editing_a_field_changes_the_config(app):
 
 
 def test_family_selector_rebuilds_the_part_sections(app):
-    from modules.model.registry import family_names, get_family_class
+    from modules.config.families import family_names, get_family_class
 
     fresh(app)
     for name in [*family_names(), "sd15"]:

@@ -36,7 +36,7 @@ def schema_leaves() -> list[tuple[str, str | None, dict]]:
     algorithms share most fields through their configs' common bases: such a field is walked
     under the first algorithm that has it."""
     from modules.config.train_config import TrainConfig
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     schema = TrainConfig.model_json_schema()
     defs = schema.get("$defs", {})
@@ -246,7 +246,7 @@ def test_per_part_fields_stay_bound_and_reach_the_run(app, tmp_path, monkeypatch
     """Model tab (weight_dtype, path) and Training tab (train, learning_rate) edits land in the
     config and in the config.json of a run started with Start, after the family changed twice."""
     app.cfg.load(base_data())
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     for family in ("sdxl", FAMILY):
         app._family_chosen(get_family_class(family).label)  # what picking it in the selector calls

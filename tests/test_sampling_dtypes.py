@@ -17,7 +17,7 @@ import torch
 from conftest import train_config
 
 from modules.config.train_config import SamplePromptConfig
-from modules.model.registry import family_names, get_family_class
+from modules.config.families import family_names, get_family_class
 from modules.quantization.capabilities import ALL_MODES, detect_capabilities, working_modes
 
 PROMPT = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=2.0, width=64, height=64,

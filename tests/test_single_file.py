@@ -120,7 +120,7 @@ def tiny_sdxl(tiny_family_model):
 
 
 def _family(name, base, images, workspace, configs=None, parts=None, **model):
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     config = train_config(base, images, workspace, {"model": {"family": name, "parts": parts or {}, **model}})
     family = get_family_class(name)(config)

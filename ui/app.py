@@ -19,7 +19,7 @@ import customtkinter as ctk
 
 from modules.config.errors import ConfigError
 from modules.config.loading import build_config, config_overlay
-from modules.model.registry import family_names, get_family_class
+from modules.config.families import family_names, get_family_class
 from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.remote_run import RemoteRun

@@ -108,13 +108,13 @@ PATHS = {  # str fields that name files or folders: the picker's mode
 
 
 def _family_names(_cfg) -> list[str]:
-    from modules.model.registry import family_names
+    from modules.config.families import family_names
 
     return list(family_names())
 
 
 def _layer_presets(cfg) -> list[str]:
-    from modules.model.registry import family_names, get_family_class
+    from modules.config.families import family_names, get_family_class
 
     family = cfg.get("model.family")
     if family not in family_names():
@@ -124,7 +124,7 @@ def _layer_presets(cfg) -> list[str]:
 
 def _family_has(value, attribute: str) -> bool | None:
     """The model.family's class attribute, or None while the family is not a known one."""
-    from modules.model.registry import family_names, get_family_class
+    from modules.config.families import family_names, get_family_class
 
     family = value("model.family")
     return getattr(get_family_class(family), attribute) if family in family_names() else None

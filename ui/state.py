@@ -145,7 +145,7 @@ def _inner_model(annotation: Any):
 def _family_mismatch(base: str, family: str) -> str | None:
     """detect.family_mismatch, read again only when the model's folder or file changes (each edit
     of any field validates the whole config)."""
-    from modules.model.registry import family_names
+    from modules.config.families import family_names
 
     if family not in family_names():
         return None  # the schema's own message names a bad family

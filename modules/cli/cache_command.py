@@ -69,7 +69,7 @@ def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None,
 
 def _fill(config: TrainConfig, callbacks: TrainCallbacks, trainer) -> CacheReport:
     from modules.data.dataset import caches_text, prepare_dataset
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     family = get_family_class(config.model.family)(config)
     trainer.family = family

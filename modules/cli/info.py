@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from modules.config.presets import list_presets
-from modules.model.registry import family_names, get_family_class
+from modules.config.families import family_names, get_family_class
 from modules.offload.planning import auto_offload_fraction
 from modules.quantization.capabilities import (
     detect_capabilities,

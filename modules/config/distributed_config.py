@@ -48,7 +48,7 @@ def check_distributed(config: TrainConfig) -> None:
 
 def check_sharding(config: TrainConfig) -> None:
     """The first problem with `distributed.shard_parts`, raised as a located error."""
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
     from modules.quantization.weight_modes import get_weight_mode, is_weight_mode
 
     shard = config.distributed.shard_parts

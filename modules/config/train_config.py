@@ -125,7 +125,7 @@ class ModelConfig(StrictModel):
         keeps the family's `train: true` for the unet. Unknown part names are reported."""
         if not isinstance(data, dict):
             return data
-        from modules.model.registry import family_names, get_family_class
+        from modules.config.families import family_names, get_family_class
 
         family = data.get("family", "sd15")
         if family not in family_names():
@@ -152,7 +152,7 @@ class ModelConfig(StrictModel):
     @field_validator("family")
     @classmethod
     def _known_family(cls, value: str) -> str:
-        from modules.model.registry import family_names
+        from modules.config.families import family_names
 
         if value not in family_names():
             raise ValueError(f"unknown family {value!r} (known: {', '.join(family_names())})")

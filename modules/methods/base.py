@@ -19,9 +19,12 @@ from torch import nn
 
 from modules.config.method_configs import METHODS
 
+# the trainer that owns a method (modules/trainer/generic_trainer.py); not imported, even for typing:
+# methods sit below trainer (tests/test_import_layers.py)
+GenericTrainer = object
+
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
-    from modules.trainer.generic_trainer import GenericTrainer
 
 
 class TrainingMethod(ABC):

@@ -40,7 +40,7 @@ class EmbeddingMethod(TrainingMethod):
         self.embeddings = list(self.config.embeddings)
         self.slots = dict(self.family.embedding_slots)  # text part -> (tokenizer attribute, file key)
         if not self.slots:
-            from modules.model.registry import family_names, get_family_class
+            from modules.config.families import family_names, get_family_class
 
             able = [get_family_class(n).label for n in family_names() if get_family_class(n).embedding_slots]
             raise ConfigError([f"embeddings: the {self.family.label} family takes no textual-inversion embeddings "

@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from modules.model.registry import family_names, get_family_class
+from modules.config.families import family_names, get_family_class
 
 
 @dataclass(frozen=True)
 class DetectedModel:
-    family: str | None  # a family name of modules/model/registry.py; None: none of ours
+    family: str | None  # a family name of modules/config/families.py; None: none of ours
     kind: str  # what the files call it: a pipeline or model class, or diffusers' model type
 
 

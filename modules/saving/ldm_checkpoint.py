@@ -18,12 +18,11 @@ import re
 import torch
 from torch import nn
 
-# families whose parts all have a writer below (checked when the config is validated)
-_FAMILIES = ("sd15", "sdxl")
+from modules.config.methods.fine_tune import SINGLE_FILE_FAMILIES
 
 
 def single_file_families() -> tuple[str, ...]:
-    return _FAMILIES
+    return SINGLE_FILE_FAMILIES
 
 
 def unet_to_ldm(unet: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,7 +25,7 @@ from modules.data.dataset import Batch, TrainDataset, caches_text, prepare_datas
 from modules.data.prefetch import BatchPrefetcher
 from modules.data.shares import batch_share
 from modules.methods.base import TrainingMethod, build_methods, joined_state
-from modules.model.registry import get_family_class
+from modules.config.families import get_family_class
 from modules.offload.conductor import LayerOffloadConductor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights

@@ -185,7 +185,7 @@ def _folder_problems(config: TrainConfig) -> list[str]:
 def _model_problems(config: TrainConfig):
     """(problems, the family object when its files can be read further)."""
     from modules.model.detect import family_mismatch
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     family_class = get_family_class(config.model.family)
     base = config.model.base
@@ -242,7 +242,7 @@ def _check_weight_files(family, part: str) -> None:
 
 
 def _loss_problems(config: TrainConfig) -> list[str]:
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
     from modules.trainer.loss import snr_weighting_requested
 
     weighting = snr_weighting_requested(config.loss)

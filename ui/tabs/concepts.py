@@ -208,7 +208,7 @@ class ConceptsTab(Tab):
         from pydantic import ValidationError
 
         from modules.config.train_config import DataConfig
-        from modules.model.registry import family_names, get_family_class
+        from modules.config.families import family_names, get_family_class
 
         family = self.cfg.get("model.family")
         if family not in family_names() or not items:

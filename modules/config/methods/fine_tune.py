@@ -53,6 +53,8 @@ class FineTuneMethodConfig(MethodConfigBase):
 
 
 TRAINABLE_WEIGHT_DTYPES = ("float32", "bfloat16")
+# families whose parts all have a writer of the original single-file layout (modules/saving/ldm_checkpoint.py)
+SINGLE_FILE_FAMILIES = ("sd15", "sdxl")
 
 
 def _check_fine_tune_config(config) -> None:
@@ -88,13 +90,11 @@ def _check_fine_tune_config(config) -> None:
     if stepped_alone and why:
         raise located_error(f"{why}, so it cannot step one weight at a time as {' and '.join(stepped_alone)} "
                             "do; choose another optimizer or turn those off", "optimizer", "type")
-    from modules.saving.ldm_checkpoint import single_file_families
-
-    if method.save_format == "single_file" and config.model.family not in single_file_families():
+    if method.save_format == "single_file" and config.model.family not in SINGLE_FILE_FAMILIES:
         raise located_error(f"a single file in the original layout is written for "
-                            f"{', '.join(single_file_families())} only, not {config.model.family}; "
+                            f"{', '.join(SINGLE_FILE_FAMILIES)} only, not {config.model.family}; "
                             "choose diffusers (or auto)", "method", "save_format")
-    _check_frozen_quantized_parts(config, single_file_families())
+    _check_frozen_quantized_parts(config, SINGLE_FILE_FAMILIES)
 
 
 def _check_frozen_quantized_parts(config, single_file_families: tuple[str, ...]) -> None:

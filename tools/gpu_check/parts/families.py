@@ -40,7 +40,7 @@ def _problem(code: int, events: list[dict], wanted: list[str]) -> str | None:
 def run_family(family: str, context) -> dict:
     from modules.config.presets import list_presets
     from modules.data.synthetic_images import write_shape_images
-    from modules.model.registry import get_family_class
+    from modules.config.families import get_family_class
 
     builtin = [p for p in list_presets() if p.builtin and p.family == family]
     preset = next((p for p in builtin if "LoRA" in p.name), builtin[0] if builtin else None)
@@ -80,7 +80,7 @@ def run_family(family: str, context) -> dict:
 
 
 def run(context) -> dict:
-    from modules.model.registry import family_names
+    from modules.config.families import family_names
     from tools.gpu_check.part import summary
 
     os.environ["DIFFTRAINER_HOME"] = str(context.work / "home")  # no user preset shadows a built-in one

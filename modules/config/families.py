@@ -5,10 +5,10 @@ one at runtime (a plugin, a test's toy family) without editing this file."""
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from modules.model.base import ModelFamily
+# a family is a subclass of modules.model.base.ModelFamily; not imported here, even for typing:
+# config sits below model (tests/test_import_layers.py)
+ModelFamily = type
 
 # name -> (module, class) for the built-in families, or the class itself once registered at runtime
 _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
