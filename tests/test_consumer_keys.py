@@ -1,20 +1,6 @@
-"""Every key stem a saved file holds is one ComfyUI and Forge match, reproduced here from their
-public loaders' key maps (facts, written independently), so renaming a stem breaks a test:
-
-ComfyUI (comfy/lora.py, model_lora_keys_unet / model_lora_keys_clip):
-- denoiser: for every `diffusion_model.<X>.weight` of its model (original/ldm/BFL layout):
-  `lora_unet_<X with _>` and `diffusion_model.<X>`; for a UNet also `lora_unet_<diffusers module
-  with _>` (unet_to_diffusers); for FLUX also, per diffusers module <D>:
-  `transformer.<D>`, `lycoris_<D with _>`, `lora_transformer_<D with _>`;
-- CLIP-L (`clip_l.transformer.text_model.encoder.layers.<b>.<c>`, c one of q/k/v/out_proj,
-  fc1/fc2): `lora_te_text_model_encoder_layers_<b>_<c with _>`, `lora_te1_...`,
-  `text_encoder.text_model.encoder.layers.<b>.<c>`; CLIP-G (with CLIP-L): `lora_te2_...`,
-  `text_encoder_2...`; any text-encoder weight `<k>`: `text_encoders.<k>`;
-- T5 next to CLIP-L only (FLUX): `lora_te2_<path with _>` and `lora_te3_...`.
-Forge (backend/patcher/lora.py over packages_3rdparty/comfyui_lora_collection/lora.py): the same
-denoiser names (FLUX's included) and CLIP names, without ComfyUI's generic `text_encoders.<k>`;
-T5: `lora_te1_`/`lora_te2_`/`lora_te3_`.
-"""
+"""Every key stem a saved file holds is one ComfyUI and Forge match, by their public loaders' key
+maps as modules/saving/consumers/ keeps them (comfyui.py, forge.py: facts from their sources,
+the versions they reflect named there), so renaming a stem breaks a test."""
 
 from __future__ import annotations
 
@@ -27,89 +13,17 @@ from conftest import train_config
 from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import file_state, format_warnings, load_adapter_file
 from modules.config.train_config import AdapterConfig
+from modules.saving.consumers import comfyui, forge
+from modules.saving.consumers.check import module_stems as _stems
 
-CLIP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
-TENSORS = re.compile(r"\.(lora_down\.weight|lora_up\.weight|lora_A\.weight|lora_B\.weight|lora_magnitude_vector|alpha"
-                     r"|hada_\w+|lokr_\w+|oft_blocks|dora_scale)$")
-
-
-def _flux_original_keys(transformer) -> list[str]:
-    """BFL's FLUX.1 transformer weights (what ComfyUI's Flux model holds), by BFL's own names."""
-    keys = ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "vector_in.in_layer",
-            "vector_in.out_layer", "final_layer.linear", "final_layer.adaLN_modulation.1"]
-    if transformer.config.guidance_embeds:
-        keys += ["guidance_in.in_layer", "guidance_in.out_layer"]
-    for i in range(len(transformer.transformer_blocks)):
-        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
-                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "mod.lin")]
-    for i in range(len(transformer.single_transformer_blocks)):
-        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2", "modulation.lin")]
-    return keys
+CLIP_LAYERS = comfyui.CLIP_LAYERS
+comfyui_map, forge_map = comfyui.sd_flux_stems, forge.sd_flux_stems
+_z_image_to_diffusers, z_image_comfyui_map = comfyui.z_image_to_diffusers, comfyui.z_image_map
+flux2_comfyui_map, qwen_image_comfyui_map = comfyui.flux2_stems, comfyui.qwen_image_stems
 
 
-def _clip_keys(encoder, clip: str) -> list[str]:
-    """ComfyUI's CLIP weights: a transformers CLIPTextModel's state dict (`text_model.` first)
-    under `<clip>.transformer.`."""
-    keys = [k.removesuffix(".weight") for k in encoder.state_dict() if k.endswith(".weight")]
-    return [f"{clip}.transformer.{k if k.startswith('text_model.') else 'text_model.' + k}" for k in keys]
-
-
-def comfyui_map(family) -> set[str]:
-    stems = set()
-    if family.name == "flux":
-        denoiser = _flux_original_keys(family.transformer)
-        for name, module in family.transformer.named_modules():
-            if isinstance(module, torch.nn.Linear):
-                stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
-                          f"lora_transformer_{name.replace('.', '_')}"}
-    else:
-        from modules.model.components.ldm_unet_keys import ldm_unet_module_name  # checked against diffusers elsewhere
-
-        to_ldm = family.comfy_module_name if family.name == "sdxl" else (
-            lambda part, name: "diffusion_model." + ldm_unet_module_name(family.unet, name))
-        layers = [n for n, m in family.unet.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
-        denoiser = [to_ldm("unet", n).removeprefix("diffusion_model.") for n in layers]
-        stems |= {f"lora_unet_{n.replace('.', '_')}" for n in layers}  # unet_to_diffusers: diffusers names too
-    stems |= {f"lora_unet_{x.replace('.', '_')}" for x in denoiser} | {f"diffusion_model.{x}" for x in denoiser}
-    stems |= _clip_stems(family, generic=True)
-    if family.name == "flux":
-        stems |= _t5_stems(family, ("te2", "te3"))
-    return stems
-
-
-def forge_map(family) -> set[str]:
-    stems = {s for s in comfyui_map(family) if not s.startswith("text_encoders.")}
-    if family.name == "flux":
-        stems |= _t5_stems(family, ("te1", "te2", "te3"))
-    return stems - _clip_stems(family, generic=True) | _clip_stems(family, generic=False)
-
-
-def _clip_stems(family, generic: bool) -> set[str]:
-    clips = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"} if family.name == "sdxl" else {"text_encoder": "clip_l"}
-    stems = set()
-    for part, clip in clips.items():
-        keys = _clip_keys(family.parts[part], clip)
-        if generic:
-            stems |= {f"text_encoders.{k}" for k in keys}
-        for key in keys:
-            match = re.fullmatch(rf"{clip}\.transformer\.text_model\.encoder\.layers\.(\d+)\.(.+)", key)
-            if match and match.group(2) in CLIP_LAYERS:
-                block, layer = match.groups()
-                flat = f"text_model_encoder_layers_{block}_{layer.replace('.', '_')}"
-                if clip == "clip_l":
-                    stems |= {f"lora_te_{flat}", f"lora_te1_{flat}", f"text_encoder.text_model.encoder.layers.{block}.{layer}"}
-                else:
-                    stems |= {f"lora_te2_{flat}", f"text_encoder_2.text_model.encoder.layers.{block}.{layer}"}
-    return stems
-
-
-def _t5_stems(family, prefixes) -> set[str]:
-    keys = [k.removesuffix(".weight") for k in family.parts["text_encoder_2"].state_dict() if k.endswith(".weight")]
-    return {f"lora_{p}_{k.replace('.', '_')}" for p in prefixes for k in keys}
-
-
-def _stems(state: dict) -> set[str]:
-    return {TENSORS.sub("", k) for k in state}
+def _unet_diffusers_stems(family) -> set[str]:
+    return set() if family.name == "flux" else comfyui.unet_diffusers_stems(family)
 
 
 @pytest.fixture(scope="module", params=["sd15", "sdxl", "flux"])
@@ -135,11 +49,11 @@ def _adapters(family, **options):
 def test_every_saved_stem_is_one_comfyui_and_forge_match(family, preset, adapter):
     adapters = _adapters(family, layer_preset=preset, **adapter)
     try:
-        comfyui, forge = comfyui_map(family), forge_map(family)
+        comfy_stems, forge_stems = comfyui_map(family), forge_map(family)
         for fmt in ("kohya", "comfy"):  # FLUX's comfy files are its kohya ones
             stems = _stems(file_state(adapters, family, fmt))
-            assert stems and not stems - comfyui, (fmt, sorted(stems - comfyui)[:5])
-            assert not stems - forge, (fmt, sorted(stems - forge)[:5])
+            assert stems and not stems - comfy_stems, (fmt, sorted(stems - comfy_stems)[:5])
+            assert not stems - forge_stems, (fmt, sorted(stems - forge_stems)[:5])
     finally:
         adapters.unhook()
 
@@ -190,65 +104,31 @@ def test_diffusers_format_says_which_adapters_comfyui_will_not_load(family):
     assert f"{len(missing)} of these adapters" in warnings[0] and example in missing
 
 
-def _unet_diffusers_stems(family) -> set[str]:
-    """ComfyUI's `unet.<diffusers name>` keys, attention projections spelled `processor.to_q`."""
-    if family.name == "flux":
-        return set()
-    out = set()
-    for name, module in family.unet.named_modules():
-        if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
-            key = name.replace(".to_", ".processor.to_")
-            out.add(key[:-2] if key.endswith(".to_out.0") else key)
-    return out
+def test_the_save_check_counts_what_each_consumer_applies_and_drops(family, tmp_path):
+    """check_file reads a saved file's keys: a kohya file is applied whole by both; a diffusers
+    file's modules ComfyUI lacks (the ones the format warning counts) are dropped, named."""
+    from modules.adapters.formats.files import save_adapter_file
+    from modules.saving.consumers.check import check_file, summary, target_drops
+
+    adapters = _adapters(family, layer_preset="attn-mlp")
+    try:
+        save_adapter_file(tmp_path / "k.safetensors", adapters, family, "kohya", torch.float32, {})
+        save_adapter_file(tmp_path / "d.safetensors", adapters, family, "diffusers", torch.float32, {})
+        modules = len(_stems(file_state(adapters, family, "kohya")))
+        unread = _stems(file_state(adapters, family, "diffusers")) - comfyui.stems(family)
+    finally:
+        adapters.unhook()
+    kohya, diffusers = check_file(tmp_path / "k.safetensors", family), check_file(tmp_path / "d.safetensors", family)
+    assert kohya == {name: {"applied": modules, "total": modules, "dropped": []} for name in ("ComfyUI", "Forge")}
+    assert summary("ComfyUI", kohya["ComfyUI"]) == f"ComfyUI: {modules}/{modules} modules applied"
+    assert not target_drops("kohya", kohya)
+    assert unread and diffusers["ComfyUI"]["dropped"] == sorted(unread)
+    assert diffusers["ComfyUI"]["applied"] == diffusers["ComfyUI"]["total"] - len(unread)
+    line = summary("ComfyUI", diffusers["ComfyUI"])
+    assert f"drops {len(unread)}: {sorted(unread)[0]}" in line
 
 
-# --- Z-Image -----------------------------------------------------------------------------------
-# ComfyUI's Z-Image model is Lumina2's NextDiT (comfy/ldm/lumina/model.py): per block one fused
-# `attention.qkv` and `attention.out`, `feed_forward.w1/w2/w3`, `adaLN_modulation.0`; then
-# `x_embedder`, `final_layer.linear`, `final_layer.adaLN_modulation.1`, `t_embedder.mlp.0/2`,
-# `cap_embedder.1`. comfy/utils.py `z_image_to_diffusers` maps each diffusers weight onto those,
-# q/k/v at row offsets 0, dim, 2*dim of qkv. comfy/lora.py `model_lora_keys_unet` keys LoRAs by
-# `lora_unet_<own name with _>` and `diffusion_model.<own name>` (any model) and, for Lumina2, by
-# `diffusion_model.<D>`, `transformer.<D>`, `lycoris_<D with _>` and `<D>` for each diffusers name
-# D. `model_lora_keys_clip` (Comfy-Org/ComfyUI 0.3.64 and pollockjj/ComfyUI 0.8.0 + upstream of
-# 2026-01-07 alike): the Qwen3 encoder's weights `qwen3_4b.transformer.model.<k>` (SD1ClipModel
-# named "qwen3_4b", its SDClipModel's `transformer`, Qwen3_4B's `model`) only as
-# `text_encoders.<weight>`: no `lora_te_` name for llama-style encoders. Forge (classic) has no Z-Image.
-
-
-def _z_image_to_diffusers(transformer) -> dict[str, tuple[str, int | None]]:
-    """diffusers module -> (ComfyUI module, row offset in it or None for the whole weight)."""
-    dim, out = transformer.config.dim, {}
-    for stack in ("noise_refiner", "context_refiner", "layers"):
-        for i, block in enumerate(getattr(transformer, stack)):
-            b = f"{stack}.{i}"
-            out |= {f"{b}.attention.to_{p}": (f"{b}.attention.qkv", j * dim) for j, p in enumerate("qkv")}
-            out[f"{b}.attention.to_out.0"] = (f"{b}.attention.out", None)
-            out |= {f"{b}.feed_forward.{w}": (f"{b}.feed_forward.{w}", None) for w in ("w1", "w2", "w3")}
-            if hasattr(block, "adaLN_modulation"):
-                out[f"{b}.adaLN_modulation.0"] = (f"{b}.adaLN_modulation.0", None)
-    out |= {"all_x_embedder.2-1": ("x_embedder", None), "all_final_layer.2-1.linear": ("final_layer.linear", None),
-            "all_final_layer.2-1.adaLN_modulation.1": ("final_layer.adaLN_modulation.1", None),
-            "t_embedder.mlp.0": ("t_embedder.mlp.0", None), "t_embedder.mlp.2": ("t_embedder.mlp.2", None),
-            "cap_embedder.1": ("cap_embedder.1", None)}
-    return out
-
-
-def z_image_comfyui_map(family) -> dict[str, tuple[str, int | None]]:
-    """LoRA key stem -> (the ComfyUI weight it patches, row offset); text encoder: -> (stem, None)."""
-    to_comfy = _z_image_to_diffusers(family.transformer)
-    stems = {}
-    for own, _ in set(to_comfy.values()):
-        stems[f"lora_unet_{own.replace('.', '_')}"] = stems[f"diffusion_model.{own}"] = (own, None)
-    for name, target in to_comfy.items():
-        for stem in (f"diffusion_model.{name}", f"transformer.{name}", f"lycoris_{name.replace('.', '_')}", name):
-            stems[stem] = target
-    for key in family.parts["text_encoder"].state_dict():
-        if key.endswith(".weight"):
-            k = key.removesuffix(".weight")
-            stem = f"text_encoders.qwen3_4b.transformer.model.{k}"
-            stems[stem] = (stem, None)
-    return stems
+# --- Z-Image ---
 
 
 @pytest.fixture(scope="module")
@@ -358,85 +238,7 @@ def test_old_lora_te_z_image_files_still_load(z_image, tmp_path):
         adapters.unhook()
 
 
-# --- FLUX.2 and Qwen-Image --------------------------------------------------------------------
-# ComfyUI's FLUX.2 model is a Flux model (comfy/model_base.py `class Flux2(Flux)`) built from
-# comfy/ldm/flux/model.py with `global_modulation`: its own weights are BFL's (below); the Flux
-# branch of model_lora_keys_unet adds `transformer.<D>`, `lycoris_<D with _>`,
-# `lora_transformer_<D with _>` for each FLUX.1 diffusers name D of comfy/utils.py
-# flux_to_diffusers, and a key whose target weight the FLUX.2 model lacks patches nothing
-# (ModelPatcher.add_patches skips it). Its text encoder: SD1ClipModel named "qwen3_4b"/"qwen3_8b"
-# (klein) or "mistral3_24b" ([dev], comfy/text_encoders/flux.py Flux2TEModel), weights
-# `<name>.transformer.model.<k>`, mapped only as `text_encoders.<weight>`. ComfyUI's Qwen-Image
-# (comfy/ldm/qwen_image/model.py) has diffusers' module names; model_lora_keys_unet maps
-# `lora_unet_<k with _>`, `diffusion_model.<k>` and, for QwenImage, `<k>`, `transformer.<k>`,
-# `lycoris_<k with _>`; its Qwen2.5-VL encoder is "qwen25_7b".
-
-
-def _flux2_original_keys(transformer) -> list[str]:
-    keys = ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "final_layer.linear",
-            "final_layer.adaLN_modulation.1", "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin",
-            "single_stream_modulation.lin"]
-    if transformer.config.guidance_embeds:
-        keys += ["guidance_in.in_layer", "guidance_in.out_layer"]
-    for i in range(len(transformer.transformer_blocks)):
-        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
-                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
-    for i in range(len(transformer.single_transformer_blocks)):
-        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2")]
-    return keys
-
-
-def _flux1_diffusers_names(double: int, single: int) -> dict[str, str]:
-    """comfy/utils.py flux_to_diffusers: FLUX.1 diffusers module -> the original weight it patches."""
-    out = {"proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
-           "norm_out.linear": "final_layer.adaLN_modulation.1"}
-    for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
-                           ("guidance_in", "guidance_embedder")):
-        out |= {f"time_text_embed.{target}.linear_1": f"{source}.in_layer",
-                f"time_text_embed.{target}.linear_2": f"{source}.out_layer"}
-    for i in range(double):
-        b, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        out |= {f"{b}.attn.{p}": f"{o}.img_attn.qkv" for p in ("to_q", "to_k", "to_v")}
-        out |= {f"{b}.attn.{p}": f"{o}.txt_attn.qkv" for p in ("add_q_proj", "add_k_proj", "add_v_proj")}
-        out |= {f"{b}.attn.to_out.0": f"{o}.img_attn.proj", f"{b}.attn.to_add_out": f"{o}.txt_attn.proj",
-                f"{b}.norm1.linear": f"{o}.img_mod.lin", f"{b}.norm1_context.linear": f"{o}.txt_mod.lin",
-                f"{b}.ff.net.0.proj": f"{o}.img_mlp.0", f"{b}.ff.net.2": f"{o}.img_mlp.2",
-                f"{b}.ff_context.net.0.proj": f"{o}.txt_mlp.0", f"{b}.ff_context.net.2": f"{o}.txt_mlp.2"}
-    for i in range(single):
-        b, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
-        out |= {f"{b}.attn.{p}": f"{o}.linear1" for p in ("to_q", "to_k", "to_v")}
-        out |= {f"{b}.proj_mlp": f"{o}.linear1", f"{b}.norm.linear": f"{o}.modulation.lin", f"{b}.proj_out": f"{o}.linear2"}
-    return out
-
-
-def _text_encoder_stems(encoder, name: str) -> set[str]:
-    return {f"text_encoders.{name}.transformer.model.{k.removesuffix('.weight')}"
-            for k in encoder.state_dict() if k.endswith(".weight")}
-
-
-def flux2_comfyui_map(family) -> set[str]:
-    transformer = family.transformer
-    own = _flux2_original_keys(transformer)
-    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
-    for name, target in _flux1_diffusers_names(len(transformer.transformer_blocks),
-                                               len(transformer.single_transformer_blocks)).items():
-        if target in own:
-            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
-                      f"lora_transformer_{name.replace('.', '_')}"}
-    encoder = family.parts["text_encoder"]
-    width = encoder.config.hidden_size
-    name = "mistral3_24b" if family.is_dev else ("qwen3_8b" if width == 4096 else "qwen3_4b")
-    return stems | _text_encoder_stems(encoder, name)
-
-
-def qwen_image_comfyui_map(family) -> set[str]:
-    stems = set()
-    for key in family.transformer.state_dict():
-        if key.endswith(".weight"):
-            k = key.removesuffix(".weight")
-            stems |= {f"lora_unet_{k.replace('.', '_')}", f"diffusion_model.{k}", k, f"transformer.{k}",
-                      f"lycoris_{k.replace('.', '_')}"}
-    return stems | _text_encoder_stems(family.parts["text_encoder"], "qwen25_7b")
+# --- FLUX.2 and Qwen-Image ---
 
 
 def _load_family(name, tiny_family_model, tmp_path_factory, shape_images, **options):

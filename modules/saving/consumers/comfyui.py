@@ -1,0 +1,250 @@
+"""ComfyUI's LoRA key map: every key stem its loader maps to a weight of its model, per family.
+
+Reflects Comfy-Org/ComfyUI 0.3.64 (commit a125cd84, 2025-10-12) and pollockjj/ComfyUI, a fork
+tracking upstream, at 0.8.0 merged with upstream of 2026-01-07 (commit 618b803d): the maps used
+here are the same in both. Sources: comfy/lora.py (model_lora_keys_unet, model_lora_keys_clip),
+comfy/utils.py (unet_to_diffusers, flux_to_diffusers, z_image_to_diffusers), comfy/model_base.py,
+comfy/text_encoders/.
+
+- denoiser: for every `diffusion_model.<X>.weight` of its model (original/ldm/BFL layout):
+  `lora_unet_<X with _>` and `diffusion_model.<X>`; for a UNet also `lora_unet_<diffusers module
+  with _>` (unet_to_diffusers) and `unet.<diffusers name>` (attention as `processor.to_q`); for
+  FLUX also, per diffusers module <D>: `transformer.<D>`, `lycoris_<D with _>`,
+  `lora_transformer_<D with _>`;
+- CLIP-L (`clip_l.transformer.text_model.encoder.layers.<b>.<c>`, c one of q/k/v/out_proj,
+  fc1/fc2): `lora_te_text_model_encoder_layers_<b>_<c with _>`, `lora_te1_...`,
+  `text_encoder.text_model.encoder.layers.<b>.<c>`; CLIP-G (with CLIP-L): `lora_te2_...`,
+  `text_encoder_2...`; any text-encoder weight `<k>`: `text_encoders.<k>`;
+- T5 next to CLIP-L only (FLUX): `lora_te2_<path with _>` and `lora_te3_...`;
+- llama-style encoders (Qwen3, Mistral3, Qwen2.5-VL) only as `text_encoders.<name>.transformer.model.<k>`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+NAME = "ComfyUI"
+VERSION = "0.8.0 (pollockjj/ComfyUI 618b803d, upstream of 2026-01-07; same maps in Comfy-Org 0.3.64)"
+
+CLIP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def _layers(module, kinds=(torch.nn.Linear, torch.nn.Conv2d)) -> list[str]:
+    return [n for n, m in module.named_modules() if isinstance(m, kinds)]
+
+
+def flux_original_keys(transformer) -> list[str]:
+    """BFL's FLUX.1 transformer weights (what ComfyUI's Flux model holds), by BFL's own names."""
+    keys = ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "vector_in.in_layer",
+            "vector_in.out_layer", "final_layer.linear", "final_layer.adaLN_modulation.1"]
+    if transformer.config.guidance_embeds:
+        keys += ["guidance_in.in_layer", "guidance_in.out_layer"]
+    for i in range(len(transformer.transformer_blocks)):
+        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
+                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "mod.lin")]
+    for i in range(len(transformer.single_transformer_blocks)):
+        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2", "modulation.lin")]
+    return keys
+
+
+def _clip_keys(encoder, clip: str) -> list[str]:
+    """ComfyUI's CLIP weights: a transformers CLIPTextModel's state dict (`text_model.` first)
+    under `<clip>.transformer.`."""
+    keys = [k.removesuffix(".weight") for k in encoder.state_dict() if k.endswith(".weight")]
+    return [f"{clip}.transformer.{k if k.startswith('text_model.') else 'text_model.' + k}" for k in keys]
+
+
+def clip_stems(family, generic: bool) -> set[str]:
+    """The CLIP encoders' stems; `generic`: with ComfyUI's `text_encoders.<weight>` names (Forge lacks them)."""
+    clips = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"} if family.name == "sdxl" else {"text_encoder": "clip_l"}
+    stems = set()
+    for part, clip in clips.items():
+        keys = _clip_keys(family.parts[part], clip)
+        if generic:
+            stems |= {f"text_encoders.{k}" for k in keys}
+        for key in keys:
+            match = re.fullmatch(rf"{clip}\.transformer\.text_model\.encoder\.layers\.(\d+)\.(.+)", key)
+            if match and match.group(2) in CLIP_LAYERS:
+                block, layer = match.groups()
+                flat = f"text_model_encoder_layers_{block}_{layer.replace('.', '_')}"
+                if clip == "clip_l":
+                    stems |= {f"lora_te_{flat}", f"lora_te1_{flat}", f"text_encoder.text_model.encoder.layers.{block}.{layer}"}
+                else:
+                    stems |= {f"lora_te2_{flat}", f"text_encoder_2.text_model.encoder.layers.{block}.{layer}"}
+    return stems
+
+
+def t5_stems(family, prefixes) -> set[str]:
+    keys = [k.removesuffix(".weight") for k in family.parts["text_encoder_2"].state_dict() if k.endswith(".weight")]
+    return {f"lora_{p}_{k.replace('.', '_')}" for p in prefixes for k in keys}
+
+
+def unet_diffusers_stems(family) -> set[str]:
+    """ComfyUI's `unet.<diffusers name>` keys (without the `unet.`), attention projections spelled `processor.to_q`."""
+    out = set()
+    for name in _layers(family.unet):
+        key = name.replace(".to_", ".processor.to_")
+        out.add(key[:-2] if key.endswith(".to_out.0") else key)
+    return out
+
+
+def sd_flux_stems(family) -> set[str]:
+    """SD1.5, SDXL, FLUX.1: kohya/comfy names (the map tests/test_consumer_keys.py checks files against)."""
+    stems = set()
+    if family.name == "flux":
+        denoiser = flux_original_keys(family.transformer)
+        for name in _layers(family.transformer, torch.nn.Linear):
+            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
+                      f"lora_transformer_{name.replace('.', '_')}"}
+    else:
+        from modules.model.components.ldm_unet_keys import ldm_unet_module_name  # checked against diffusers elsewhere
+
+        to_ldm = family.comfy_module_name if family.name == "sdxl" else (
+            lambda part, name: "diffusion_model." + ldm_unet_module_name(family.unet, name))
+        layers = _layers(family.unet)
+        denoiser = [to_ldm("unet", n).removeprefix("diffusion_model.") for n in layers]
+        stems |= {f"lora_unet_{n.replace('.', '_')}" for n in layers}  # unet_to_diffusers: diffusers names too
+    stems |= {f"lora_unet_{x.replace('.', '_')}" for x in denoiser} | {f"diffusion_model.{x}" for x in denoiser}
+    stems |= clip_stems(family, generic=True)
+    if family.name == "flux":
+        stems |= t5_stems(family, ("te2", "te3"))
+    return stems
+
+
+def _sd_flux_all(family) -> set[str]:
+    """sd_flux_stems plus a diffusers file's UNet keys (`unet.<name>`), which ComfyUI reads too."""
+    return sd_flux_stems(family) | ({f"unet.{s}" for s in unet_diffusers_stems(family)} if family.name != "flux" else set())
+
+
+# --- Z-Image -----------------------------------------------------------------------------------
+# ComfyUI's Z-Image model is Lumina2's NextDiT (comfy/ldm/lumina/model.py): per block one fused
+# `attention.qkv` and `attention.out`, `feed_forward.w1/w2/w3`, `adaLN_modulation.0`; then
+# `x_embedder`, `final_layer.linear`, `final_layer.adaLN_modulation.1`, `t_embedder.mlp.0/2`,
+# `cap_embedder.1`. comfy/utils.py `z_image_to_diffusers` maps each diffusers weight onto those,
+# q/k/v at row offsets 0, dim, 2*dim of qkv. model_lora_keys_unet keys LoRAs by
+# `lora_unet_<own name with _>` and `diffusion_model.<own name>` (any model) and, for Lumina2, by
+# `diffusion_model.<D>`, `transformer.<D>`, `lycoris_<D with _>` and `<D>` for each diffusers name
+# D. The Qwen3 encoder (SD1ClipModel "qwen3_4b") only as `text_encoders.qwen3_4b.transformer.model.<k>`.
+
+
+def z_image_to_diffusers(transformer) -> dict[str, tuple[str, int | None]]:
+    """diffusers module -> (ComfyUI module, row offset in it or None for the whole weight)."""
+    dim, out = transformer.config.dim, {}
+    for stack in ("noise_refiner", "context_refiner", "layers"):
+        for i, block in enumerate(getattr(transformer, stack)):
+            b = f"{stack}.{i}"
+            out |= {f"{b}.attention.to_{p}": (f"{b}.attention.qkv", j * dim) for j, p in enumerate("qkv")}
+            out[f"{b}.attention.to_out.0"] = (f"{b}.attention.out", None)
+            out |= {f"{b}.feed_forward.{w}": (f"{b}.feed_forward.{w}", None) for w in ("w1", "w2", "w3")}
+            if hasattr(block, "adaLN_modulation"):
+                out[f"{b}.adaLN_modulation.0"] = (f"{b}.adaLN_modulation.0", None)
+    out |= {"all_x_embedder.2-1": ("x_embedder", None), "all_final_layer.2-1.linear": ("final_layer.linear", None),
+            "all_final_layer.2-1.adaLN_modulation.1": ("final_layer.adaLN_modulation.1", None),
+            "t_embedder.mlp.0": ("t_embedder.mlp.0", None), "t_embedder.mlp.2": ("t_embedder.mlp.2", None),
+            "cap_embedder.1": ("cap_embedder.1", None)}
+    return out
+
+
+def z_image_map(family) -> dict[str, tuple[str, int | None]]:
+    """LoRA key stem -> (the ComfyUI weight it patches, row offset); text encoder: -> (stem, None)."""
+    to_comfy = z_image_to_diffusers(family.transformer)
+    stems = {}
+    for own, _ in set(to_comfy.values()):
+        stems[f"lora_unet_{own.replace('.', '_')}"] = stems[f"diffusion_model.{own}"] = (own, None)
+    for name, target in to_comfy.items():
+        for stem in (f"diffusion_model.{name}", f"transformer.{name}", f"lycoris_{name.replace('.', '_')}", name):
+            stems[stem] = target
+    for stem in text_encoder_stems(family.parts["text_encoder"], "qwen3_4b"):
+        stems[stem] = (stem, None)
+    return stems
+
+
+# --- FLUX.2 and Qwen-Image --------------------------------------------------------------------
+# ComfyUI's FLUX.2 model is a Flux model (comfy/model_base.py `class Flux2(Flux)`) with
+# `global_modulation`: its own weights are BFL's (below); the Flux branch of model_lora_keys_unet
+# adds `transformer.<D>`, `lycoris_<D with _>`, `lora_transformer_<D with _>` for each FLUX.1
+# diffusers name D of flux_to_diffusers; a key whose target weight the FLUX.2 model lacks patches
+# nothing. Its text encoder: "qwen3_4b"/"qwen3_8b" (klein) or "mistral3_24b" ([dev]). Qwen-Image
+# (comfy/ldm/qwen_image/model.py) has diffusers' module names; model_lora_keys_unet maps
+# `lora_unet_<k with _>`, `diffusion_model.<k>`, `<k>`, `transformer.<k>`, `lycoris_<k with _>`;
+# its Qwen2.5-VL encoder is "qwen25_7b".
+
+
+def flux2_original_keys(transformer) -> list[str]:
+    keys = ["img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "final_layer.linear",
+            "final_layer.adaLN_modulation.1", "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin",
+            "single_stream_modulation.lin"]
+    if transformer.config.guidance_embeds:
+        keys += ["guidance_in.in_layer", "guidance_in.out_layer"]
+    for i in range(len(transformer.transformer_blocks)):
+        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
+                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
+    for i in range(len(transformer.single_transformer_blocks)):
+        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2")]
+    return keys
+
+
+def flux1_diffusers_names(double: int, single: int) -> dict[str, str]:
+    """comfy/utils.py flux_to_diffusers: FLUX.1 diffusers module -> the original weight it patches."""
+    out = {"proj_out": "final_layer.linear", "x_embedder": "img_in", "context_embedder": "txt_in",
+           "norm_out.linear": "final_layer.adaLN_modulation.1"}
+    for source, target in (("time_in", "timestep_embedder"), ("vector_in", "text_embedder"),
+                           ("guidance_in", "guidance_embedder")):
+        out |= {f"time_text_embed.{target}.linear_1": f"{source}.in_layer",
+                f"time_text_embed.{target}.linear_2": f"{source}.out_layer"}
+    for i in range(double):
+        b, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        out |= {f"{b}.attn.{p}": f"{o}.img_attn.qkv" for p in ("to_q", "to_k", "to_v")}
+        out |= {f"{b}.attn.{p}": f"{o}.txt_attn.qkv" for p in ("add_q_proj", "add_k_proj", "add_v_proj")}
+        out |= {f"{b}.attn.to_out.0": f"{o}.img_attn.proj", f"{b}.attn.to_add_out": f"{o}.txt_attn.proj",
+                f"{b}.norm1.linear": f"{o}.img_mod.lin", f"{b}.norm1_context.linear": f"{o}.txt_mod.lin",
+                f"{b}.ff.net.0.proj": f"{o}.img_mlp.0", f"{b}.ff.net.2": f"{o}.img_mlp.2",
+                f"{b}.ff_context.net.0.proj": f"{o}.txt_mlp.0", f"{b}.ff_context.net.2": f"{o}.txt_mlp.2"}
+    for i in range(single):
+        b, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+        out |= {f"{b}.attn.{p}": f"{o}.linear1" for p in ("to_q", "to_k", "to_v")}
+        out |= {f"{b}.proj_mlp": f"{o}.linear1", f"{b}.norm.linear": f"{o}.modulation.lin", f"{b}.proj_out": f"{o}.linear2"}
+    return out
+
+
+def text_encoder_stems(encoder, name: str) -> set[str]:
+    return {f"text_encoders.{name}.transformer.model.{k.removesuffix('.weight')}"
+            for k in encoder.state_dict() if k.endswith(".weight")}
+
+
+def flux2_stems(family) -> set[str]:
+    transformer = family.transformer
+    own = flux2_original_keys(transformer)
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    for name, target in flux1_diffusers_names(len(transformer.transformer_blocks),
+                                              len(transformer.single_transformer_blocks)).items():
+        if target in own:
+            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
+                      f"lora_transformer_{name.replace('.', '_')}"}
+    encoder = family.parts["text_encoder"]
+    width = encoder.config.hidden_size
+    name = "mistral3_24b" if family.is_dev else ("qwen3_8b" if width == 4096 else "qwen3_4b")
+    return stems | text_encoder_stems(encoder, name)
+
+
+def qwen_image_stems(family) -> set[str]:
+    stems = set()
+    for key in family.transformer.state_dict():
+        if key.endswith(".weight"):
+            k = key.removesuffix(".weight")
+            stems |= {f"lora_unet_{k.replace('.', '_')}", f"diffusion_model.{k}", k, f"transformer.{k}",
+                      f"lycoris_{k.replace('.', '_')}"}
+    return stems | text_encoder_stems(family.parts["text_encoder"], "qwen25_7b")
+
+
+# the families whose ComfyUI map is rebuilt here; others: not checked
+MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
+        "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems}
+
+
+def stems(family) -> set[str] | None:
+    """Every key stem ComfyUI applies to a weight of this family's model, or None: not rebuilt for it."""
+    build = MAPS.get(family.name)
+    return build(family) if build else None
