@@ -59,7 +59,7 @@ class Recorder(TrainCallbacks):
     def on_warning(self, message):
         self.warnings.append(message)
 
-    def on_save(self, path):
+    def on_save(self, path, consumers=None):
         self.saved.append(path)
 
     def on_status(self, text):

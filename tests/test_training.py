@@ -33,7 +33,7 @@ class Recorder(TrainCallbacks):
     def on_backup(self, path):
         self.events.append(("backup", path))
 
-    def on_save(self, path):
+    def on_save(self, path, consumers=None):
         self.events.append(("save", path))
 
     def on_warning(self, message):

@@ -228,7 +228,7 @@ class RunControl:
         elif name == "sample":  # the run's own log (stderr) says what it wrote
             run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config))
         elif name in ("backup", "saved"):
-            self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}")
+            self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}{consumer_counts(event)}")
         elif name == "error":
             message = event.get("message", "")
             first, _, rest = message.partition("\n")
@@ -263,3 +263,14 @@ class RunControl:
             button.configure(state="disabled")
         if self._closing:
             self._destroy()
+
+
+def consumer_counts(event: dict) -> str:
+    """ " (ComfyUI 42/42, Forge 40/42)": a saved event's per-tool check, beside the file; a
+    missing or malformed `consumers` field shows nothing (an older run, another writer)."""
+    consumers = event.get("consumers")
+    if not isinstance(consumers, dict):
+        return ""
+    counts = [f"{name} {result.get('applied')}/{result.get('total')}" for name, result in consumers.items()
+              if isinstance(result, dict)]
+    return f" ({', '.join(counts)})" if counts else ""

@@ -7,6 +7,7 @@ import sys
 
 from tqdm import tqdm
 
+from modules.saving.consumers.check import summary
 from modules.trainer.callbacks import Progress, TrainCallbacks
 
 
@@ -50,8 +51,10 @@ class ConsoleCallbacks(TrainCallbacks):
     def on_backup(self, path: str) -> None:
         self._line(f"backup: {path}")
 
-    def on_save(self, path: str) -> None:
+    def on_save(self, path: str, consumers: dict[str, dict] | None = None) -> None:
         self._line(f"saved: {path}")
+        for name, result in (consumers or {}).items():
+            self._line(f"  {summary(name, result)}")
 
     def on_validation(self, step: int, loss: float) -> None:
         self._line(f"validation loss at step {step}: {loss:.5f}")

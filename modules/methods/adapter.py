@@ -11,6 +11,7 @@ from torch import nn
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.files import (
     check_output_format,
+    file_state,
     format_warnings,
     load_adapter_file,
     network_metadata,
@@ -19,6 +20,7 @@ from modules.adapters.formats.files import (
 from modules.adapters.layer_selection import trained_parts
 from modules.config.train_config import TrainConfig
 from modules.methods.base import TrainingMethod
+from modules.saving.consumers.check import check, check_file, target_drops
 
 
 class AdapterMethod(TrainingMethod):
@@ -78,3 +80,14 @@ class AdapterMethod(TrainingMethod):
             **metadata,
         }
         return [save_adapter_file(path, self.adapters, family, self.config.output.format, dtype, metadata)]
+
+    def consumers(self, file: Path) -> dict[str, dict]:
+        return check_file(file, self.family)
+
+    def first_backup_warnings(self) -> list[str]:
+        """The output format's own tools (ComfyUI for comfy; ComfyUI and Forge for kohya) dropping
+        modules of the file this run will save: said now, not after training."""
+        fmt = self.config.output.format
+        report = check(file_state(self.adapters, self.family, fmt).keys(), self.family)
+        return [f"output.format: {fmt!r}: the saved file will not load whole: {line}"
+                for line in target_drops(fmt, report)]

@@ -78,6 +78,15 @@ class TrainingMethod(ABC):
         """Write the trained result for people to use at `path` (the output path, or a periodic save's);
         the files written, the main one first. Called with the evaluation weights (EMA) swapped in."""
 
+    def consumers(self, file: Path) -> dict[str, dict] | None:
+        """Per tool that loads it, how many of a file this method saved it applies (and which it
+        drops): modules/saving/consumers/check.py. None: no tool's map is kept for such a file."""
+        return None
+
+    def first_backup_warnings(self) -> list[str]:
+        """Warnings due once the first backup is written (what the saved file will lose in its tool)."""
+        return []
+
     def text_cache_allowed(self) -> bool:
         """Whether cached text conditioning stays valid while this method trains."""
         return not any(part in self.family.text_parts for part in self.trained_parts())

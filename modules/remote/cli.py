@@ -83,7 +83,13 @@ def dispatch(event: dict, callbacks) -> None:
     elif kind == "backup":
         callbacks.on_backup(event["path"])
     elif kind == "saved":
-        callbacks.on_save(event["path"])
+        from modules.saving.consumers.check import is_report
+
+        consumers = event.get("consumers")
+        if is_report(consumers):
+            callbacks.on_save(event["path"], consumers=consumers)
+        else:
+            callbacks.on_save(event["path"])
     elif kind == "validation" and hasattr(callbacks, "on_validation"):
         callbacks.on_validation(event.get("step"), event.get("loss"))
     elif kind == "warning":

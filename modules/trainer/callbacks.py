@@ -29,7 +29,9 @@ class TrainCallbacks:
 
     def on_backup(self, path: str) -> None: ...
 
-    def on_save(self, path: str) -> None: ...
+    def on_save(self, path: str, consumers: dict[str, dict] | None = None) -> None:
+        """A file saved; `consumers`: per tool, {"applied": n, "total": m, "dropped": [stems]}
+        (modules/saving/consumers/check.py), for files whose tools' key maps are kept."""
 
     def on_validation(self, step: int, loss: float) -> None: ...
 
@@ -65,8 +67,12 @@ class FanOut(TrainCallbacks):
     def on_backup(self, path):
         self._all("on_backup", path)
 
-    def on_save(self, path):
-        self._all("on_save", path)
+    def on_save(self, path, consumers=None):
+        for receiver in self.receivers:  # without consumers: as every receiver takes it
+            if consumers is None:
+                receiver.on_save(path)
+            else:
+                receiver.on_save(path, consumers=consumers)
 
     def on_validation(self, step, loss):
         self._all("on_validation", step, loss)

@@ -1,7 +1,7 @@
 """The run protocol (docs/run-protocol.md): one JSON event per line out, one JSON command per line in.
 
 Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
-saved (path), warning (message), error (message), finished. Commands: stop, sample, backup, save;
+saved (path; consumers: per tool {applied, total, dropped} for adapter files), warning (message), error (message), finished. Commands: stop, sample, backup, save;
 `{"command": "sample", "prompt": {...}}` samples that one prompt (SamplePromptConfig's fields) now.
 The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process.
 """
@@ -48,8 +48,8 @@ class JsonlEvents(TrainCallbacks):
     def on_backup(self, path: str) -> None:
         self.emit("backup", path=path)
 
-    def on_save(self, path: str) -> None:
-        self.emit("saved", path=path)
+    def on_save(self, path: str, consumers: dict[str, dict] | None = None) -> None:
+        self.emit("saved", path=path, **({} if consumers is None else {"consumers": consumers}))
 
     def on_validation(self, step: int, loss: float) -> None:
         self.emit("validation", step=step, loss=loss)

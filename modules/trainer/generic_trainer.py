@@ -70,6 +70,7 @@ class GenericTrainer:
         self.device = rank_device(config.train_device, self.ranks)
         self._stop_agreed = False  # several processes: the stop they agreed on at the last step
         self.step = 0  # optimizer steps done
+        self._backed_up = False  # whether this process wrote a backup yet
         self.steps_at_start = 0  # of them, those done before this process (a resume)
         self.lock = WorkspaceLock(self.workspace, self.callbacks.on_warning)
         self.output_path = config.output_path  # settled in start(): output.if_exists may version it
@@ -442,6 +443,11 @@ class GenericTrainer:
         folder = write_backup(self.workspace, self.step, weights, state,
                               json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
         self.callbacks.on_backup(str(folder))
+        if not self._backed_up:  # the first backup of this process: what the saved file will lose
+            self._backed_up = True
+            for method in self.methods:
+                for warning in method.first_backup_warnings():
+                    self.callbacks.on_warning(warning)
         return folder
 
     @property
@@ -464,11 +470,15 @@ class GenericTrainer:
             path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
         metadata = {"difftrainer.family": self.family.name, "difftrainer.method": self.config.method.type}
         with contextlib.nullcontext() if swapped else self.evaluation_weights():
-            saved = [file for method in self.methods
+            saved = [(method, file) for method in self.methods
                      for file in method.save(path, dtype_of(output.dtype), metadata)]
-        for file in saved:
-            self.callbacks.on_save(str(file))
-        return saved[0]
+        for method, file in saved:
+            consumers = method.consumers(file)  # each save proves which tools load it whole
+            if consumers is None:
+                self.callbacks.on_save(str(file))
+            else:
+                self.callbacks.on_save(str(file), consumers=consumers)
+        return saved[0][1]
 
     # --- end ---------------------------------------------------------------------------------
 

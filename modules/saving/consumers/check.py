@@ -57,3 +57,11 @@ def summary(name: str, result: dict) -> str:
 def target_drops(fmt: str, report: dict[str, dict]) -> list[str]:
     """summary() lines of the format's own target tools that drop modules."""
     return [summary(name, report[name]) for name in TARGETS.get(fmt, ()) if name in report and report[name]["dropped"]]
+
+
+def is_report(value) -> bool:
+    """Whether `value` (an event's `consumers`, from another process) has check()'s shape."""
+    return isinstance(value, dict) and all(
+        isinstance(name, str) and isinstance(result, dict) and isinstance(result.get("applied"), int)
+        and isinstance(result.get("total"), int) and isinstance(result.get("dropped"), list)
+        for name, result in value.items())
