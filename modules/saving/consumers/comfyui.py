@@ -14,7 +14,8 @@ comfy/text_encoders/.
 - CLIP-L (`clip_l.transformer.text_model.encoder.layers.<b>.<c>`, c one of q/k/v/out_proj,
   fc1/fc2): `lora_te_text_model_encoder_layers_<b>_<c with _>`, `lora_te1_...`,
   `text_encoder.text_model.encoder.layers.<b>.<c>`; CLIP-G (with CLIP-L): `lora_te2_...`,
-  `text_encoder_2...`; any text-encoder weight `<k>`: `text_encoders.<k>`;
+  `text_encoder_2...`; their projections `lora_te1_text_projection` / `lora_te2_text_projection`;
+  any text-encoder weight `<k>`: `text_encoders.<k>`;
 - T5 next to CLIP-L only (FLUX): `lora_te2_<path with _>` and `lora_te3_...`;
 - llama-style encoders (Qwen3, Mistral3, Qwen2.5-VL) only as `text_encoders.<name>.transformer.model.<k>`.
 """
@@ -50,10 +51,11 @@ def flux_original_keys(transformer) -> list[str]:
 
 
 def _clip_keys(encoder, clip: str) -> list[str]:
-    """ComfyUI's CLIP weights: a transformers CLIPTextModel's state dict (`text_model.` first)
-    under `<clip>.transformer.`."""
+    """ComfyUI's CLIP weights: a transformers CLIPTextModel's state dict (`text_model.` first; the
+    projection of a CLIPTextModelWithProjection as `text_projection`) under `<clip>.transformer.`."""
     keys = [k.removesuffix(".weight") for k in encoder.state_dict() if k.endswith(".weight")]
-    return [f"{clip}.transformer.{k if k.startswith('text_model.') else 'text_model.' + k}" for k in keys]
+    return [f"{clip}.transformer.{k if k.startswith(('text_model.', 'text_projection')) else 'text_model.' + k}"
+            for k in keys]
 
 
 def clip_stems(family, generic: bool) -> set[str]:
@@ -64,6 +66,9 @@ def clip_stems(family, generic: bool) -> set[str]:
         keys = _clip_keys(family.parts[part], clip)
         if generic:
             stems |= {f"text_encoders.{k}" for k in keys}
+        if f"{clip}.transformer.text_projection" in keys:  # model_lora_keys_clip's own projection names
+            stems |= {"lora_te1_text_projection"} if clip == "clip_l" else {"lora_te2_text_projection",
+                                                                            "lora_prior_te_text_projection"}
         for key in keys:
             match = re.fullmatch(rf"{clip}\.transformer\.text_model\.encoder\.layers\.(\d+)\.(.+)", key)
             if match and match.group(2) in CLIP_LAYERS:
