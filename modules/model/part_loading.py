@@ -155,7 +155,7 @@ class PartLoading:
         model, report = load_streamed(
             model, folder, part=part, where=where, mode=self.weight_mode(part),
             compute_dtype=self.compute_dtype(part), quantize_skip=part_config.quantize_skip,
-            nf4_double_quant=part_config.nf4_double_quant, rename=rename, ignore_unexpected=ignore_unexpected,
+            layer_options=part_config.layer_options(), rename=rename, ignore_unexpected=ignore_unexpected,
             sources=sources, quantize_device=self.quantize_device, quantized_home=self.quantized_home(part),
         )
         if report is not None:

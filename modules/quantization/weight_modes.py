@@ -18,6 +18,7 @@ the config validates weight_dtype against it, and the config and the GUI load wi
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -41,6 +42,10 @@ class LayerOptions:
 
     nf4_double_quant: bool = True
     device: str = "cpu"
+
+    def on(self, device: torch.device | str) -> LayerOptions:
+        """The same options, the layer's storage on `device`."""
+        return dataclasses.replace(self, device=str(device))
 
 
 # an empty layer of the mode shaped like `linear` (in/out features, bias), storage on
