@@ -29,7 +29,6 @@ from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStre
 from modules.loading.torch_files import load_weights_only
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.replace import (
-    DENSE_MODES,
     QuantizationReport,
     is_quantized_mode,
     load_dense_weight,
@@ -37,7 +36,7 @@ from modules.quantization.replace import (
     plan_layers,
 )
 from modules.quantization.skip_rules import keeps_float32
-from modules.quantization.weight_modes import LayerOptions
+from modules.quantization.weight_modes import DENSE_DTYPES, LayerOptions
 from modules.util.memory import freed_memory_returned_to_os
 
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input")
@@ -170,7 +169,7 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     Everything else is loaded onto the CPU. layer_options: the part's options for the mode's
     layers (`ModelPartConfig.layer_options`).
     """
-    dense = DENSE_MODES.get(mode, compute_dtype)
+    dense = DENSE_DTYPES.get(mode, compute_dtype)
     expected = {key: tensor.shape for key, tensor in model.state_dict().items()}
     report = None
     quantized: dict[str, nn.Module] = {}

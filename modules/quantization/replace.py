@@ -15,11 +15,12 @@ from torch import nn
 
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.skip_rules import skip_reason
-from modules.quantization.weight_modes import DenseDtypes, LayerOptions, ModeNames, get_weight_mode, is_weight_mode
-
-# live views of the registry (weight_modes.py): dense name -> dtype, and the quantized names
-DENSE_MODES = DenseDtypes()
-QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
+from modules.quantization.weight_modes import (  # noqa: F401  (QUANTIZED_MODES re-exported)
+    QUANTIZED_MODES,
+    LayerOptions,
+    get_weight_mode,
+    is_weight_mode,
+)
 
 
 def is_quantized_mode(mode: str) -> bool:

@@ -119,7 +119,7 @@ def dense_modes() -> list[WeightMode]:
     return [mode for mode in _REGISTRY.values() if mode.dense]
 
 
-# --- live views under the names callers used before the registry (read it on every access) ------
+# --- live views of the registry (read it on every access) ------------------------------------------
 
 class DenseDtypes(Mapping):
     """name -> torch dtype of every dense mode registered now."""
@@ -167,6 +167,14 @@ class BytesPerParameter(Mapping):
 
     def __len__(self) -> int:
         return len(_REGISTRY)
+
+
+# The registry's live views, each named for the one thing it holds (dense first, then by bytes
+# per parameter): what a dense mode stores in, and the names of the dense, quantized and all modes.
+DENSE_DTYPES = DenseDtypes()  # dense mode name -> its torch dtype
+DENSE_MODE_NAMES = ModeNames(lambda mode: mode.dense)
+QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
+ALL_MODES = ModeNames(lambda mode: True)
 
 
 # --- the built-in modes ----------------------------------------------------------------------------
