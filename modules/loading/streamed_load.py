@@ -209,7 +209,7 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
             module_name, _, attr = key.rpartition(".")
             layer = quantized.get(module_name)
             if layer is not None:
-                if isinstance(value, tuple) and attr == "weight" and mode == "float8" and value[1].numel() == 1:
+                if isinstance(value, tuple) and attr == "weight" and layer.keeps_scaled_fp8 and value[1].numel() == 1:
                     layer.set_quantized(*value)  # the checkpoint's own fp8 codes and scale, kept as they are
                 else:
                     dense_value = _dequantize_scaled(*value) if isinstance(value, tuple) else value
