@@ -66,10 +66,17 @@ class WeightMode:
     # auto's ladder (policy.py): 0 dense, 1 8-bit, 2 4-bit, lower preference first; None: never auto
     auto_tier: int | None = None
     auto_preference: int = 0
+    # the part options (LayerOptions fields, model.parts.<part>.*) its layers read: the GUI shows
+    # such an option only for a mode that reads it
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self):
         if (self.layer_factory is None) == (self.dtype is None):
             raise ValueError(f"weight mode {self.name!r}: give a dense dtype or a layer factory, exactly one")
+        known = {field.name for field in dataclasses.fields(LayerOptions)} - {"device"}
+        if unknown := set(self.reads) - known:
+            raise ValueError(f"weight mode {self.name!r}: reads {sorted(unknown)}, not part options "
+                             f"(LayerOptions: {', '.join(sorted(known))})")
 
     @property
     def dense(self) -> bool:
@@ -130,6 +137,14 @@ def get_weight_mode(name: str) -> WeightMode:
 
 def is_weight_mode(name: str) -> bool:
     return name in _modes()
+
+
+def reads_part_option(weight_dtype: str, option: str) -> bool:
+    """Whether a part stored as `weight_dtype` uses its option `option` (auto: whether any mode it
+    may pick does)."""
+    if weight_dtype == "auto":
+        return any(option in mode.reads for mode in _modes().values())
+    return is_weight_mode(weight_dtype) and option in get_weight_mode(weight_dtype).reads
 
 
 def dense_modes() -> list[WeightMode]:

@@ -24,4 +24,4 @@ register_weight_mode(WeightMode(
     "nf4", 0.53,
     lambda caps: None if caps.bitsandbytes else
     "nf4 needs bitsandbytes (import and a quantize_4bit/dequantize_4bit round trip failed)",
-    _layer, how="bitsandbytes nf4, dequantized in forward", auto_tier=2))
+    _layer, how="bitsandbytes nf4, dequantized in forward", auto_tier=2, reads=("nf4_double_quant",)))
