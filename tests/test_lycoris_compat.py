@@ -140,7 +140,9 @@ def test_a_trainer_file_loads_in_lycoris_and_computes_the_same(layer, algorithm,
     assert len(network.unet_loras) == 1
     theirs = _lycoris_forward(network.unet_loras, layer, x)
     assert (ours - plain).abs().max() > 1e-3  # the adapter does something worth matching
-    assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+    # float32 sums of 3072 products in another order (LyCORIS's kernels, the thread count) differ by a few
+    # ulps of the output's size: the bound scales with it (1e-5 of the largest output, at least 1e-5)
+    assert (ours - theirs).abs().max() <= 1e-5 * max(1.0, ours.abs().max().item()), (ours - theirs).abs().max()
 
 
 def _lycoris_module(layer, options):
@@ -193,7 +195,9 @@ def test_a_lycoris_made_file_continues_in_the_trainer(layer, algorithm, tmp_path
     with torch.no_grad():
         plain = layer(x)
     assert (theirs - plain).abs().max() > 1e-3
-    assert (ours - theirs).abs().max() <= 1e-5, (ours - theirs).abs().max()
+    # float32 sums of 3072 products in another order (LyCORIS's kernels, the thread count) differ by a few
+    # ulps of the output's size: the bound scales with it (1e-5 of the largest output, at least 1e-5)
+    assert (ours - theirs).abs().max() <= 1e-5 * max(1.0, ours.abs().max().item()), (ours - theirs).abs().max()
 
 
 def test_lycoris_refuses_dora_on_the_input_axis(tmp_path):

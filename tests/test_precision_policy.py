@@ -152,7 +152,7 @@ def test_w8a8_without_its_kernel_works_but_warns():
 
 
 def test_working_modes_follow_capabilities():
-    assert working_modes(FULL) == ["float32", "bfloat16", "float16", "float8", "int8", "w8a8_int8", "w8a8_fp8", "nf4"]
+    assert working_modes(FULL) == ["float32", "bfloat16", "float16", "float8", "int8", "w8a8_fp8", "w8a8_int8", "nf4"]
     bare = Capabilities(device="weird:0", device_name="weird", cuda=False, compute_capability=None, total_memory=None,
                         free_memory=None, dense_dtypes=("float32",), float8_dtypes=False, torchao_int8=False,
                         bitsandbytes=False, int_mm=False, scaled_mm=False)

@@ -21,6 +21,7 @@ from modules.loading.streamed_load import load_streamed
 from modules.model.sd15 import SD15Family
 from modules.quantization.base import QuantizedLinear, unquantized_weight
 from modules.quantization.linear_fp8 import LinearFp8
+from modules.quantization.linear_nf4 import LinearNf4
 from modules.quantization.replace import QUANTIZED_MODES, quantize_model_
 from modules.quantization.torchao_int8 import LinearInt8, QuantizationError
 
@@ -142,6 +143,18 @@ def test_each_mode_loads_the_unet_quantized_and_close_to_dense(mode, tiny_model,
     out = _unet_out(family, _unet_inputs(family))
     similarity = torch.nn.functional.cosine_similarity(out.flatten(), dense_unet_out.flatten(), dim=0)
     assert similarity > (0.97 if mode == "nf4" else 0.995), similarity
+
+
+@pytest.mark.parametrize("double_quant", [False, True])
+def test_a_parts_layer_options_reach_its_layers(double_quant, tiny_model, tmp_path, shape_images):
+    # model.parts.unet.nf4_double_quant travels as the part's LayerOptions (config -> family load ->
+    # streamed loader -> the mode's layer factory): each nf4 layer is made with it
+    config = train_config(tiny_model, shape_images, tmp_path, {
+        "model": {"parts": {"unet": {"weight_dtype": "nf4", "nf4_double_quant": double_quant}}}})
+    family = SD15Family(config)
+    family.load()
+    layers = [m for m in family.parts["unet"].modules() if isinstance(m, LinearNf4)]
+    assert len(layers) > 10 and {layer.double_quant for layer in layers} == {double_quant}
 
 
 # --- ComfyUI scaled fp8 -----------------------------------------------------------------------------

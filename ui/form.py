@@ -24,6 +24,7 @@ from typing import Any, Callable, Literal, Union
 from pydantic import BaseModel
 
 from modules.config.train_config import Cadence
+from modules.quantization.weight_modes import reads_part_option
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
     "adapter.dora_axis": lambda s, v: bool(v("adapter.dora")),
     "concepts[].caption_file": lambda s, v: s("caption_source") == "file",
     "concepts[].unmasked_weight": lambda s, v: bool(s("masked_loss")),
-    "model.parts.*.nf4_double_quant": lambda s, v: s("weight_dtype") in ("nf4", "auto"),
+    "model.parts.*.nf4_double_quant": lambda s, v: reads_part_option(s("weight_dtype"), "nf4_double_quant"),
     "model.parts.*.learning_rate": lambda s, v: bool(s("train")),
     "loss.huber_delta": lambda s, v: s("type") == "huber",
     "loss.logit_mean": lambda s, v: s("timesteps") == "logit_normal",

@@ -21,7 +21,7 @@ from modules.quantization.policy import (
     HEADROOM,
     plan_base_precision,
 )
-from modules.quantization.replace import DENSE_MODES
+from modules.quantization.weight_modes import DENSE_DTYPES
 from modules.util.torch_utils import resolve_device
 
 
@@ -50,7 +50,7 @@ def _compile_blocker(mode: str, works: bool, device: torch.device) -> str | None
     in) where the device computes in it."""
     if not works:
         return f"{mode} does not work on {device}"
-    dtype = DENSE_MODES.get(mode) or (torch.bfloat16 if _dtype_works(torch.bfloat16, str(device)) else torch.float32)
+    dtype = DENSE_DTYPES.get(mode) or (torch.bfloat16 if _dtype_works(torch.bfloat16, str(device)) else torch.float32)
     return compile_blocker(mode, str(device), dtype)
 
 

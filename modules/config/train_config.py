@@ -32,7 +32,7 @@ from modules.config.method_configs import METHODS, MethodConfigBase
 from modules.config.optimizer_configs import OPTIMIZERS, OptimizerConfigBase
 from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  # noqa: F401  (re-exported)
 from modules.config.strict import StrictModel
-from modules.quantization.weight_modes import is_weight_mode, weight_mode_names
+from modules.quantization.weight_modes import LayerOptions, is_weight_mode, weight_mode_names
 
 CURRENT_VERSION = 2
 
@@ -93,6 +93,11 @@ class ModelPartConfig(StrictModel):
 
     _fraction_in_range = field_validator("offload_fraction", mode="wrap")(
         single_message("must be between 0 and 1, or 'auto'"))
+
+    def layer_options(self) -> LayerOptions:
+        """What the weight mode's layer factory reads of this part (one object passed down the
+        loader, so no mode's option is a keyword of every layer between here and the factory)."""
+        return LayerOptions(nf4_double_quant=self.nf4_double_quant)
 
     @model_validator(mode="after")
     def _activation_offloading_needs_checkpointing(self) -> "ModelPartConfig":

@@ -29,7 +29,6 @@ from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStre
 from modules.loading.torch_files import load_weights_only
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.replace import (
-    DENSE_MODES,
     QuantizationReport,
     is_quantized_mode,
     load_dense_weight,
@@ -37,6 +36,7 @@ from modules.quantization.replace import (
     plan_layers,
 )
 from modules.quantization.skip_rules import keeps_float32
+from modules.quantization.weight_modes import DENSE_DTYPES, LayerOptions
 from modules.util.memory import freed_memory_returned_to_os
 
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input")
@@ -151,7 +151,7 @@ def _dequantize_scaled(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
 @freed_memory_returned_to_os()  # for the load only: see there (issue 19)
 def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode: str,
                   compute_dtype: torch.dtype, quantize_skip: list[str] | None = None,
-                  nf4_double_quant: bool = True, rename: Callable[[str], str] | None = None,
+                  layer_options: LayerOptions = LayerOptions(), rename: Callable[[str], str] | None = None,
                   ignore_unexpected: list[str] | None = None, sources: list | None = None,
                   quantize_device: torch.device | None = None,
                   quantized_home: torch.device | None = None) -> tuple[nn.Module, QuantizationReport | None]:
@@ -166,18 +166,19 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     quantize_device: an accelerator to quantize each Linear on, one layer at a time (None: where
     the layer is stored); quantized_home: where the quantized layers are stored (the train device
     for a part that stays there, the temp device for one that will be parked; None: the CPU).
-    Everything else is loaded onto the CPU.
+    Everything else is loaded onto the CPU. layer_options: the part's options for the mode's
+    layers (`ModelPartConfig.layer_options`).
     """
-    dense = DENSE_MODES.get(mode, compute_dtype)
+    dense = DENSE_DTYPES.get(mode, compute_dtype)
     expected = {key: tensor.shape for key, tensor in model.state_dict().items()}
     report = None
     quantized: dict[str, nn.Module] = {}
     if is_quantized_mode(mode):
         report = QuantizationReport(mode)
         targets, report.skipped = plan_layers(model, part, quantize_skip or [])
+        options = layer_options.on(quantized_home or "cpu")
         for name in targets:
-            layer = new_quantized_layer(mode, model.get_submodule(name), compute_dtype, nf4_double_quant,
-                                        device=quantized_home or "cpu")
+            layer = new_quantized_layer(mode, model.get_submodule(name), compute_dtype, options)
             model.set_submodule(name, layer)
             quantized[name] = layer
         report.quantized = targets
@@ -208,7 +209,7 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
             module_name, _, attr = key.rpartition(".")
             layer = quantized.get(module_name)
             if layer is not None:
-                if isinstance(value, tuple) and attr == "weight" and mode == "float8" and value[1].numel() == 1:
+                if isinstance(value, tuple) and attr == "weight" and layer.keeps_scaled_fp8 and value[1].numel() == 1:
                     layer.set_quantized(*value)  # the checkpoint's own fp8 codes and scale, kept as they are
                 else:
                     dense_value = _dequantize_scaled(*value) if isinstance(value, tuple) else value

@@ -17,8 +17,8 @@ from modules.loading.diffusers_folder import (
     component_folder,
     weights_fingerprint,
 )
-from modules.quantization.replace import DENSE_MODES
 from modules.quantization.skip_rules import FAMILY_SKIP_ATTRIBUTE
+from modules.quantization.weight_modes import DENSE_DTYPES
 from modules.util.torch_utils import dtype_of
 
 
@@ -132,7 +132,7 @@ class PartLoading:
     def compute_dtype(self, part: str) -> torch.dtype:
         """The dtype a part computes in: its dense storage dtype, or the config's train_dtype when
         its weights are quantized (never read back from a parameter, which may be fp8 or uint8)."""
-        return DENSE_MODES.get(self.weight_mode(part)) or dtype_of(self.config.train_dtype)
+        return DENSE_DTYPES.get(self.weight_mode(part)) or dtype_of(self.config.train_dtype)
 
     def load_part(self, part: str, cls: type, rename: Callable[[str], str] | None = None,
                   ignore_unexpected: list[str] | None = None) -> nn.Module:
@@ -155,7 +155,7 @@ class PartLoading:
         model, report = load_streamed(
             model, folder, part=part, where=where, mode=self.weight_mode(part),
             compute_dtype=self.compute_dtype(part), quantize_skip=part_config.quantize_skip,
-            nf4_double_quant=part_config.nf4_double_quant, rename=rename, ignore_unexpected=ignore_unexpected,
+            layer_options=part_config.layer_options(), rename=rename, ignore_unexpected=ignore_unexpected,
             sources=sources, quantize_device=self.quantize_device, quantized_home=self.quantized_home(part),
         )
         if report is not None:

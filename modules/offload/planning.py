@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from modules.config.method_configs import METHODS
+from modules.quantization.weight_modes import get_weight_mode, is_weight_mode
 
 HEADROOM = 0.8  # the share of free memory weights may take; the rest is activations and slack
 STEP = 0.05  # fractions are rounded up to this, so small estimate errors do not matter
@@ -37,5 +38,6 @@ def trained_bytes_factor(config, part: str) -> float:
         return 1.0
     from modules.optim.state_size import optimizer_state_bytes_per_parameter
 
-    weight_bytes = 2 if part_config.weight_dtype == "bfloat16" else 4
+    mode = part_config.weight_dtype  # a dense mode (the fine-tune's rules refuse the others)
+    weight_bytes = get_weight_mode(mode).bytes_per_parameter if is_weight_mode(mode) else 4.0
     return 1.0 + optimizer_state_bytes_per_parameter(config) / weight_bytes

@@ -27,6 +27,9 @@ class QuantizedLinear(nn.Module, ABC):
     # the config's weight_dtype name this class implements ("float8", "nf4", ...); the mode's entry
     # in weight_modes.py says how a Linear becomes this class (its layer factory)
     mode: ClassVar[str]
+    # True: the class stores a checkpoint's own per-tensor float8 codes and scale (ComfyUI's scaled
+    # fp8) as they are, through `set_quantized(codes, scale)`, instead of quantizing them again
+    keeps_scaled_fp8: ClassVar[bool] = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
                  device: torch.device | str | None = None):

@@ -23,16 +23,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modules.quantization.weight_modes import (
-    ModeNames,
+from modules.quantization.weight_modes import (  # noqa: F401  (ALL_MODES, QUANTIZED_MODES re-exported)
+    ALL_MODES,
+    DENSE_MODE_NAMES,
+    QUANTIZED_MODES,
     get_weight_mode,
     weight_mode_names,
 )
-
-# live views of the registry (weight_modes.py), in its order: dense first, then by bytes per parameter
-DENSE_MODES = ModeNames(lambda mode: mode.dense)
-QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
-ALL_MODES = ModeNames(lambda mode: True)
 
 
 # --- library probes (cached: the answer cannot change within a process) ------------------------
@@ -261,7 +258,7 @@ def _detect(device: torch.device) -> Capabilities:
         total_memory=total,
         free_memory=free,
         dense_dtypes=tuple(
-            mode for mode in DENSE_MODES
+            mode for mode in DENSE_MODE_NAMES
             if mode == "float32" or _dense_dtype_works(get_weight_mode(mode).torch_dtype(), device)
         ),
         float8_dtypes=_float8_works(device),

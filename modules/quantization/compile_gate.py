@@ -19,11 +19,12 @@ from torch import nn
 
 
 def _probe_layer(mode: str, device: torch.device, compute_dtype: torch.dtype) -> nn.Module:
-    from modules.quantization.replace import DENSE_MODES, quantize_model_
+    from modules.quantization.replace import quantize_model_
+    from modules.quantization.weight_modes import DENSE_DTYPES
 
     model = nn.Sequential(nn.Linear(64, 64))
-    if mode in DENSE_MODES:
-        return model.to(device=device, dtype=DENSE_MODES[mode])
+    if mode in DENSE_DTYPES:
+        return model.to(device=device, dtype=DENSE_DTYPES[mode])
     quantize_model_(model, "probe", mode, compute_dtype)
     return model.to(device)
 

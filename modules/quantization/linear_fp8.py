@@ -21,6 +21,7 @@ class LinearFp8(QuantizedLinear):
     """State dict: `weight` (float8_e4m3fn, [out, in]), `scale` (float32, 0-dim), `bias` (compute dtype)."""
 
     mode = "float8"
+    keeps_scaled_fp8 = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool, compute_dtype: torch.dtype,
                  device: torch.device | str | None = None):

@@ -15,11 +15,12 @@ from torch import nn
 
 from modules.quantization.base import QuantizedLinear
 from modules.quantization.skip_rules import skip_reason
-from modules.quantization.weight_modes import DenseDtypes, LayerOptions, ModeNames, get_weight_mode, is_weight_mode
-
-# live views of the registry (weight_modes.py): dense name -> dtype, and the quantized names
-DENSE_MODES = DenseDtypes()
-QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
+from modules.quantization.weight_modes import (  # noqa: F401  (QUANTIZED_MODES re-exported)
+    QUANTIZED_MODES,
+    LayerOptions,
+    get_weight_mode,
+    is_weight_mode,
+)
 
 
 def is_quantized_mode(mode: str) -> bool:
@@ -52,13 +53,13 @@ def plan_layers(model: nn.Module, part: str, user_skip: list[str]) -> tuple[list
 
 
 def new_quantized_layer(mode: str, linear: nn.Linear, compute_dtype: torch.dtype,
-                        nf4_double_quant: bool = True, device: torch.device | str = "cpu") -> QuantizedLinear:
-    """An empty layer of `mode` shaped like `linear`, with its (small) storage on `device`: the
-    mode's layer factory (weight_modes.py)."""
+                        options: LayerOptions = LayerOptions()) -> QuantizedLinear:
+    """An empty layer of `mode` shaped like `linear`, with its (small) storage on `options.device`
+    and the part's options (`ModelPartConfig.layer_options`): the mode's layer factory (weight_modes.py)."""
     factory = get_weight_mode(mode).layer_factory
     if factory is None:
         raise ValueError(f"{mode!r} is a dense dtype, not a quantized weight mode")
-    return factory(linear, compute_dtype, LayerOptions(nf4_double_quant=nf4_double_quant, device=str(device)))
+    return factory(linear, compute_dtype, options)
 
 
 @torch.no_grad()
@@ -86,13 +87,13 @@ def load_dense_weight(layer: QuantizedLinear, name: str, tensor: torch.Tensor, c
 
 @torch.no_grad()
 def quantize_model_(model: nn.Module, part: str, mode: str, compute_dtype: torch.dtype,
-                    user_skip: list[str] | None = None, nf4_double_quant: bool = True) -> QuantizationReport:
+                    user_skip: list[str] | None = None, options: LayerOptions = LayerOptions()) -> QuantizationReport:
     """Quantize a loaded dense model's Linear layers in place (on the device they sit on)."""
     report = QuantizationReport(mode)
     targets, report.skipped = plan_layers(model, part, user_skip or [])
     for name in targets:
         linear = model.get_submodule(name)
-        layer = new_quantized_layer(mode, linear, compute_dtype, nf4_double_quant)
+        layer = new_quantized_layer(mode, linear, compute_dtype, options)
         load_dense_weight(layer, "weight", linear.weight, compute_dtype)
         if linear.bias is not None:
             load_dense_weight(layer, "bias", linear.bias, compute_dtype)

@@ -12,12 +12,17 @@ The probes are pure functions of a `capabilities.Capabilities` (what one device 
 libraries can do), so the policy can reason about any machine without having it. A probe returns
 None when the mode (or its kernel) runs, else the reason in words.
 
-This module imports no torch (layer classes are imported inside the factories, dtypes are named):
-the config validates weight_dtype against it, and the config and the GUI load without torch.
+The built-in modes are one file each in modules/quantization/modes/, imported the first time the
+registry is read; each registers itself. This module and those files import no torch (layer
+classes are imported inside the factories, dtypes are named): the config validates weight_dtype
+against it, and the config and the GUI load without torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -29,11 +34,6 @@ if TYPE_CHECKING:
     from modules.quantization.base import QuantizedLinear
     from modules.quantization.capabilities import Capabilities
 
-# torch._scaled_mm's fp8 kernel needs Ada/Hopper (sm_89+) tensor cores; on older GPUs and other
-# devices LinearW8A8 falls back to dequantizing, which works but saves no time.
-SCALED_MM_MIN_CAPABILITY = (8, 9)
-
-
 @dataclass(frozen=True)
 class LayerOptions:
     """The per-part options a layer factory may use (model.parts.<part>.*), and where the layer's
@@ -41,6 +41,10 @@ class LayerOptions:
 
     nf4_double_quant: bool = True
     device: str = "cpu"
+
+    def on(self, device: torch.device | str) -> LayerOptions:
+        """The same options, the layer's storage on `device`."""
+        return dataclasses.replace(self, device=str(device))
 
 
 # an empty layer of the mode shaped like `linear` (in/out features, bias), storage on
@@ -62,10 +66,17 @@ class WeightMode:
     # auto's ladder (policy.py): 0 dense, 1 8-bit, 2 4-bit, lower preference first; None: never auto
     auto_tier: int | None = None
     auto_preference: int = 0
+    # the part options (LayerOptions fields, model.parts.<part>.*) its layers read: the GUI shows
+    # such an option only for a mode that reads it
+    reads: tuple[str, ...] = ()
 
     def __post_init__(self):
         if (self.layer_factory is None) == (self.dtype is None):
             raise ValueError(f"weight mode {self.name!r}: give a dense dtype or a layer factory, exactly one")
+        known = {field.name for field in dataclasses.fields(LayerOptions)} - {"device"}
+        if unknown := set(self.reads) - known:
+            raise ValueError(f"weight mode {self.name!r}: reads {sorted(unknown)}, not part options "
+                             f"(LayerOptions: {', '.join(sorted(known))})")
 
     @property
     def dense(self) -> bool:
@@ -78,49 +89,75 @@ class WeightMode:
 
 
 _REGISTRY: dict[str, WeightMode] = {}
+_found = False
+BUILTIN_PACKAGE = "modules.quantization.modes"  # one file per built-in mode, each registers itself
+
+
+def _modes() -> dict[str, WeightMode]:
+    """The registry, the built-in modes' files imported on first read. They are listed dense first,
+    then by bytes per parameter (then by name); a mode registered later comes after them."""
+    global _found
+    if not _found:
+        _found = True  # before importing: their register_weight_mode calls read the registry
+        package = importlib.import_module(BUILTIN_PACKAGE)
+        for info in pkgutil.iter_modules(package.__path__):
+            importlib.import_module(f"{BUILTIN_PACKAGE}.{info.name}")
+        ordered = sorted(_REGISTRY.values(), key=lambda mode: (not mode.dense, -mode.bytes_per_parameter, mode.name))
+        _REGISTRY.clear()
+        _REGISTRY.update((mode.name, mode) for mode in ordered)
+    return _REGISTRY
 
 
 def register_weight_mode(mode: WeightMode) -> WeightMode:
+    registry = _modes()
     if mode.name == "auto":
         raise ValueError("'auto' is the policy's request, not a weight mode")
-    if mode.name in _REGISTRY:
+    if mode.name in registry:
         raise ValueError(f"weight mode {mode.name!r} is already registered")
-    _REGISTRY[mode.name] = mode
+    registry[mode.name] = mode
     return mode
 
 
 def unregister_weight_mode(name: str) -> None:
-    del _REGISTRY[name]
+    del _modes()[name]
 
 
 def weight_mode_names() -> list[str]:
-    """Every registered mode, in registration order (dense first, then by bytes per parameter);
-    "auto" is not a mode but a request (policy.py)."""
-    return list(_REGISTRY)
+    """Every registered mode: the built-in ones dense first, then by bytes per parameter, then any
+    registered later; "auto" is not a mode but a request (policy.py)."""
+    return list(_modes())
 
 
 def get_weight_mode(name: str) -> WeightMode:
     try:
-        return _REGISTRY[name]
+        return _modes()[name]
     except KeyError:
-        raise ValueError(f"unknown weight mode {name!r} (known: {', '.join(_REGISTRY)}, auto)") from None
+        raise ValueError(f"unknown weight mode {name!r} (known: {', '.join(_modes())}, auto)") from None
 
 
 def is_weight_mode(name: str) -> bool:
-    return name in _REGISTRY
+    return name in _modes()
+
+
+def reads_part_option(weight_dtype: str, option: str) -> bool:
+    """Whether a part stored as `weight_dtype` uses its option `option` (auto: whether any mode it
+    may pick does)."""
+    if weight_dtype == "auto":
+        return any(option in mode.reads for mode in _modes().values())
+    return is_weight_mode(weight_dtype) and option in get_weight_mode(weight_dtype).reads
 
 
 def dense_modes() -> list[WeightMode]:
-    return [mode for mode in _REGISTRY.values() if mode.dense]
+    return [mode for mode in _modes().values() if mode.dense]
 
 
-# --- live views under the names callers used before the registry (read it on every access) ------
+# --- live views of the registry (read it on every access) ------------------------------------------
 
 class DenseDtypes(Mapping):
     """name -> torch dtype of every dense mode registered now."""
 
     def __getitem__(self, name: str) -> torch.dtype:
-        mode = _REGISTRY.get(name)
+        mode = _modes().get(name)
         if mode is None or not mode.dense:
             raise KeyError(name)
         return mode.torch_dtype()
@@ -139,7 +176,7 @@ class ModeNames(Sequence):
         self._select = select
 
     def _names(self) -> list[str]:
-        return [mode.name for mode in _REGISTRY.values() if self._select(mode)]
+        return [mode.name for mode in _modes().values() if self._select(mode)]
 
     def __getitem__(self, index):
         return self._names()[index]
@@ -155,20 +192,26 @@ class BytesPerParameter(Mapping):
     """name -> bytes per parameter of every mode registered now."""
 
     def __getitem__(self, name: str) -> float:
-        return _REGISTRY[name].bytes_per_parameter
+        return _modes()[name].bytes_per_parameter
 
     def __iter__(self) -> Iterator[str]:
-        return iter(list(_REGISTRY))
+        return iter(list(_modes()))
 
     def __len__(self) -> int:
-        return len(_REGISTRY)
+        return len(_modes())
 
 
-# --- the built-in modes ----------------------------------------------------------------------------
-# Layer classes are imported inside the factories: each pulls its own library (bitsandbytes for
-# nf4, torchao for int8) only when a layer is made.
+# The registry's live views, each named for the one thing it holds (dense first, then by bytes
+# per parameter): what a dense mode stores in, and the names of the dense, quantized and all modes.
+DENSE_DTYPES = DenseDtypes()  # dense mode name -> its torch dtype
+DENSE_MODE_NAMES = ModeNames(lambda mode: mode.dense)
+QUANTIZED_MODES = ModeNames(lambda mode: not mode.dense)
+ALL_MODES = ModeNames(lambda mode: True)
 
-def _dense(name: str, itemsize: int, auto_preference: int | None) -> WeightMode:
+
+def dense_mode(name: str, itemsize: int, auto_preference: int | None) -> WeightMode:
+    """A dense dtype as a mode: the part stored (and computed) in torch's `name`; auto picks it
+    (tier 0) unless `auto_preference` is None."""
     def capability(caps: Capabilities) -> str | None:
         return None if name in caps.dense_dtypes else f"a {name} Linear does not run on {caps.device}"
 
@@ -176,70 +219,6 @@ def _dense(name: str, itemsize: int, auto_preference: int | None) -> WeightMode:
                       auto_tier=None if auto_preference is None else 0, auto_preference=auto_preference or 0)
 
 
-def _fp8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
-    from modules.quantization.linear_fp8 import LinearFp8
-    return LinearFp8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                     device=options.device)
-
-
-def _int8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
-    from modules.quantization.torchao_int8 import LinearInt8
-    return LinearInt8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                      device=options.device)
-
-
-def _w8a8_int8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
-    from modules.quantization.linear_w8a8 import LinearW8A8Int8
-    return LinearW8A8Int8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                          device=options.device)
-
-
-def _w8a8_fp8_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
-    from modules.quantization.linear_w8a8 import LinearW8A8Fp8
-    return LinearW8A8Fp8(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                         device=options.device)
-
-
-def _nf4_layer(linear: nn.Linear, compute_dtype: torch.dtype, options: LayerOptions) -> QuantizedLinear:
-    from modules.quantization.linear_nf4 import LinearNf4
-    return LinearNf4(linear.in_features, linear.out_features, linear.bias is not None, compute_dtype,
-                     device=options.device, double_quant=options.nf4_double_quant)
-
-
-def _needs_float8(name: str) -> Probe:
+def needs_float8(name: str) -> Probe:
+    """The probe of a mode that casts to torch.float8_e4m3fn."""
     return lambda caps: None if caps.float8_dtypes else f"{name} needs torch.float8_e4m3fn casts on {caps.device}"
-
-
-def _scaled_mm_fast(caps: Capabilities) -> str | None:
-    if caps.scaled_mm and caps.cuda and (caps.compute_capability or (0, 0)) >= SCALED_MM_MIN_CAPABILITY:
-        return None
-    major, minor = SCALED_MM_MIN_CAPABILITY
-    return f"torch._scaled_mm's fast path needs CUDA with compute capability >= {major}.{minor}"
-
-
-# one byte per weight plus scales, per tensor (float8) or per output channel (~1% on small layers);
-# nf4: 4 bits, plus an 8-bit absmax per 64-block and a float32 per 256 of those (double quant)
-for _mode in (
-    _dense("float32", 4, 1),  # auto's dense only where bfloat16 does not run
-    _dense("bfloat16", 2, 0),
-    # never picked by auto: without loss scaling float16's range overflows in training
-    _dense("float16", 2, None),
-    WeightMode("float8", 1.01, _needs_float8("float8"), _fp8_layer, how="e4m3 storage, dequantized in forward",
-               auto_tier=1, auto_preference=1),
-    WeightMode("int8", 1.01,
-               lambda caps: None if caps.torchao_int8 else
-               "int8 needs a working torchao (from torchao.quantization import quantize_, Int8WeightOnlyConfig "
-               "must import and really quantize a Linear)",
-               _int8_layer, how="torchao int8 weight-only", auto_tier=1, auto_preference=0),
-    # works everywhere thanks to its dequantize fallback (and rounds activations: auto's last 8-bit resort)
-    WeightMode("w8a8_int8", 1.01, lambda caps: None, _w8a8_int8_layer,
-               fast_kernel=lambda caps: None if caps.int_mm else f"torch._int_mm does not run on {caps.device}",
-               how="torch._int_mm", auto_tier=1, auto_preference=2),
-    WeightMode("w8a8_fp8", 1.01, _needs_float8("w8a8_fp8"), _w8a8_fp8_layer, fast_kernel=_scaled_mm_fast,
-               how="torch._scaled_mm"),
-    WeightMode("nf4", 0.53,
-               lambda caps: None if caps.bitsandbytes else
-               "nf4 needs bitsandbytes (import and a quantize_4bit/dequantize_4bit round trip failed)",
-               _nf4_layer, how="bitsandbytes nf4, dequantized in forward", auto_tier=2),
-):
-    register_weight_mode(_mode)

@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from modules.quantization.replace import DENSE_MODES
+from modules.quantization.weight_modes import DENSE_MODE_NAMES
 from modules.util.atomic import write_errors, write_with
 
 
 def _dense(family, part: str) -> bool:
-    return family.weight_mode(part) in DENSE_MODES
+    return family.weight_mode(part) in DENSE_MODE_NAMES
 
 
 def uncopyable_parts(family, single_file: bool) -> list[str]:

@@ -99,19 +99,19 @@ def _dtype_problems(config: TrainConfig, device: torch.device) -> list[str]:
     the train device (the same probes `launch.py info` reports)."""
     from modules.quantization.capabilities import _dense_dtype_works, detect_capabilities
     from modules.quantization.policy import plan_base_precision
-    from modules.quantization.replace import DENSE_MODES
+    from modules.quantization.weight_modes import DENSE_DTYPES, DENSE_MODE_NAMES
 
     dense_fields: dict[str, list[str]] = {}
     for name, part in config.model.parts.items():
-        if part.weight_dtype in DENSE_MODES:
+        if part.weight_dtype in DENSE_MODE_NAMES:
             dense_fields.setdefault(part.weight_dtype, []).append(f"model.parts.{name}.weight_dtype")
     dense_fields.setdefault(config.train_dtype, []).append("train_dtype")
     dense_fields.setdefault(config.adapter.dtype, []).append("adapter.dtype")
     problems = [f"{field}: {dtype} does not run on {device} here"
                 for dtype, fields in dense_fields.items() if dtype != "float32"
-                and not _dense_dtype_works(DENSE_MODES[dtype], device) for field in fields]
+                and not _dense_dtype_works(DENSE_DTYPES[dtype], device) for field in fields]
     quantized = {name: part.weight_dtype for name, part in config.model.parts.items()
-                 if part.weight_dtype not in DENSE_MODES and part.weight_dtype != "auto"}
+                 if part.weight_dtype not in DENSE_MODE_NAMES and part.weight_dtype != "auto"}
     if quantized:  # the probes import torchao and bitsandbytes: only when a quantized mode is asked for
         try:
             plan_base_precision(quantized, config.model.family, {}, None, detect_capabilities(device))

@@ -10,7 +10,7 @@ import torch
 from modules.config.errors import ConfigError
 from modules.quantization.capabilities import detect_capabilities
 from modules.quantization.policy import plan_base_precision
-from modules.quantization.replace import DENSE_MODES
+from modules.quantization.weight_modes import DENSE_MODE_NAMES
 
 if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
@@ -20,7 +20,7 @@ def resolve_weight_modes(trainer: GenericTrainer) -> dict[str, str]:
     """Each part's storage mode for this machine: "auto" resolved, and a mode that cannot work
     here refused before anything is loaded (policy.py has the table)."""
     requested = {name: part.weight_dtype for name, part in trainer.config.model.parts.items()}
-    if all(mode in DENSE_MODES for mode in requested.values()):
+    if all(mode in DENSE_MODE_NAMES for mode in requested.values()):
         return requested  # nothing to probe: dense storage works everywhere torch runs
     capabilities = detect_capabilities(trainer.device)
     sizes = trainer.family.part_parameters() if "auto" in requested.values() else {}
