@@ -106,7 +106,7 @@ class _StopAt:
         self.commands, self.step = commands, step
 
     def __getattr__(self, name):
-        return lambda *args: None
+        return lambda *args, **kwargs: None
 
     def on_progress(self, progress):
         if progress.step == self.step:

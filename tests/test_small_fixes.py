@@ -126,7 +126,7 @@ def test_on_the_cpu_a_big_model_s_step_cost_is_said_before_the_first_step(tmp_pa
                 return lambda message: (warnings.append(message), order.append(message))
             if name == "on_started":
                 return lambda total: order.append("started")
-            return lambda *args: None
+            return lambda *args, **kwargs: None
 
     config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 1}})
     trainer = GenericTrainer(config, Calls())
