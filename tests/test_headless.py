@@ -76,10 +76,11 @@ def test_sigterm_then_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path,
 
 
 def test_a_second_sigint_quits_at_once_leaving_no_half_written_file(tmp_path, tiny_model, shape_images):
-    # steps of twelve accumulated batches (seconds, even on a busy machine), a backup after each
+    # steps of 48 accumulated batches, a backup after each: step 2 must outlast reading the first
+    # signal's answer, and 12 batches (~0.2 s) did not on an idle machine
     config = train_config(tiny_model, shape_images, tmp_path, {
-        "concepts": [{"path": str(shape_images), "repeats": 3}],
-        "schedule": {"epochs": 500, "batch_size": 1, "gradient_accumulation": 12, "backup_every": "1 steps"},
+        "concepts": [{"path": str(shape_images), "repeats": 12}],
+        "schedule": {"epochs": 500, "batch_size": 1, "gradient_accumulation": 48, "backup_every": "1 steps"},
         "backup": {"rolling_count": 2}})
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())

@@ -134,11 +134,14 @@ def test_remote_run_survives_a_dropped_connection_and_brings_results_back(sshd, 
 
     box = tmp_path / "box"
     config = train_config(tiny_model, shape_images, tmp_path, {
-        "schedule": {"epochs": 6, "sample_every": "4 steps", "backup_every": "4 steps", "save_every": "5 steps"},
+        # 4 batches accumulated per step over 4 repeats: 12 steps as before, each long enough that the
+        # run is still going after the client's two deaths on an idle machine (1 batch a step was not)
+        "schedule": {"epochs": 6, "sample_every": "4 steps", "backup_every": "4 steps", "save_every": "5 steps",
+                     "gradient_accumulation": 4},
         "sampling": {"prompts": [{"prompt": "a circle", "steps": 2, "width": 64, "height": 64}]},
         # an embedding trained alongside the LoRA: its file is saved beside the output and comes back too
         "embeddings": [{"placeholder": "<shape>", "init_text": "a"}],
-        "concepts": [{"path": str(shape_images), "captions": {"prefix": "<shape> "}}],
+        "concepts": [{"path": str(shape_images), "repeats": 4, "captions": {"prefix": "<shape> "}}],
     })
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())
