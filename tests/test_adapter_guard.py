@@ -112,3 +112,17 @@ def test_the_guard_stops_a_real_run_with_the_naive_injection(tmp_path, tiny_mode
     with pytest.raises(TrainingError, match="received no gradient") as error:
         naive.train()
     assert naive.step == 0 and all(name in str(error.value) for name in wrapped[:10])
+
+
+def test_a_gradient_left_out_of_the_optimizer_is_caught_but_float_noise_that_rounds_away_is_not():
+    # a tensor with a real gradient that did not move is out of the optimizer; one whose gradient is
+    # float noise (1e-7 of the largest) may rightly round to no change (seen in test_sharded_variants)
+    weight, bias, noise = (torch.nn.Parameter(torch.ones(4)) for _ in range(3))
+    named = [("layer.weight", weight), ("layer.bias", bias), ("layer.extra", noise)]
+    before = snapshot(named)
+    weight.grad, bias.grad, noise.grad = torch.ones(4), torch.ones(4), torch.full((4,), 1e-7)
+    with torch.no_grad():
+        weight -= 0.1  # the optimizer stepped the weight only
+    with pytest.raises(TrainingError, match=r"had a gradient but did not change .*layer\.bias"):
+        check_first_step(named, before)
+    check_first_step([("layer.weight", weight), ("layer.extra", noise)], before)  # only the noise did not move
