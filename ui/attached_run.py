@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from ui.run_client import PROCESS_FILE, ROOT, decode_line
+from ui.run_client import PROCESS_FILE, ROOT, EventFollower, decode_line
 from ui.run_history import read_config, read_events, run_dirs
 
 LOCK_NAME = "difftrainer.lock"  # modules/saving/workspace_lock.py's LOCK_NAME
@@ -77,7 +77,7 @@ def find_live_run(runs: Path) -> tuple[Path, int] | None:
     return None
 
 
-class AttachedRun:
+class AttachedRun(EventFollower):
     """A live run followed from its files (see the module doc)."""
 
     attached = True
@@ -119,19 +119,6 @@ class AttachedRun:
             os.kill(self.pid, signal.SIGKILL)
         except OSError:
             pass
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self.returncode
-
-    def drain(self) -> list[tuple[str, object]]:
-        items = []
-        while True:
-            try:
-                items.append(self.events.get_nowait())
-            except queue.Empty:
-                return items
 
     def _read(self) -> None:
         pending = {"out": b"", "err": b""}

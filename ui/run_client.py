@@ -48,7 +48,30 @@ def record_process(run_dir: Path, pid: int) -> None:
     (run_dir / PROCESS_FILE).write_text(json.dumps({"pid": pid, "created": created}), encoding="utf-8")
 
 
-class RunClient:
+class EventFollower:
+    """What the window reads from a run, whoever started it: a reader thread queues its events and
+    log lines (RunClient here, ui/attached_run.py's AttachedRun) and sets `returncode` at its end."""
+
+    events: queue.Queue
+    returncode: int | None
+    _thread: threading.Thread | None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self.returncode
+
+    def drain(self) -> list[tuple[str, object]]:
+        """Everything queued so far, without blocking (call from the Tk main thread)."""
+        items = []
+        while True:
+            try:
+                items.append(self.events.get_nowait())
+            except queue.Empty:
+                return items
+
+
+class RunClient(EventFollower):
     def __init__(self, argv: list[str], cwd: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, poll_s: float = 0.05):
         self.argv = list(argv)
@@ -125,20 +148,6 @@ class RunClient:
     def kill(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.kill()
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return self.returncode
-
-    def drain(self) -> list[tuple[str, object]]:
-        """Everything queued so far, without blocking (call from the Tk main thread)."""
-        items = []
-        while True:
-            try:
-                items.append(self.events.get_nowait())
-            except queue.Empty:
-                return items
 
     # --- the reader thread -------------------------------------------------------------------
 
