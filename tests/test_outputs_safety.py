@@ -168,6 +168,19 @@ def test_the_default_output_path_is_the_workspace_s_own(tmp_path):
     assert second.output_path.parent.parent == tmp_path / "dog"
 
 
+def test_the_default_workspace_names_its_output_by_family_and_what_is_trained(tmp_path):
+    # "workspace.safetensors" said nothing once copied out (issue 30, defect 10)
+    from modules.config.loading import build_config
+
+    folder = str(tmp_path / "workspace")
+    lora = build_config([{"workspace_dir": folder, "model": {"family": "sdxl"}}])
+    loha = build_config([{"workspace_dir": folder, "adapter": {"type": "loha"}}])
+    tuned = build_config([{"workspace_dir": folder, "model": {"family": "flux"}, "method": {"type": "fine_tune"}}])
+    assert lora.output_path == tmp_path / "workspace" / "output" / "sdxl-lora.safetensors"
+    assert loha.output_path.name == "sd15-loha.safetensors"
+    assert tuned.output_path.name == "flux-fine_tune.safetensors"
+
+
 def test_a_second_run_on_a_workspace_in_use_is_refused_naming_the_lock_and_pid(tmp_path, tiny_model, shape_images):
     config_file, config = _config_file(tmp_path, tiny_model, shape_images)
     workspace = Path(config.workspace_dir)

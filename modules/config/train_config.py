@@ -38,6 +38,7 @@ CURRENT_VERSION = 2
 
 # The config's tagged sections (modules/config/tagged.py), by their key: the loader and the GUI
 # retype them when their `type` changes.
+DEFAULT_WORKSPACE = "workspace"
 TAGGED_SECTIONS = {union.section: union for union in (METHODS, ADAPTERS, OPTIMIZERS)}
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -341,8 +342,9 @@ class DataConfig(StrictModel):
 
 class OutputConfig(StrictModel):
     path: str = Field("", description="The adapter file the run saves at its end; empty: "
-                      "<workspace_dir>/output/<workspace folder name>.safetensors, so runs in different "
-                      "workspaces never share one file.")
+                      "<workspace_dir>/output/<name>.safetensors, where name is the workspace folder's name, "
+                      "or, for the default folder `workspace`, the family and what is trained (sdxl-lora, "
+                      "flux-fine_tune), so a file copied out of its workspace still says what it is.")
     if_exists: Literal["version", "refuse", "overwrite"] = Field(
         "version", description="When output.path already holds a file this run did not write (a --resume "
         "may replace its own): version saves beside it as name-2.safetensors, name-3, ...; refuse stops "
@@ -384,7 +386,7 @@ class TrainConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
     backup: BackupConfig = Field(default_factory=BackupConfig)
-    workspace_dir: str = Field("workspace", description="Where the run keeps its cache, samples, backups, "
+    workspace_dir: str = Field(DEFAULT_WORKSPACE, description="Where the run keeps its cache, samples, backups, "
                                "saves and logs.")
     cache_dir: str | None = Field(None, description="None: <workspace_dir>/cache.")
     train_device: str = Field("auto", description="auto, cpu, cuda, cuda:1, ... (any torch device; with "
@@ -407,7 +409,11 @@ class TrainConfig(StrictModel):
         if self.output.path:
             return Path(self.output.path).expanduser()
         workspace = Path(self.workspace_dir).expanduser()
-        return workspace / "output" / f"{workspace.resolve().name or 'adapter'}.safetensors"
+        name = workspace.resolve().name
+        if name in ("", DEFAULT_WORKSPACE):  # "workspace.safetensors" would say nothing about the file
+            traits = METHODS.traits(self.method.type)
+            name = f"{self.model.family}-{self.adapter.type if traits.uses_adapter else self.method.type}"
+        return workspace / "output" / f"{name}.safetensors"
 
     @model_validator(mode="after")
     def _offloaded_trained_parts_recompute(self) -> "TrainConfig":
