@@ -343,8 +343,9 @@ def test_ui_scale_round_trip_keeps_layout_and_place_and_the_tensorboard_button(a
     fresh(app)
     app.tabs["Concepts"].add(str(tmp_path))
     app.geometry("900x600+40+30")
-    app.tabview.set("Concepts")
-    pump(app, timeout=0.3)
+    for name in ("Backup", "Concepts"):  # each shown once, so both are built and laid out (ui/lazy_tabs.py)
+        app.tabview.set(name)
+        pump(app, timeout=0.3)
     before = (app.tabs["Concepts"].winfo_reqheight(), app.tabs["Backup"].winfo_reqheight())
     place = app.geometry().split("+", 1)[1]
 

@@ -22,9 +22,6 @@ def heavy_modules_after(code: str) -> list[str]:
     return eval(result.stdout.strip().splitlines()[-1])  # noqa: S307  (a list of names printed above)
 
 
-@pytest.mark.xfail(strict=True, reason="TrainConfig() fills each family's default parts from its "
-                                       "family class (modules/model/<family>.py, torch); needs torch-free family "
-                                       "declarations (issue 30 defect 11)")
 def test_the_config_builds_without_torch():
     assert heavy_modules_after("from modules.config.train_config import TrainConfig\nTrainConfig()") == []
 

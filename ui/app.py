@@ -8,6 +8,7 @@ ui/window_persistence.py (settings, the last config, closing).
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import customtkinter as ctk
 
 from modules.config.errors import ConfigError
 from modules.config.loading import build_config, config_overlay
-from modules.config.families import family_names, get_family_class
+from modules.config.families import family_names, get_family_declaration
 from ui.components import ERROR_COLOR, ErrorDialog
 from ui.preset_bar import PresetBar
 from ui.remote_run import RemoteRun
@@ -27,6 +28,7 @@ from ui.run_client import ROOT, RunClient
 from ui.run_control import REFUSED_STATUS, RunControl
 from ui.tensorboard import TensorBoard
 from ui.state import ConfigState, default_data
+from ui.lazy_tabs import LazyTabview
 from ui.tabs.adapter import AdapterTab
 from ui.tabs.backup import BackupTab
 from ui.tabs.concepts import ConceptsTab
@@ -61,7 +63,7 @@ def training_methods() -> dict[str, tuple[str, bool]]:
 
 
 def family_menu_text(name: str) -> str:
-    label = get_family_class(name).label
+    label = get_family_declaration(name).label
     return label if label == name else f"{label} ({name})"
 
 
@@ -102,11 +104,11 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self._selectors()
         # the run bar is packed before the expanding tab view, so the tabs shrink, never the run bar
         self._run_bar()
-        self.tabview = ctk.CTkTabview(self, anchor="nw")
+        self.tabview = LazyTabview(self, anchor="nw")
         self.tabview.pack(fill="both", expand=True, padx=8, pady=(0, 4))
-        self.tabs = {}
-        for name, cls in TABS:
-            self.tabs[name] = cls(self.tabview.add(name), self)
+        # each tab is built when first shown or used (ui/lazy_tabs.py), so the window appears at once
+        self.tabs = {name: self.tabview.add_lazy(name, lambda frame, cls=cls: cls(frame, self)) for name, cls in TABS}
+        self.tabview.set(TABS[0][0])
         self.cfg.validate_listeners.append(self._validated)
         if restore:
             last = self._read_json(gui_dir() / "last_config.json")
@@ -183,7 +185,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
 
     def _family_chosen(self, label: str) -> None:
         """The menu's text (or the family's label or name) -> model.family."""
-        by_label = {get_family_class(name).label: name for name in family_names()}
+        by_label = {get_family_declaration(name).label: name for name in family_names()}
         self.cfg.set("model.family", self.family_labels.get(label) or by_label.get(label) or label)
 
     def _family_changed(self, family) -> bool:
@@ -195,7 +197,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         # parts are the family's own; their weights "auto": planned for this machine's memory, not
         # float32 (48 GB for FLUX.1) until the user or a preset says otherwise
         overlay["model"]["parts"] = {part: {**defaults, "weight_dtype": "auto"}
-                                     for part, defaults in get_family_class(family).default_parts().items()}
+                                     for part, defaults in get_family_declaration(family).default_parts().items()}
         try:
             data = build_config([overlay]).model_dump(mode="json")
         except ConfigError:
@@ -290,5 +292,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
 
 def main() -> int:
     app = App()
+    if os.environ.get("DIFFTRAINER_REPORT_READY"):  # tests/test_gui_startup.py times the start-up by it
+        app.after_idle(lambda: print("ready", flush=True))
     app.mainloop()
     return 0

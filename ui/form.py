@@ -115,20 +115,20 @@ def _family_names(_cfg) -> list[str]:
 
 
 def _layer_presets(cfg) -> list[str]:
-    from modules.config.families import family_names, get_family_class
+    from modules.config.families import family_names, get_family_declaration
 
     family = cfg.get("model.family")
     if family not in family_names():
         return [str(cfg.get("adapter.layer_preset"))]
-    return list(get_family_class(family).layer_presets)
+    return list(get_family_declaration(family).layer_presets)
 
 
 def _family_has(value, attribute: str) -> bool | None:
     """The model.family's class attribute, or None while the family is not a known one."""
-    from modules.config.families import family_names, get_family_class
+    from modules.config.families import family_names, get_family_declaration
 
     family = value("model.family")
-    return getattr(get_family_class(family), attribute) if family in family_names() else None
+    return getattr(get_family_declaration(family), attribute) if family in family_names() else None
 
 
 def _weight_dtypes(cfg) -> list[str]:

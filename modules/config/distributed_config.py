@@ -48,13 +48,13 @@ def check_distributed(config: TrainConfig) -> None:
 
 def check_sharding(config: TrainConfig) -> None:
     """The first problem with `distributed.shard_parts`, raised as a located error."""
-    from modules.config.families import get_family_class
+    from modules.config.families import get_family_declaration
     from modules.quantization.weight_modes import get_weight_mode, is_weight_mode
 
     shard = config.distributed.shard_parts
     if not shard:
         return
-    family = get_family_class(config.model.family)
+    family = get_family_declaration(config.model.family)
     for index, part in enumerate(shard):
         at = ("distributed", "shard_parts", index)
         if part not in config.model.parts:

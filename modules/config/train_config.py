@@ -8,6 +8,7 @@ breaking change that needs a migration (migrations.py).
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -39,6 +40,10 @@ CURRENT_VERSION = 2
 # The config's tagged sections (modules/config/tagged.py), by their key: the loader and the GUI
 # retype them when their `type` changes.
 DEFAULT_WORKSPACE = "workspace"
+# torch's device types (c10/core/DeviceType.h), for checking a device string without importing torch;
+# with torch loaded, torch.device() decides (it also knows a backend registered at runtime)
+TORCH_DEVICE_TYPES = frozenset({"cpu", "cuda", "mps", "xpu", "xla", "meta", "hip", "hpu", "mtia", "ipu", "ve",
+                                "lazy", "vulkan", "maia", "privateuseone"})
 TAGGED_SECTIONS = {union.section: union for union in (METHODS, ADAPTERS, OPTIMIZERS)}
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -131,12 +136,12 @@ class ModelConfig(StrictModel):
         keeps the family's `train: true` for the unet. Unknown part names are reported."""
         if not isinstance(data, dict):
             return data
-        from modules.config.families import family_names, get_family_class
+        from modules.config.families import family_names, get_family_declaration
 
         family = data.get("family", "sd15")
         if family not in family_names():
             return data  # the field validator reports the bad family
-        defaults = get_family_class(family).default_parts()
+        defaults = get_family_declaration(family).default_parts()
         given = data.get("parts")
         if given is None:
             given = {}
@@ -460,6 +465,11 @@ class TrainConfig(StrictModel):
     def _valid_device(cls, value: str) -> str:
         if value == "auto":
             return value
+        if "torch" not in sys.modules:  # the GUI and config checks run without torch (issue 30, defect 11)
+            kind, _, index = value.partition(":")
+            if kind in TORCH_DEVICE_TYPES and (not index or index.isdigit()):
+                return value
+            raise ValueError(f"{value!r} is not a torch device (cpu, cuda, cuda:1, ...)")
         import torch
 
         try:

@@ -14,13 +14,13 @@ from __future__ import annotations
 import importlib
 import re
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Collection
 
 import torch
 from torch import nn
 
+from modules.config.family_declaration import CLASS_ATTRIBUTES, FamilyDeclaration, PartSpec  # noqa: F401  (PartSpec re-exported)
 from modules.model.adapter_keys import AdapterKeyNames
 from modules.model.noise import draw_noise, draw_unit_times
 from modules.model.part_loading import PartLoading
@@ -32,15 +32,11 @@ if TYPE_CHECKING:
     from modules.config.train_config import SamplePromptConfig, TrainConfig
 
 
-@dataclass(frozen=True)
-class PartSpec:
-    name: str  # the key under model.parts in the config
-    subfolder: str  # its folder inside a diffusers model
-    adapter_prefix: str | None  # kohya key prefix ("lora_unet"); None: never carries adapters
-    default_train: bool = False
-
-
 class ModelFamily(PartLoading, AdapterKeyNames, ABC):
+    # a built-in family's name, label, parts, layer presets and bucket size come from its torch-free
+    # declaration (modules/config/families/<name>.py), copied onto the class by __init_subclass__;
+    # a family defined without one (a plugin's, a test's toy) sets these attributes itself
+    declaration: ClassVar[FamilyDeclaration | None] = None
     name: ClassVar[str]
     label: ClassVar[str]
     part_specs: ClassVar[tuple[PartSpec, ...]]
@@ -79,6 +75,17 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # data parallel: (first, total) while a rank trains samples first.. of a global batch of total;
     # the training draws are then made for the global batch and sliced (modules/trainer/distributed.py)
     draw_share: tuple[int, int] | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        declaration = cls.__dict__.get("declaration")
+        if declaration is None:
+            return
+        for attribute in CLASS_ATTRIBUTES:
+            setattr(cls, attribute, getattr(declaration, attribute))
+        if cls.flow_matching != declaration.flow_matching:  # the training mixin decides the target
+            raise TypeError(f"{cls.__name__}: its training mixin has flow_matching={cls.flow_matching}, its "
+                            f"declaration {declaration.flow_matching}")
 
     def __init__(self, config: TrainConfig, weight_modes: dict[str, str] | None = None):
         self.config = config

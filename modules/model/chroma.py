@@ -24,18 +24,13 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.config.families.chroma import DECLARATION
+from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.flux import flux_transformer_to_diffusers, image_ids, pack_latents, unpack_latents
 from modules.model.keys.chroma import CHROMA_KEYS
 from modules.util.torch_utils import make_generator
-
-_DIT_ATTN = r"^transformer\..*\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
-_DIT_MLP = (r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)$",
-            r"^transformer\.single_transformer_blocks\.\d+\.(proj_mlp|proj_out)$")
-_T5_ATTN = r"^text_encoder\..*\.SelfAttention\.(q|k|v|o)$"
-_T5_MLP = r"^text_encoder\..*\.DenseReluDense\.(wi_0|wi_1|wo)$"
 
 
 def transformer_text_mask(tokenizer_mask: torch.Tensor) -> torch.Tensor:
@@ -62,28 +57,14 @@ def chroma_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict
 
 
 class ChromaFamily(FlowMatchingTraining, ModelFamily):
-    name = "chroma"
-    label = "Chroma"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("ChromaPipeline",)
     denoiser_config = {"_class_name": "ChromaTransformer2DModel"}
     # the original transformer has FLUX's blocks and, unlike FLUX, the distilled guidance layer
     single_file_signature = (r"^(model\.diffusion_model\.)?distilled_guidance_layer\.", None)
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te1"),
-        PartSpec("transformer", "transformer", "lora_transformer", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "chroma"
     modelspec_architecture = "chroma/lora"
     key_layout = CHROMA_KEYS
-    layer_presets = {
-        "attn": ([_DIT_ATTN, _T5_ATTN], False),
-        "attn-mlp": ([_DIT_ATTN, *_DIT_MLP, _T5_ATTN, _T5_MLP], False),
-        "all-linear": ([r"^(transformer|text_encoder)\."], False),
-        "all": ([r"^(transformer|text_encoder)\."], True),
-    }
-    denoiser_part = "transformer"
     # the distilled guidance layer makes every block's modulation (FLUX's per-block `norm*.linear`,
     # which the default skip list keeps dense); ~0.28B of 8.9B parameters
     quantize_skip_patterns = {"transformer": (r"^distilled_guidance_layer\.",)}

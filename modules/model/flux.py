@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.config.families.flux import DECLARATION
+from modules.model.base import ModelFamily
 from modules.model.components.clip import (
     clip_encoder_layers,
     ldm_clip_single_file,
@@ -31,13 +32,6 @@ from modules.model.components.vae import encode_latents, ldm_vae_single_file, lo
 from modules.model.keys.flux import FLUX_KEYS
 from modules.util.torch_utils import make_generator
 
-_DIT_ATTN = r"^transformer\..*\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
-_DIT_MLP = (r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)$",
-            r"^transformer\.single_transformer_blocks\.\d+\.(proj_mlp|proj_out)$")
-_CLIP_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
-_CLIP_MLP = r"^text_encoder\..*\.mlp\.(fc1|fc2)$"
-_T5_ATTN = r"^text_encoder_2\..*\.SelfAttention\.(q|k|v|o)$"
-_T5_MLP = r"^text_encoder_2\..*\.DenseReluDense\.(wi_0|wi_1|wo)$"
 
 TRAINING_GUIDANCE = 1.0  # the guidance embedding's input while training dev (kohya's and OneTrainer's default)
 
@@ -130,32 +124,16 @@ def flux_transformer_to_diffusers(checkpoint: dict[str, torch.Tensor]) -> dict[s
 
 
 class FluxFamily(FlowMatchingTraining, ModelFamily):
-    name = "flux"
-    label = "FLUX.1"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("FluxPipeline",)
     denoiser_config = {"_class_name": "FluxTransformer2DModel"}
     # a Chroma file has the same blocks, and its distilled guidance layer (chroma.py); a FLUX.2 file
     # its shared modulations (flux2.py)
     single_file_signature = (r"^(model\.diffusion_model\.)?double_blocks\.",
                              r"^(model\.diffusion_model\.)?(distilled_guidance_layer|single_stream_modulation)\.")
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te1"),
-        PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),
-        PartSpec("transformer", "transformer", "lora_transformer", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
-    negative_prompt = False  # guidance-distilled: FluxPipeline samples without a negative prompt
     kohya_base_version = "flux1"
     modelspec_architecture = "flux-1-dev/lora"
     key_layout = FLUX_KEYS
-    layer_presets = {
-        "attn": ([_DIT_ATTN, _CLIP_ATTN, _T5_ATTN], False),
-        "attn-mlp": ([_DIT_ATTN, *_DIT_MLP, _CLIP_ATTN, _CLIP_MLP, _T5_ATTN, _T5_MLP], False),
-        "all-linear": ([r"^(transformer|text_encoder|text_encoder_2)\."], False),
-        "all": ([r"^(transformer|text_encoder|text_encoder_2)\."], True),
-    }
-    denoiser_part = "transformer"
     nominal_part_parameters = {"text_encoder": 123_060_480, "text_encoder_2": 4_893_906_944,
                                "transformer": 11_901_408_320, "vae": 83_819_683}
     text_parts = ("text_encoder", "text_encoder_2")

@@ -40,21 +40,15 @@ from typing import Collection
 
 import torch
 
+from modules.config.families.flux2 import DECLARATION
 from modules.loading.diffusers_folder import ModelLoadError
 from modules.model import flux
-from modules.model.base import ModelFamily, PartSpec, numbered_blocks
+from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components import mistral3_text
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
 from modules.util.torch_utils import make_generator
 
-_DIT_ATTN = (r"^transformer\.transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|"
-             r"add_v_proj|to_add_out)$",
-             r"^transformer\.single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$")
-_DIT_MLP = (r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.(linear_in|linear_out)$",
-            r"^transformer\.single_transformer_blocks\.\d+\.attn\.to_out$")
-_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"
-_TE_MLP = r"^text_encoder\..*\.mlp\.(gate_proj|up_proj|down_proj)$"
 
 # Flux2KleinPipeline's defaults: the Qwen3 hidden states it stacks, the steps its mu is computed for
 TEXT_ENCODER_OUT_LAYERS = (9, 18, 27)
@@ -83,28 +77,14 @@ def _pipeline_class(dev: bool = False):
 
 
 class Flux2Family(FlowMatchingTraining, ModelFamily):
-    name = "flux2"
-    label = "FLUX.2"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("Flux2KleinPipeline", "Flux2Pipeline")
     denoiser_config = {"_class_name": "Flux2Transformer2DModel"}
     # BFL's transformer file: the shared modulations (diffusers' own FLUX.2 key, single_file_utils);
     # [dev]'s has a guidance embedder too
     single_file_signature = (r"^(model\.diffusion_model\.)?single_stream_modulation\.lin\.", None)
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te"),
-        PartSpec("transformer", "transformer", "lora_unet", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "flux2"
     key_layout = FLUX2_KEYS
-    layer_presets = {
-        "attn": ([*_DIT_ATTN, _TE_ATTN], False),
-        "attn-mlp": ([*_DIT_ATTN, *_DIT_MLP, _TE_ATTN, _TE_MLP], False),
-        "all-linear": ([r"^(transformer|text_encoder)\."], False),
-        "all": ([r"^(transformer|text_encoder)\."], True),
-    }
-    denoiser_part = "transformer"
     # FLUX.2-klein-4B: Qwen3-4B without lm_head, 5 double and 20 single blocks at 3072 wide, the 32-channel VAE
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 3_875_544_576, "vae": 84_046_115}
     text_parts = ("text_encoder",)

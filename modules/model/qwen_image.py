@@ -33,8 +33,9 @@ from typing import Collection
 
 import torch
 
+from modules.config.families.qwen_image import DECLARATION
 from modules.loading.diffusers_folder import ModelLoadError
-from modules.model.base import ModelFamily, PartSpec, numbered_blocks
+from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.flux import pack_latents, unpack_latents
 from modules.model.keys.qwen_image import QWEN_IMAGE_KEYS
@@ -49,11 +50,6 @@ PROMPT_TEMPLATE = (
 TEMPLATE_TOKENS_DROPPED = 34
 # the pipeline's default `max_sequence_length`: text tokens kept after the drop
 MAX_TEXT_TOKENS = 512
-
-_DIT_ATTN = r"^transformer\..*\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
-_DIT_MLP = r"^transformer\..*\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)$"
-_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"
-_TE_MLP = r"^text_encoder\..*\.mlp\.(gate_proj|up_proj|down_proj)$"
 
 
 def _text_encoder_key(key: str) -> str:
@@ -74,30 +70,16 @@ def latent_normalisation(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 class QwenImageFamily(FlowMatchingTraining, ModelFamily):
-    name = "qwen_image"
-    label = "Qwen-Image"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("QwenImagePipeline",)
     denoiser_config = {"_class_name": "QwenImageTransformer2DModel"}
     # ComfyUI's qwen_image_*.safetensors: the diffusers names, bare or under model.diffusion_model.;
     # Qwen-Image 2.1 (another architecture) has a `txt_in.text_norm`
     single_file_signature = (r"^(model\.diffusion_model\.)?transformer_blocks\.\d+\.img_mod\.1\.",
                              r"txt_in\.text_norm\.")
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te"),
-        PartSpec("transformer", "transformer", "lora_unet", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "qwen_image"
     modelspec_architecture = "qwen-image/lora"
     key_layout = QWEN_IMAGE_KEYS
-    layer_presets = {
-        "attn": ([_DIT_ATTN, _TE_ATTN], False),
-        "attn-mlp": ([_DIT_ATTN, _DIT_MLP, _TE_ATTN, _TE_MLP], False),
-        "all-linear": ([r"^(transformer|text_encoder)\."], False),
-        "all": ([r"^(transformer|text_encoder)\."], True),
-    }
-    denoiser_part = "transformer"
     # Qwen-Image: 60 blocks at 3072 wide; Qwen2.5-VL-7B's language model; the Wan-2.1-style VAE
     nominal_part_parameters = {"text_encoder": 7_070_619_136, "transformer": 20_430_401_088, "vae": 126_892_531}
     text_parts = ("text_encoder",)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.config.families.sd15 import DECLARATION
+from modules.model.base import ModelFamily
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
@@ -23,36 +24,17 @@ from modules.model.components.vae import encode_latents, ldm_vae_single_file, lo
 from modules.model.keys.sd15 import SD15_KEYS
 from modules.util.torch_utils import make_generator
 
-_UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
-_UNET_FF = r"^unet\..*\.ff\.net\.(0\.proj|2)$"
-_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
-_TE_MLP = r"^text_encoder\..*\.mlp\.(fc1|fc2)$"
-
 
 class SD15Family(DDPMTraining, ModelFamily):
-    name = "sd15"
-    label = "Stable Diffusion 1.5"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     # SD 2.x shares the architecture (and pipeline class); SDXL's UNet adds a text_time embedding
     pipeline_classes = ("StableDiffusionPipeline",)
     denoiser_config = {"_class_name": "UNet2DConditionModel", "addition_embed_type": None}
     single_file_signature = (r"^model\.diffusion_model\.input_blocks\.", r"^model\.diffusion_model\.label_emb\.")
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te"),
-        PartSpec("unet", "unet", "lora_unet", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "sd_v1"
     modelspec_architecture = "stable-diffusion-v1/lora"
     key_layout = SD15_KEYS
-    layer_presets = {
-        "attn": ([_UNET_ATTN, _TE_ATTN], False),
-        "attn-mlp": ([_UNET_ATTN, _UNET_FF, _TE_ATTN, _TE_MLP], False),
-        "all-linear": ([r"^(unet|text_encoder)\."], False),
-        "all": ([r"^(unet|text_encoder)\."], True),
-    }
 
-    denoiser_part = "unet"
     nominal_part_parameters = {"text_encoder": 123_060_480, "unet": 859_520_964, "vae": 83_653_863}
 
     text_parts = ("text_encoder",)

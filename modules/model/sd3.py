@@ -19,8 +19,9 @@ import re
 
 import torch
 
+from modules.config.families.sd3 import DECLARATION
 from modules.loading.diffusers_folder import ModelLoadError
-from modules.model.base import ModelFamily, PartSpec
+from modules.model.base import ModelFamily
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
@@ -32,42 +33,18 @@ from modules.model.components.vae import encode_latents, load_vae
 from modules.model.keys.sd3 import SD3_KEYS
 from modules.util.torch_utils import make_generator
 
-_DIT_ATTN = (r"^transformer\..*\.(attn|attn2)\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|"
-             r"to_add_out)$")
-_DIT_MLP = r"^transformer\.transformer_blocks\.\d+\.(ff|ff_context)\.net\.(0\.proj|2)$"
-_CLIP_ATTN = r"^text_encoder(_2)?\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
-_CLIP_MLP = r"^text_encoder(_2)?\..*\.mlp\.(fc1|fc2)$"
-_T5_ATTN = r"^text_encoder_3\..*\.SelfAttention\.(q|k|v|o)$"
-_T5_MLP = r"^text_encoder_3\..*\.DenseReluDense\.(wi_0|wi_1|wo)$"
-_TEXT_PARTS = r"^(transformer|text_encoder|text_encoder_2|text_encoder_3)\."
 
 T5_MAX_LENGTH = 256  # StableDiffusion3Pipeline's default max_sequence_length
 
 
 class SD3Family(FlowMatchingTraining, ModelFamily):
-    name = "sd3"
-    label = "Stable Diffusion 3.5"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("StableDiffusion3Pipeline",)
     denoiser_config = {"_class_name": "SD3Transformer2DModel"}
     single_file_signature = (r"^(model\.diffusion_model\.)?joint_blocks\.", None)
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te1"),
-        PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),
-        PartSpec("text_encoder_3", "text_encoder_3", "lora_te3"),
-        PartSpec("transformer", "transformer", "lora_transformer", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64  # 8x VAE downscale times the 2x2 patches, rounded up as for Flux
     kohya_base_version = "sd3"
     modelspec_architecture = "stable-diffusion-v3-5-large/lora"
     key_layout = SD3_KEYS
-    layer_presets = {
-        "attn": ([_DIT_ATTN, _CLIP_ATTN, _T5_ATTN], False),
-        "attn-mlp": ([_DIT_ATTN, _DIT_MLP, _CLIP_ATTN, _CLIP_MLP, _T5_ATTN, _T5_MLP], False),
-        "all-linear": ([_TEXT_PARTS], False),
-        "all": ([_TEXT_PARTS], True),
-    }
-    denoiser_part = "transformer"
     # SD3.5 Large (8.1 B transformer; Medium's is 2.2 B)
     nominal_part_parameters = {"text_encoder": 123_650_304, "text_encoder_2": 694_659_840,
                                "text_encoder_3": 4_893_906_944, "transformer": 8_056_627_520, "vae": 83_819_683}

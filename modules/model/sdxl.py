@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.base import PartSpec
+from modules.config.families.sdxl import DECLARATION
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
@@ -26,38 +26,18 @@ from modules.model.keys.sdxl import SDXL_KEYS
 from modules.model.sd15 import SD15Family
 from modules.util.torch_utils import make_generator
 
-_UNET_ATTN = r"^unet\..*\.attn[12]\.(to_q|to_k|to_v|to_out\.0)$"
-_UNET_FF = r"^unet\..*\.ff\.net\.(0\.proj|2)$"
-_TE_ATTN = r"^text_encoder(_2)?\..*\.self_attn\.(q_proj|k_proj|v_proj|out_proj)$"
-_TE_MLP = r"^text_encoder(_2)?\..*\.mlp\.(fc1|fc2)$"
-
 
 class SDXLFamily(SD15Family):
-    name = "sdxl"
-    label = "Stable Diffusion XL"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("StableDiffusionXLPipeline",)
     denoiser_config = {"_class_name": "UNet2DConditionModel", "addition_embed_type": "text_time"}
     # label_emb is the UNet's text_time embedding; embedders.1 the OpenCLIP-G text encoder
     single_file_signature = (r"^model\.diffusion_model\.label_emb\.|^conditioner\.embedders\.1\.model\.", None)
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te1"),
-        PartSpec("text_encoder_2", "text_encoder_2", "lora_te2"),
-        PartSpec("unet", "unet", "lora_unet", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "sdxl_base_v1-0"
     modelspec_architecture = "stable-diffusion-xl-v1-base/lora"
     key_layout = SDXL_KEYS
     # CLIP-L is read at hidden_states[-2]; CLIP-G's last block feeds its pooled projection
     penultimate_blocks = {"text_encoder": "encoder.layers"}
-    layer_presets = {
-        "attn": ([_UNET_ATTN, _TE_ATTN], False),
-        "attn-mlp": ([_UNET_ATTN, _UNET_FF, _TE_ATTN, _TE_MLP], False),
-        "all-linear": ([r"^(unet|text_encoder|text_encoder_2)\."], False),
-        "all": ([r"^(unet|text_encoder|text_encoder_2)\."], True),
-    }
-    denoiser_part = "unet"
     nominal_part_parameters = {"text_encoder": 123_060_480, "text_encoder_2": 694_659_840,
                                "unet": 2_567_463_684, "vae": 83_653_863}
     text_parts = ("text_encoder", "text_encoder_2")

@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from modules.model.base import ModelFamily, PartSpec
+from modules.config.families.z_image import DECLARATION
+from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.keys.z_image import Z_IMAGE_KEYS
 from modules.util.torch_utils import make_generator
 
-_DIT_ATTN = r"^transformer\..*\.attention\.(to_q|to_k|to_v|to_out\.0)$"
-_DIT_MLP = r"^transformer\..*\.feed_forward\.(w1|w2|w3)$"
-_TE_ATTN = r"^text_encoder\..*\.self_attn\.(q_proj|k_proj|v_proj|o_proj)$"
-_TE_MLP = r"^text_encoder\..*\.mlp\.(gate_proj|up_proj|down_proj)$"
 
 def _text_encoder_key(key: str) -> str:
     # a Qwen3ForCausalLM export keeps its `model.` level; the encoder is the Qwen3Model inside
@@ -31,28 +28,14 @@ def _text_encoder_key(key: str) -> str:
 
 
 class ZImageFamily(FlowMatchingTraining, ModelFamily):
-    name = "z_image"
-    label = "Z-Image"
+    declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     pipeline_classes = ("ZImagePipeline",)
     denoiser_config = {"_class_name": "ZImageTransformer2DModel"}
     single_file_signature = (r"^(model\.diffusion_model\.)?(noise_refiner|context_refiner)\.", None)
-    part_specs = (
-        PartSpec("text_encoder", "text_encoder", "lora_te"),
-        PartSpec("transformer", "transformer", "lora_unet", default_train=True),
-        PartSpec("vae", "vae", None),
-    )
-    bucket_quantum = 64
     kohya_base_version = "z_image"
     modelspec_architecture = "z-image/lora"
     key_layout = Z_IMAGE_KEYS
     penultimate_blocks = {"text_encoder": "layers"}  # Qwen3 is read at hidden_states[-2]
-    layer_presets = {
-        "attn": ([_DIT_ATTN, _TE_ATTN], False),
-        "attn-mlp": ([_DIT_ATTN, _DIT_MLP, _TE_ATTN, _TE_MLP], False),
-        "all-linear": ([r"^(transformer|text_encoder)\."], False),
-        "all": ([r"^(transformer|text_encoder)\."], True),
-    }
-    denoiser_part = "transformer"
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 6_154_908_736, "vae": 83_819_683}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)

@@ -208,7 +208,7 @@ class ConceptsTab(Tab):
         from pydantic import ValidationError
 
         from modules.config.train_config import DataConfig
-        from modules.config.families import family_names, get_family_class
+        from modules.config.families import family_names, get_family_declaration
 
         family = self.cfg.get("model.family")
         if family not in family_names() or not items:
@@ -217,7 +217,7 @@ class ConceptsTab(Tab):
             data = DataConfig.model_validate(self.cfg.data.get("data") or {})
         except ValidationError:
             return ""
-        quantum = get_family_class(family).bucket_quantum
+        quantum = get_family_declaration(family).bucket_quantum
         counts = bucket_stats(items, data.resolutions, quantum, data.aspect_buckets)
         return "Buckets: " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items(), key=lambda x: -x[1]))
 

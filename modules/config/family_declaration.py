@@ -1,0 +1,56 @@
+"""What a model family is, as the config and the GUI need to know it before any model code is
+imported: its name and label, its parts, its layer presets, its bucket size and its training
+target. One torch-free file per family declares this (modules/config/families/<name>.py); the
+family's implementation (modules/model/<name>.py, torch and diffusers) points at its declaration
+and takes these attributes from it, so the two never disagree and `TrainConfig()` or the GUI's
+window need no torch (issue 30, defect 11)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    name: str  # the key under model.parts in the config
+    subfolder: str  # its folder inside a diffusers model
+    adapter_prefix: str | None  # kohya key prefix ("lora_unet"); None: never carries adapters
+    default_train: bool = False
+
+
+# what a ModelFamily subclass takes from its declaration (flow_matching comes from its training
+# mixin, which must agree with the declaration)
+CLASS_ATTRIBUTES = ("name", "label", "part_specs", "denoiser_part", "layer_presets", "bucket_quantum",
+                    "negative_prompt")
+
+
+@dataclass(frozen=True)
+class FamilyDeclaration:
+    name: str  # model.family
+    label: str  # what the GUI shows
+    part_specs: tuple[PartSpec, ...]
+    denoiser_part: str  # the part every training step runs (what compile speeds up)
+    # named layer selections: preset -> (regexes searched in "part.module.name", convolutions too);
+    # the module must also be a kind the adapter supports (Linear; Conv2d only where a preset says so)
+    layer_presets: dict[str, tuple[list[str], bool]]
+    implementation: str  # "module:Class" of its ModelFamily subclass, imported on first need
+    bucket_quantum: int = 64  # image sides are multiples of this (VAE downscale x patch size)
+    flow_matching: bool = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
+    negative_prompt: bool = True
+
+    def default_parts(self) -> dict[str, dict]:
+        return {spec.name: {"train": spec.default_train} for spec in self.part_specs}
+
+    @classmethod
+    def of_class(cls, family_class) -> FamilyDeclaration:
+        """The declaration of a family class defined without one (a plugin's or a test's toy family
+        registered at runtime): read from its class attributes."""
+        declared = getattr(family_class, "declaration", None)
+        if isinstance(declared, FamilyDeclaration):
+            return declared
+        return cls(name=family_class.name, label=family_class.label, part_specs=tuple(family_class.part_specs),
+                   denoiser_part=family_class.denoiser_part, layer_presets=dict(family_class.layer_presets),
+                   implementation=f"{family_class.__module__}:{family_class.__qualname__}",
+                   bucket_quantum=family_class.bucket_quantum, flow_matching=family_class.flow_matching,
+                   negative_prompt=family_class.negative_prompt)
