@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from modules.saving.consumers.check import summary
 from modules.trainer.callbacks import Progress, TrainCallbacks
+from modules.trainer.memory_report import describe_memory
 
 
 class ConsoleCallbacks(TrainCallbacks):
@@ -58,6 +59,9 @@ class ConsoleCallbacks(TrainCallbacks):
 
     def on_validation(self, step: int, loss: float) -> None:
         self._line(f"validation loss at step {step}: {loss:.5f}")
+
+    def on_memory(self, report: dict) -> None:
+        self._line(describe_memory(report))
 
     def on_warning(self, message: str) -> None:
         self._line(f"warning: {message}")

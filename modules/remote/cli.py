@@ -92,6 +92,8 @@ def dispatch(event: dict, callbacks) -> None:
             callbacks.on_save(event["path"])
     elif kind == "validation" and hasattr(callbacks, "on_validation"):
         callbacks.on_validation(event.get("step"), event.get("loss"))
+    elif kind == "memory" and hasattr(callbacks, "on_memory"):
+        callbacks.on_memory({k: v for k, v in event.items() if k != "event"})
     elif kind == "warning":
         callbacks.on_warning(event.get("message", ""))
     elif kind == "error":

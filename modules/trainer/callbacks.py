@@ -35,6 +35,11 @@ class TrainCallbacks:
 
     def on_validation(self, step: int, loss: float) -> None: ...
 
+    def on_memory(self, report: dict) -> None:
+        """Measured peaks, once after step 2 (modules/trainer/memory_report.py): {"step": n,
+        "measured": {"device", "device_peak_allocated", "device_peak_reserved", "host_peak_rss",
+        "host_rss"}} in bytes (None where not measurable)."""
+
     def on_warning(self, message: str) -> None: ...
 
     def on_error(self, message: str) -> None: ...
@@ -76,6 +81,9 @@ class FanOut(TrainCallbacks):
 
     def on_validation(self, step, loss):
         self._all("on_validation", step, loss)
+
+    def on_memory(self, report):
+        self._all("on_memory", report)
 
     def on_warning(self, message):
         self._all("on_warning", message)

@@ -1,7 +1,8 @@
 """The run protocol (docs/run-protocol.md): one JSON event per line out, one JSON command per line in.
 
 Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
-saved (path; consumers: per tool {applied, total, dropped} for adapter files), warning (message), error (message), finished. Commands: stop, sample, backup, save;
+saved (path; consumers: per tool {applied, total, dropped} for adapter files), validation (step, loss),
+memory (step, measured: peaks in bytes, once after step 2), warning (message), error (message), finished. Commands: stop, sample, backup, save;
 `{"command": "sample", "prompt": {...}}` samples that one prompt (SamplePromptConfig's fields) now.
 The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process.
 """
@@ -53,6 +54,9 @@ class JsonlEvents(TrainCallbacks):
 
     def on_validation(self, step: int, loss: float) -> None:
         self.emit("validation", step=step, loss=loss)
+
+    def on_memory(self, report: dict) -> None:
+        self.emit("memory", **report)
 
     def on_warning(self, message: str) -> None:
         self.emit("warning", message=message)

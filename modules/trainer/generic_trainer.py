@@ -41,6 +41,7 @@ from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.distributed import join_process_group, rank_device
 from modules.trainer.guards import TrainingError, check_finite, check_first_step, snapshot
 from modules.trainer.loss import snr_weighting_requested, training_loss
+from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
 from modules.trainer.scalar_log import ScalarLog
@@ -291,6 +292,7 @@ class GenericTrainer:
         self.callbacks.on_started(self.total_steps)
         self.callbacks.on_status("training")
         started, steps_at_start = time.monotonic(), self.steps_at_start
+        memory = MemoryReport(self)  # measured peaks after step 2 (memory_report.py)
         while self.step < self.total_steps and self.epoch < schedule.epochs and not self.stopping:
             batches = self.dataset.epoch_batches(self.epoch)
             if self.batch_in_epoch >= len(batches):  # resumed into a data set that has shrunk since
@@ -333,6 +335,7 @@ class GenericTrainer:
                 if epoch_finished:
                     self.epoch, self.batch_in_epoch = self.epoch + 1, 0
                 self._report(started, steps_at_start)
+                memory.after_step()
                 self._on_boundary(epoch_finished)
                 if self.stopping or epoch_finished:
                     break

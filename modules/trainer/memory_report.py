@@ -1,0 +1,105 @@
+"""The run's measured memory, reported once, after its second optimizer step (the `memory` event).
+
+By step 2 every buffer a step needs exists: the optimizer's state (created by the first step),
+the gradients, the offload window's working set and the activations of a whole forward and
+backward pass. The train device's peaks come from its torch device module, found by the device's
+type (`torch.cuda`, or the tests' `torch.fakegpu`): `max_memory_allocated`, and
+`max_memory_reserved` where the module has it (CUDA's caching allocator; the fake device has
+none). Those peaks are reset when training starts, so they are the training's, not the load's
+(loading quantizes on the device and frees as it goes). The host's figure is the process's peak
+resident memory (VmHWM, load included) and its resident memory now. On the CPU there is no
+device figure: the host's is the whole story.
+
+Torch-free at import: the GUI and the console format the event with `describe_memory`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from modules.util.memory import process_memory
+
+if TYPE_CHECKING:
+    import torch
+
+REPORT_AFTER_STEPS = 2  # this process's optimizer steps before the report
+
+
+def device_module(device: torch.device):
+    """The torch module of the device's type with peak counters (torch.cuda, torch.xpu, ...), or
+    None for the CPU and for devices that count nothing."""
+    import torch
+
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    return module if callable(getattr(module, "max_memory_allocated", None)) else None
+
+
+def reset_device_peaks(device: torch.device) -> None:
+    module = device_module(device)
+    if module is not None and callable(getattr(module, "reset_peak_memory_stats", None)):
+        module.reset_peak_memory_stats(device)
+
+
+def measured_memory(device: torch.device) -> dict:
+    """{"device": name, "device_peak_allocated", "device_peak_reserved", "host_peak_rss",
+    "host_rss"}: bytes, None where this machine cannot say."""
+    module = device_module(device)
+    allocated = reserved = None
+    if module is not None:
+        allocated = int(module.max_memory_allocated(device))
+        if callable(getattr(module, "max_memory_reserved", None)):
+            reserved = int(module.max_memory_reserved(device))
+    host = process_memory()
+    return {"device": str(device), "device_peak_allocated": allocated, "device_peak_reserved": reserved,
+            "host_peak_rss": host.get("peak_rss"), "host_rss": host.get("rss")}
+
+
+class MemoryReport:
+    """Created when training starts (resets the device's peaks); `after_step` reports once."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.first_step = trainer.step  # a resumed run counts from its backup's step
+        self.reported = False
+        reset_device_peaks(trainer.device)
+
+    def due(self) -> bool:
+        trainer = self.trainer
+        done = trainer.step - self.first_step
+        # a run shorter than two steps reports after its last one
+        return not self.reported and (done >= REPORT_AFTER_STEPS or (done > 0 and trainer.step >= trainer.total_steps))
+
+    def after_step(self) -> None:
+        if not self.due() or not self.trainer.ranks.main:
+            return
+        self.reported = True
+        self.trainer.callbacks.on_memory({"step": self.trainer.step, "measured": measured_memory(self.trainer.device)})
+
+
+def describe_memory(report: dict) -> str:
+    """One line: "memory after step 2: fakegpu peak 1.20 GiB allocated (planned 1.10 GiB); host
+    peak 3.40 GiB resident"."""
+    measured, planned = report.get("measured") or {}, report.get("planned") or {}
+    parts = []
+    if measured.get("device_peak_allocated") is not None:
+        text = f"{measured.get('device')} peak {_gib(measured['device_peak_allocated'])} allocated"
+        if measured.get("device_peak_reserved") is not None:
+            text += f", {_gib(measured['device_peak_reserved'])} reserved"
+        if planned.get("device_peak") is not None:
+            text += f" (planned {_gib(planned['device_peak'])})"
+        parts.append(text)
+    if measured.get("host_peak_rss") is not None:
+        text = f"host peak {_gib(measured['host_peak_rss'])} resident"
+        if planned.get("host_train_peak") is not None:
+            text += f" (planned {_gib(planned['host_train_peak'])} training"
+            if planned.get("host_load_peak") is not None:
+                text += f", {_gib(planned['host_load_peak'])} loading"
+            text += ")"
+        parts.append(text)
+    return f"memory after step {report.get('step')}: " + ("; ".join(parts) or "not measurable here")
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.2f} GiB"

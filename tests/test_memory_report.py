@@ -1,0 +1,112 @@
+"""The measured `memory` event (issue 25 item 3): once, after a run's second optimizer step, the
+train device's peak (the fake device's counters here; CUDA's on a GPU) and the host's peak RSS.
+Runs on the tiny model, on the fake device and on the CPU; the event's wire form and its one
+console line without a run."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from conftest import train_config
+from modules.trainer.callbacks import TrainCallbacks
+
+STEPS = 3  # the report comes after step 2, never again at step 3
+
+
+class Recorder(TrainCallbacks):
+    def __init__(self):
+        self.memory: list[dict] = []
+        self.steps_seen_at_report: list[int] = []
+        self.steps: list[int] = []
+
+    def on_progress(self, progress):
+        self.steps.append(progress.step)
+
+    def on_memory(self, report):
+        self.memory.append(report)
+        self.steps_seen_at_report.append(self.steps[-1])
+
+
+def trained_run(model, images, folder, device: str, max_steps: int = STEPS):
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(model, images, folder, {"train_device": device,
+                                                  "schedule": {"epochs": 4, "max_steps": max_steps}})
+    recorder = Recorder()
+    trainer = GenericTrainer(config, recorder)
+    trainer.start()
+    trainer.train()
+    trained_bytes = sum(p.numel() * p.element_size() for p in trainer.trained_parameters())
+    trainer.end()
+    return recorder, trained_bytes
+
+
+def test_fake_device_reports_its_peak_once_after_step_two(fake_device, tiny_model, shape_images, tmp_path):
+    import torch
+
+    recorder, trained_bytes = trained_run(tiny_model, shape_images, tmp_path, "fakegpu")
+    assert recorder.steps[-1] == STEPS
+    assert len(recorder.memory) == 1 and recorder.steps_seen_at_report == [2]
+    report = recorder.memory[0]
+    assert report["step"] == 2
+    measured = report["measured"]
+    assert measured["device"].startswith("fakegpu")
+    # the base weights, the adapter, its gradients and Adam's two moments all sit on the device
+    assert measured["device_peak_allocated"] >= 4 * trained_bytes > 0
+    # the fake device has no caching allocator, so no reserved figure
+    assert measured["device_peak_reserved"] is None
+    # the peak is the training's: below what the device held at most in the whole process is fine,
+    # above what it holds now (the step's activations and gradients are gone after the step)
+    assert measured["device_peak_allocated"] >= torch.fakegpu.memory_allocated()
+    assert measured["host_peak_rss"] >= measured["host_rss"] > trained_bytes
+
+
+def test_cpu_run_reports_the_host_only(tiny_model, shape_images, tmp_path):
+    recorder, trained_bytes = trained_run(tiny_model, shape_images, tmp_path, "cpu", max_steps=1)
+    # a run shorter than two steps reports after its last
+    assert recorder.steps_seen_at_report == [1]
+    measured = recorder.memory[0]["measured"]
+    assert measured["device"] == "cpu"
+    assert measured["device_peak_allocated"] is None and measured["device_peak_reserved"] is None
+    assert measured["host_peak_rss"] >= measured["host_rss"] > trained_bytes
+
+
+REPORT = {"step": 2, "measured": {"device": "cuda:0", "device_peak_allocated": 3 * 2**30,
+                                  "device_peak_reserved": 3.5 * 2**30, "host_peak_rss": 12 * 2**30,
+                                  "host_rss": 10 * 2**30}}
+
+
+def test_jsonl_event_and_its_remote_dispatch():
+    from modules.remote.cli import dispatch
+    from modules.trainer.event_protocol import JsonlEvents
+
+    stream = io.StringIO()
+    JsonlEvents(stream).on_memory(REPORT)
+    event = json.loads(stream.getvalue())
+    assert event == {"event": "memory", **REPORT}
+    received = Recorder()
+    received.steps = [2]
+    dispatch(event, received)  # a remote run's event reaches the local console
+    assert received.memory == [REPORT]
+
+
+def test_console_prints_one_line():
+    from modules.cli.console import ConsoleCallbacks
+
+    stream = io.StringIO()
+    ConsoleCallbacks(stream).on_memory(REPORT)
+    assert stream.getvalue() == ("memory after step 2: cuda:0 peak 3.00 GiB allocated, 3.50 GiB reserved; "
+                                 "host peak 12.00 GiB resident\n")
+
+
+@pytest.mark.parametrize("measured, line", [
+    ({"device": "cpu", "device_peak_allocated": None, "host_peak_rss": 2**30}, "host peak 1.00 GiB resident"),
+    ({"device": "cpu"}, "not measurable here"),
+])
+def test_the_line_says_what_was_measured(measured, line):
+    from modules.trainer.memory_report import describe_memory
+
+    assert describe_memory({"step": 2, "measured": measured}) == f"memory after step 2: {line}"
