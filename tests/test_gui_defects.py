@@ -278,66 +278,6 @@ def test_flux_without_a_preset_plans_its_weights_and_hides_what_it_does_not_use(
     assert app.cfg.config is not None, app.cfg.problems  # "auto" weights are a valid config
 
 
-LEFT_RUNNING = """
-import json, signal, sys, time
-def emit(**event):
-    print(json.dumps(event), flush=True)
-stop = []
-signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # as the trainer: a stop request
-emit(event="started", total_steps=3)
-emit(event="progress", step=1, total_steps=3, epoch=0, epochs=1, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=2.0)
-deadline = time.monotonic() + 60
-while not stop and time.monotonic() < deadline:
-    time.sleep(0.05)
-emit(event="backup", path=sys.argv[1])
-emit(event="finished")
-"""
-
-
-def test_a_run_left_by_an_earlier_window_is_reattached_and_stopped(app, tmp_path, monkeypatch):
-    import sys
-
-    from modules.config.presets import user_dir
-    from ui.app import App
-    from ui.attached_run import find_live_run
-
-    first = App(machine_info=MACHINE, restore=False)
-    second = None
-    try:
-        monkeypatch.setattr(first.cfg, "start_problems", lambda: [])  # the child below trains nothing
-        first.run_argv = lambda _config: [sys.executable, "-c", LEFT_RUNNING, str(tmp_path / "backup")]
-        assert first.start()
-        process = first.client.process
-        pump(first, lambda: any(e["event"] == "progress" for e in first.run_events), timeout=30, what="step 1")
-        first.ask_close = lambda: "leave"
-        first.on_close()  # closed, the run left training
-        assert process.poll() is None
-        assert find_live_run(user_dir() / "runs")[1] == process.pid
-
-        second = App(machine_info=MACHINE)  # a new window finds it, follows it and can stop it
-        pump(second, lambda: second.running and second.tabs["Run"].steps == [1], timeout=30,
-             what="the reattached run's first step")
-        assert second.status_label.cget("text").startswith("step 1/3")
-        assert second.start_button.cget("text") == "Stop"
-        assert "[reattached to the run in " in second.tabs["Run"].log_text()
-        second.start_button.invoke()  # Stop
-        assert second.status_label.cget("text").startswith("Stopping")
-        pump(second, lambda: not second.running and second.start_button.cget("text") == "Start training",
-             timeout=30, what="the reattached run to stop")
-        assert process.wait(10) == 0
-        assert second.status_label.cget("text") == "Stopped at step 1/3; a backup was written."
-        assert find_live_run(user_dir() / "runs") is None
-    finally:
-        for window in (first, second):
-            try:
-                if window is not None and window.winfo_exists():
-                    window.destroy()
-            except Exception:
-                pass
-        if first.client is not None:
-            first.client.kill()
-
-
 def test_ui_scale_round_trip_keeps_layout_and_place_and_the_tensorboard_button(app, tmp_path, monkeypatch):
     """Last in the file: it changes the scale (and back)."""
     fresh(app)

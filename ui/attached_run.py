@@ -7,11 +7,13 @@ reused PID is not mistaken for it) or, for a folder without the file, when the w
 trainer holds (modules/saving/workspace_lock.py) names a live process on this host; and when its
 event log has not ended (no finished or error event).
 
-`AttachedRun` speaks to the window like a RunClient (`drain`, `running`, `stop`, `returncode`): a
-reader thread replays the run's events.jsonl and log.txt from the start (so the loss curve and
-gallery are whole) and then follows them. The commands that travel on the child's stdin (sample,
-backup, save now) died with the old window's end of that pipe; stop is SIGTERM, which the trainer
-takes as its stop request (modules/cli/stop_signals.py): it backs up, saves and exits.
+`AttachedRun` speaks to the window like a RunClient (`drain`, `running`, `send`, `stop`,
+`returncode`): a reader thread replays the run's events.jsonl and log.txt from the start (so the
+loss curve and gallery are whole) and then follows them. The child's stdin died with the old
+window's end of that pipe, so commands (stop, sample, backup, save now) go to the run's command
+inbox instead, a file each in `<workspace_dir>/commands/` (modules/trainer/command_inbox.py),
+which the trainer reads at the same boundaries as stdin. Where that file cannot be written, stop
+falls back to SIGTERM, which the trainer takes as the same stop request (modules/cli/stop_signals.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import psutil
 
-from ui.run_client import PROCESS_FILE, ROOT, EventFollower, decode_line
+from ui.run_client import COMMANDS, PROCESS_FILE, ROOT, EventFollower, decode_line
 from ui.run_history import read_config, read_events, run_dirs
 
 LOCK_NAME = "difftrainer.lock"  # modules/saving/workspace_lock.py's LOCK_NAME
@@ -100,12 +102,30 @@ class AttachedRun(EventFollower):
     def running(self) -> bool:
         return self.returncode is None
 
+    def workspace(self) -> Path | None:
+        """The run's workspace (relative paths are relative to the trainer's folder, the run's cwd)."""
+        workspace = (read_config(self.run_dir) or {}).get("workspace_dir")
+        return ROOT / Path(workspace).expanduser() if workspace else None
+
     def send(self, command: str, prompt: dict | None = None) -> bool:
-        """Only stop reaches a reattached run (see the module doc)."""
-        return self.stop() if command == "stop" else False
+        """One command into the run's inbox; False when the run is over or the file cannot be written."""
+        from modules.trainer.command_inbox import post_command
+
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r} (known: {', '.join(COMMANDS)})")
+        workspace = self.workspace()
+        if not self.running or workspace is None:
+            return False
+        try:
+            post_command(workspace, command, prompt)
+            return True
+        except OSError:
+            return False
 
     def stop(self) -> bool:
-        try:
+        if self.send("stop"):
+            return True
+        try:  # the inbox cannot be written: the signal is the same stop request
             os.kill(self.pid, signal.SIGTERM)
             return True
         except OSError:

@@ -125,7 +125,7 @@ class RunControl:
 
     def reattach(self) -> bool:
         """Follow a run an earlier window started and left training (ui/attached_run.py): its curve,
-        samples and log from the start, then live; Stop stops it (with its backup)."""
+        samples and log from the start, then live; Stop and the commands reach it through its inbox."""
         found = find_live_run(user_dir() / "runs")
         if found is None:
             return False
@@ -137,13 +137,13 @@ class RunControl:
         if (self.run_config.get("backup") or {}).get("resume"):
             run_tab.load_history(history(run_dir, include_own=False))
         run_tab.append_log(f"[reattached to the run in {run_dir} (pid {pid}), started by an earlier window: "
-                           "Stop reaches it; sample, backup and save now do not]")
+                           "Stop, Sample now, Backup now and Save now reach it through its command inbox]")
         self.client = AttachedRun(run_dir, pid)
         self.client.start()
         self.tabview.set("Run")
         self.start_button.configure(text="Stop", fg_color="#b23b3b", hover_color="#8e2b2b")
         for button in self.command_buttons.values():
-            button.configure(state="disabled")  # they travel on the old window's pipe, gone with it
+            button.configure(state="normal")  # through the run's inbox (ui/attached_run.py)
         self._stage = ("following the run an earlier window started", time.monotonic())
         self._waiting_bar(True)
         self.after(100, self._poll)

@@ -168,7 +168,19 @@ def relay(run: RemoteRun, out: _Output, retries: int) -> int:
                     out.warning(f"ignored command line {line.strip()[:200]!r}: {problem}")
 
         threading.Thread(target=read_commands, daemon=True).start()
+    # the local workspace's command inbox too (modules/trainer/command_inbox.py): a window reopened
+    # after the one that started this relay closed sends its commands there
+    from modules.trainer.command_inbox import CommandInbox
 
+    inbox = CommandInbox(run.local_workspace, lambda command: run.send_command(command.name, command.prompt),
+                         out.warning).open()
+    try:
+        return _relay_events(run, out, retries, interrupts)
+    finally:
+        inbox.close()
+
+
+def _relay_events(run: RemoteRun, out: _Output, retries: int, interrupts: list) -> int:
     attempt = 0
     while True:
         try:

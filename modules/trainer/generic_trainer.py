@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -35,6 +36,8 @@ from modules.util.atomic import write_text
 from modules.saving.backup import remove_unfinished_backups, write_backup
 from modules.saving.output_target import record_output, resolve_output
 from modules.saving.workspace_lock import WorkspaceLock
+from modules.trainer.command_inbox import CommandInbox
+from modules.trainer.event_protocol import apply_command
 from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 from modules.trainer.cpu_notice import cpu_notice
@@ -89,6 +92,7 @@ class GenericTrainer:
         self.trains_sharded = False  # whether some of them are trained (a fine-tune)
         self.dataset: TrainDataset | None = None
         self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
+        self.inbox: CommandInbox | None = None  # commands from files in the workspace (command_inbox.py)
 
     # --- start -------------------------------------------------------------------------------
 
@@ -99,6 +103,10 @@ class GenericTrainer:
         check_concepts(config.concepts)  # before the slow model load
         if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)
             self.lock.acquire()  # before anything is written into the workspace
+            # the second command channel, for a window that did not start the run: read while the
+            # lock says this run owns the workspace, never by a run the lock refused
+            self.inbox = CommandInbox(self.workspace, partial(apply_command, commands=self.commands),
+                                      self.callbacks.on_warning).open()
             removed = remove_unfinished_backups(self.workspace)
             if removed:
                 self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
@@ -508,4 +516,6 @@ class GenericTrainer:
         """Free the workspace for the next run (also after an error: run_training calls it)."""
         if self.batches is not None:
             self.batches.close()
+        if self.inbox is not None:
+            self.inbox.close()
         self.lock.release()
