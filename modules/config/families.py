@@ -20,6 +20,7 @@ _FAMILIES: dict[str, tuple[str, str] | type[ModelFamily]] = {
     "chroma": ("modules.model.chroma", "ChromaFamily"),
     "flux2": ("modules.model.flux2", "Flux2Family"),
     "qwen_image": ("modules.model.qwen_image", "QwenImageFamily"),
+    "wan": ("modules.model.wan", "WanFamily"),
 }
 
 
