@@ -120,8 +120,9 @@ def _open(path: Path, where: str):
 def _target_dtype(model: nn.Module, key: str, tensor_dtype: torch.dtype, dense: torch.dtype) -> torch.dtype:
     if not tensor_dtype.is_floating_point:
         return tensor_dtype  # index buffers stay integers
-    module_name = key.rpartition(".")[0]
-    return torch.float32 if keeps_float32(model, module_name) else dense
+    # the tensor's full name: an entry may name a parameter (Wan's `scale_shift_table`), as diffusers
+    # matches it against the parameter name's components
+    return torch.float32 if keeps_float32(model, key) else dense
 
 
 def _assign(model: nn.Module, key: str, value: torch.Tensor) -> None:

@@ -63,6 +63,9 @@ class AdapterKeyNames:
     def comfy_text_encoder_stem(self, part: str, module_name: str) -> str | None:
         """ComfyUI's own path of a text-encoder module (`text_encoders.qwen3_4b.transformer.model.
         layers.0.self_attn.q_proj`), for the parts it reads under no other name; else None."""
+        prefix = self.key_layout.comfy_text_encoder_prefixes.get(part)
+        if prefix is not None:
+            return prefix + self.canonical_module_name(part, module_name)
         encoder = self.key_layout.comfy_text_encoders.get(part)
         if encoder is None:
             return None

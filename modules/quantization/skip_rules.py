@@ -34,7 +34,9 @@ def _class_list(model: nn.Module, attribute: str) -> list[str]:
 
 
 def keeps_float32(model: nn.Module, module_name: str) -> bool:
-    """The model class asks for this module (or a parent) to stay float32."""
+    """The model class asks for this module or tensor (or a parent) to stay float32: an entry is
+    matched against the name's dot-separated components, as diffusers matches it against a
+    parameter name (so an entry may name a parameter, such as Wan's `scale_shift_table`)."""
     components = module_name.split(".")
     for entry in _class_list(model, "_keep_in_fp32_modules"):
         entry_parts = entry.split(".")

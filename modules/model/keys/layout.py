@@ -109,6 +109,9 @@ class KeyLayout:
     # still load. part -> ComfyUI's name for the encoder (its SD1ClipModel `name`), or a function of
     # the loaded part module where the checkpoint decides (FLUX.2: qwen3_4b, qwen3_8b, mistral3_24b)
     comfy_text_encoders: Mapping[str, str | Callable[[nn.Module], str]] = field(default_factory=dict)
+    # the same for an encoder whose ComfyUI path is not `transformer.model.` (T5 keeps transformers'
+    # module tree: Wan's UMT5 is `text_encoders.umt5xxl.transformer.<module>`): part -> the full prefix
+    comfy_text_encoder_prefixes: Mapping[str, str] = field(default_factory=dict)
     # the prefix of a kohya file's per-module stem where it is not the part's adapter prefix (adapter
     # names, and so backups, keep the part's): FLUX.2's transformer `lora_transformer`, the name
     # ComfyUI's FLUX diffusers map reads (comfy/utils.py flux_to_diffusers), as for FLUX.1

@@ -244,9 +244,41 @@ def qwen_image_stems(family) -> set[str]:
     return stems | text_encoder_stems(family.parts["text_encoder"], "qwen25_7b")
 
 
+# --- Wan 2.1 -----------------------------------------------------------------------------------
+# ComfyUI's Wan model (comfy/ldm/wan/model.py WanModel) keeps the original Wan names: per block
+# `self_attn.q/k/v/o`, `cross_attn.q/k/v/o` (and `k_img`/`v_img` for I2V), `ffn.0`, `ffn.2`; then
+# `text_embedding.0/2`, `time_embedding.0/2`, `time_projection.1`, `head.head`, `img_emb.proj.1/3`.
+# model_lora_keys_unet maps only `lora_unet_<X with _>` and `diffusion_model.<X>` for them (no Wan
+# branch, no diffusers names). The UMT5 encoder (SD1ClipModel "umt5xxl", comfy/text_encoders/wan.py,
+# transformers' T5 module names in comfy/text_encoders/t5.py): `text_encoders.umt5xxl.transformer.<k>`.
+
+
+def wan_original_keys(transformer) -> list[str]:
+    """ComfyUI's WanModel weights by its own (the original Wan) names, for a diffusers transformer's shape."""
+    keys = ["patch_embedding", "text_embedding.0", "text_embedding.2", "time_embedding.0", "time_embedding.2",
+            "time_projection.1", "head.head"]
+    if transformer.condition_embedder.image_embedder is not None:
+        keys += ["img_emb.proj.1", "img_emb.proj.3"]
+    for i, block in enumerate(transformer.blocks):
+        keys += [f"blocks.{i}.{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in ("q", "k", "v", "o")]
+        keys += [f"blocks.{i}.ffn.0", f"blocks.{i}.ffn.2"]
+        if block.attn2.add_k_proj is not None:
+            keys += [f"blocks.{i}.cross_attn.k_img", f"blocks.{i}.cross_attn.v_img"]
+    return keys
+
+
+def wan_stems(family) -> set[str]:
+    own = wan_original_keys(family.transformer)
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    encoder = family.parts["text_encoder"]
+    return stems | {f"text_encoders.umt5xxl.transformer.{k.removesuffix('.weight')}"
+                    for k in encoder.state_dict() if k.endswith(".weight")}
+
+
 # the families whose ComfyUI map is rebuilt here; others: not checked
 MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
-        "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems}
+        "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems,
+        "wan": wan_stems}
 
 
 def stems(family) -> set[str] | None:
