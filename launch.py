@@ -9,6 +9,8 @@
   python launch.py schema
   python launch.py make-tiny-model --family sd15 --out DIR [--variant dev]
   python launch.py info [--json] [--device DEV]
+  python launch.py caption --folder DIR --model PATH [--mode skip-existing|overwrite|append] [--prompt TEXT] [--protocol jsonl]
+  python launch.py mask --folder DIR --model PATH --prompt TEXT [--threshold 0.4] [--protocol jsonl]
   python launch.py remote --host user@box --config my.json | remote --attach --config my.json
 
 An error that is the input's or the machine's (a bad config value, a missing or damaged file, a
@@ -219,6 +221,18 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_caption(args) -> int:
+    from modules.cli.label_command import caption_command
+
+    return caption_command(args)
+
+
+def cmd_mask(args) -> int:
+    from modules.cli.label_command import mask_command
+
+    return mask_command(args)
+
+
 def cmd_remote(args) -> int:
     from modules.remote.cli import cmd_remote as run_remote
 
@@ -274,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="auto",
                       help="the train device to probe and size auto precision for (default: auto, as in training)")
     info.set_defaults(run=cmd_info)
+
+    from modules.cli.label_command import add_caption_parser, add_mask_parser
+
+    add_caption_parser(sub).set_defaults(run=cmd_caption)
+    add_mask_parser(sub).set_defaults(run=cmd_mask)
 
     from modules.remote.cli import add_remote_parser
 

@@ -74,6 +74,22 @@ def shape_images(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_labellers(tmp_path_factory):
+    """Tiny random labelling models (modules/autolabel/tiny_models.py), each built once: get("blip"),
+    get("llava"), get("clipseg")."""
+    from modules.autolabel import tiny_models
+
+    built: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in built:
+            built[kind] = getattr(tiny_models, f"make_tiny_{kind}")(tmp_path_factory.mktemp("labellers") / kind)
+        return built[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def one_image(tmp_path_factory, shape_images) -> Path:
     """A concept folder with one image and its caption, for short overfitting runs."""
     import shutil

@@ -13,27 +13,13 @@ from pathlib import Path
 
 import customtkinter as ctk
 
-from modules.data.concepts import IMAGE_SUFFIXES
+from modules.autolabel.images import folder_images, read_caption
 from modules.util.atomic import write_text
 from ui.components import centre_over
 
 THUMB = 96
 MAX_ROWS = 200  # rows shown at once; the filter narrows a bigger folder
 EDITS = ("prefix", "suffix", "replace", "add tag", "remove tag")
-
-
-def folder_images(folder: Path, include_subfolders: bool = False) -> list[Path]:
-    """The images training reads from `folder`, in its order (masks excluded)."""
-    pattern = "**/*" if include_subfolders else "*"
-    return sorted(p for p in Path(folder).glob(pattern)
-                  if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.stem.endswith("-masklabel"))
-
-
-def read_caption_file(image: Path) -> str:
-    try:
-        return image.with_suffix(".txt").read_text(encoding="utf-8-sig").strip()
-    except (OSError, UnicodeDecodeError):
-        return ""
 
 
 def size_stats(images: list[Path], captions: dict[Path, str]) -> str:
@@ -78,7 +64,7 @@ class DatasetTool(ctk.CTkToplevel):
         self.title(f"Dataset: {self.folder}")
         centre_over(self, master, 820, 640)
         self.images = folder_images(self.folder, include_subfolders)
-        self.captions = {image: read_caption_file(image) for image in self.images}
+        self.captions = {image: read_caption(image) for image in self.images}
         self.selected: set[Path] = set()
         self.rows: dict[Path, dict] = {}
         self._pictures = []

@@ -1,0 +1,129 @@
+"""Tiny random labelling models, built offline from transformers configs (for tests and trying the
+tools without a download): a BLIP captioner, a LLaVA chat captioner and a CLIPSeg masker, each a
+folder from_pretrained reads, with a tokenizer built from a word list.
+
+A random model's first choice is often a special token, which decodes to an empty caption; the
+captioners' generation configs here forbid those (and ask for a few tokens at least) so that a
+test sees a caption for every image. Real checkpoints keep their own generation configs.
+
+A tiny Qwen2-VL cannot be built here: its processor requires a video processor, which transformers
+provides only with torchvision installed (not a requirement of this project)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WORDS = "a an the of red blue green yellow circle square triangle photo picture on with and".split()
+
+
+def _seeded():
+    import torch
+
+    torch.manual_seed(0)
+
+
+def _word_tokenizer(special: list[str], words: list[str], **tokens):
+    """A fast tokenizer over whole words (split at white space), specials first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(special + ["[UNK]"] + words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins the words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", **tokens), vocab
+
+
+def _no_special_starts(model, special_ids: list[int], eos: int | None) -> None:
+    model.generation_config.suppress_tokens = [i for i in special_ids if i != eos]
+    model.generation_config.min_new_tokens = 3
+
+
+def make_tiny_blip(out: str | Path) -> Path:
+    from transformers import BertTokenizer, BlipConfig, BlipForConditionalGeneration, BlipImageProcessor, BlipProcessor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tokenizer = BertTokenizer(vocab={word: index for index, word in enumerate(special + WORDS)})
+    processor = BlipProcessor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}), tokenizer=tokenizer)
+    config = BlipConfig(
+        text_config=dict(vocab_size=len(special) + len(WORDS), hidden_size=32, encoder_hidden_size=32,
+                         intermediate_size=64, num_attention_heads=2, num_hidden_layers=2, max_position_embeddings=64,
+                         bos_token_id=2, sep_token_id=3, pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+                           image_size=32, patch_size=8),
+        projection_dim=32, image_text_hidden_size=32)
+    _seeded()
+    model = BlipForConditionalGeneration(config)
+    _no_special_starts(model, [0, 1, 2, 4], eos=3)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'].upper() }}: "
+    "{% if message['content'] is string %}{{ message['content'] }} {% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<image> {% elif item['type'] == 'text' %}{{ item['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT: {% endif %}")
+
+
+def make_tiny_llava(out: str | Path) -> Path:
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    special = ["<pad>", "<s>", "</s>", "<image>"]
+    tokenizer, vocab = _word_tokenizer(special, ["USER:", "ASSISTANT:", "describe", "this", "image", "."] + WORDS,
+                                       bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                       extra_special_tokens={"image_token": "<image>"})
+    processor = LlavaProcessor(image_processor=CLIPImageProcessor(size={"shortest_edge": 32},
+                                                                  crop_size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, chat_template=LLAVA_TEMPLATE, patch_size=8,
+                               vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    config = LlavaConfig(
+        text_config=dict(model_type="llama", vocab_size=len(vocab), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32),
+        image_token_id=vocab["<image>"], vision_feature_layer=-1, vision_feature_select_strategy="default")
+    _seeded()
+    model = LlavaForConditionalGeneration(config)
+    _no_special_starts(model, [vocab[token] for token in special + ["[UNK]", "USER:", "ASSISTANT:"]], eos=vocab["</s>"])
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def make_tiny_clipseg(out: str | Path) -> Path:
+    from transformers import (
+        CLIPSegConfig,
+        CLIPSegForImageSegmentation,
+        CLIPSegProcessor,
+        CLIPTokenizer,
+        ViTImageProcessor,
+    )
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # byte-pair merges are optional: without any, a word is its letters (each a token)
+    letters = sorted(set("".join(WORDS + ["person", "background"])))
+    tokens = ["<|startoftext|>", "<|endoftext|>"] + letters + [letter + "</w>" for letter in letters]
+    tokenizer = CLIPTokenizer(vocab={token: index for index, token in enumerate(tokens)}, merges=[])
+    processor = CLIPSegProcessor(image_processor=ViTImageProcessor(size={"height": 32, "width": 32}), tokenizer=tokenizer)
+    config = CLIPSegConfig(
+        text_config=dict(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, max_position_embeddings=77, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           image_size=32, patch_size=8),
+        projection_dim=32, reduce_dim=16, extract_layers=[0, 1], decoder_num_attention_heads=2,
+        decoder_intermediate_size=32)
+    _seeded()
+    CLIPSegForImageSegmentation(config).save_pretrained(out)
+    processor.save_pretrained(out)
+    (out / "README.md").write_text("A tiny random CLIPSeg built offline for tests (modules/autolabel/tiny_models.py).\n")
+    return out

@@ -1,0 +1,208 @@
+"""`launch.py caption` and `launch.py mask`: label a folder's images with a model, headless or as a
+child process of the dataset tool.
+
+With `--protocol jsonl` the run speaks the run protocol's style (docs/run-protocol.md): one JSON
+event per line on stdout (started, progress, warning, error, finished) and one JSON command per
+line on stdin, of which a labelling run takes `stop`: it ends after the batch being labelled, and
+every file written so far stays whole (each is written under a temp name and renamed).
+SIGINT and SIGTERM stop it the same way; a second one quits at once."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import IO, Callable
+
+from modules.cli.stop_signals import install_stop_signals
+from modules.trainer.commands import TrainCommands
+from modules.trainer.event_protocol import JsonlEvents, read_command
+
+STOP_DOING = "stopping after the batch being labelled; the files written so far stay"
+
+
+def train_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.device(device)
+    except RuntimeError as error:
+        from modules.errors import UserError
+
+        raise UserError(f"{device!r} is not a torch device ({error})", field="--device") from None
+    return device
+
+
+def compute_dtype(dtype: str, device: str) -> str:
+    import torch
+
+    if dtype != "auto":
+        return dtype
+    if torch.device(device).type != "cuda":
+        return "float32"
+    return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+
+class LabelEvents:
+    """What a labelling run reports: JSONL events on stdout, or lines on stderr for a person."""
+
+    def __init__(self, jsonl: bool, stream: IO[str] = sys.stdout):
+        self.jsonl = JsonlEvents(stream) if jsonl else None
+
+    def emit(self, event: str, text: str = "", **fields) -> None:
+        if self.jsonl is not None:
+            self.jsonl.emit(event, **fields)
+        elif text:
+            print(text, file=sys.stderr, flush=True)
+
+    def started(self, total: int, model: str) -> None:
+        self.emit("started", f"[{total} images, {model}]", total=total, model=model)
+
+    def progress(self, report, path) -> None:
+        self.emit("progress", f"[{report.done}/{report.total}] {path}", done=report.done, total=report.total,
+                  path=str(path), written=len(report.written))
+
+    def warning(self, message: str) -> None:
+        self.emit("warning", f"warning: {message}", message=message)
+
+    def error(self, message: str) -> None:
+        self.emit("error", f"error: {message}", message=message)
+
+    def finished(self, report) -> None:
+        self.emit("finished", "", written=len(report.written), skipped=len(report.skipped),
+                  failed=len(report.failed), stopped=report.stopped, total=report.total)
+
+
+def read_stop_commands(stream: IO[str], commands: TrainCommands, events: LabelEvents) -> threading.Thread:
+    """Read commands from `stream` on a daemon thread: `stop` stops the run, anything else is a warning."""
+    if hasattr(stream, "reconfigure"):
+        stream.reconfigure(errors="replace")
+
+    def loop() -> None:
+        for line in stream:
+            if not line.strip():
+                continue
+            command, problem = read_command(line)
+            if command is not None and command.name == "stop":
+                commands.stop()
+            else:
+                events.warning(f"ignored command line {line.strip()[:200]!r}: "
+                               f"{problem or 'a labelling run takes only stop'} (expected {{\"command\": \"stop\"}})")
+
+    thread = threading.Thread(target=loop, name="command-reader", daemon=True)
+    thread.start()
+    return thread
+
+
+def run_labelling(args, label: Callable[[LabelEvents, TrainCommands], object], what: str) -> int:
+    """Run `label(events, commands)` (it returns a LabelReport) with events, stop commands and signals."""
+    from modules.errors import environment_error
+
+    events = LabelEvents(args.protocol == "jsonl")
+    commands = TrainCommands()
+    if events.jsonl is not None:
+        read_stop_commands(sys.stdin, commands, events)
+    install_stop_signals(commands, doing=STOP_DOING)
+    try:
+        report = label(events, commands)
+    except Exception as error:  # noqa: BLE001  (a user error becomes an error event; a bug is re-raised)
+        user_error = environment_error(error)
+        if user_error is None or events.jsonl is None:
+            raise
+        events.error(str(user_error))
+        return 1
+    events.finished(report)
+    if events.jsonl is None:
+        print(report.summary(what))
+    return 0
+
+
+def caption_command(args) -> int:
+    from pathlib import Path
+
+    from modules.autolabel.caption_folder import caption_images, check_batch_size, check_mode
+    from modules.autolabel.captioners import kind_for
+    from modules.autolabel.images import folder_images
+    from modules.autolabel.prompt_template import check_template
+
+    def label(events: LabelEvents, commands: TrainCommands):
+        images = folder_images(existing_folder(args.folder), args.include_subfolders)
+        check_mode(args.mode), check_batch_size(args.batch_size)
+        kind = kind_for(args.model)
+        template = check_template(kind.default_prompt if args.prompt is None else args.prompt)
+        device = train_device(args.device)
+        captioner = kind.load(Path(args.model), device, compute_dtype(args.dtype, device))
+        events.started(len(images), f"{kind.name} on {device}")
+        return caption_images(images, captioner, template, args.mode, args.batch_size, args.max_new_tokens,
+                              events.progress, events.warning, lambda: commands.stop_requested)
+
+    return run_labelling(args, label, "captions")
+
+
+def existing_folder(folder: str):
+    from pathlib import Path
+
+    from modules.errors import UserError
+
+    path = Path(folder).expanduser()
+    if not path.is_dir():
+        raise UserError(f"{path} is not a folder", field="--folder")
+    return path
+
+
+def add_label_arguments(parser) -> None:
+    parser.add_argument("--folder", required=True, help="the folder of images (a concept's path)")
+    parser.add_argument("--model", required=True, metavar="PATH", help="a local transformers model folder")
+    parser.add_argument("--include-subfolders", action="store_true", help="the images of its subfolders too")
+    parser.add_argument("--batch-size", type=int, default=4, help="images per batch (default 4)")
+    parser.add_argument("--device", default="auto", help="torch device (default: auto, cuda where there is one)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="model dtype (default: auto, float32 on the CPU, bfloat16/float16 on CUDA)")
+    parser.add_argument("--protocol", choices=["text", "jsonl"], default="text",
+                        help="jsonl: JSON events on stdout, {\"command\": \"stop\"} on stdin (docs/run-protocol.md)")
+
+
+def add_caption_parser(sub):
+    from modules.autolabel.caption_folder import MODES
+
+    caption = sub.add_parser("caption", help="write a caption .txt beside each image with an image-to-text model "
+                             "(BLIP, or a chat VLM such as Qwen2-VL or LLaVA)")
+    add_label_arguments(caption)
+    caption.add_argument("--mode", choices=MODES, default="skip-existing",
+                         help="overwrite | append (after the caption there) | skip-existing (default)")
+    caption.add_argument("--prompt", help="prompt template; {name}: the file name, {caption}: its caption now "
+                         "(default: none for BLIP, 'Describe this image in one sentence.' for a chat model)")
+    caption.add_argument("--max-new-tokens", type=int, default=60, help="the longest caption, in tokens (default 60)")
+    return caption
+
+
+def mask_command(args) -> int:
+    from modules.autolabel.clipseg_masks import ClipSegMasker, check_clipseg_folder, check_threshold, mask_images
+    from modules.autolabel.images import folder_images
+
+    def label(events: LabelEvents, commands: TrainCommands):
+        images = folder_images(existing_folder(args.folder), args.include_subfolders)
+        check_threshold(args.threshold), check_clipseg_folder(args.model)  # (before torch loads)
+        device = train_device(args.device)
+        masker = ClipSegMasker(args.model, device, compute_dtype(args.dtype, device))
+        events.started(len(images), f"clipseg on {device}")
+        return mask_images(images, masker, args.prompt, args.threshold, args.mode, args.expand, args.batch_size,
+                           events.progress, events.warning, lambda: commands.stop_requested)
+
+    return run_labelling(args, label, "masks")
+
+
+def add_mask_parser(sub):
+    from modules.autolabel.clipseg_masks import MASK_MODES
+
+    mask = sub.add_parser("mask", help="write a loss mask <image>-masklabel.png beside each image from a text "
+                          "prompt with CLIPSeg")
+    add_label_arguments(mask)
+    mask.add_argument("--prompt", required=True, help="what to train on, e.g. 'a person' (white in the mask)")
+    mask.add_argument("--threshold", type=float, default=0.4,
+                      help="probability above which a pixel is white (default 0.4)")
+    mask.add_argument("--expand", type=int, default=0, metavar="PX", help="grow the white area by PX pixels")
+    mask.add_argument("--mode", choices=MASK_MODES, default="overwrite",
+                      help="overwrite (default) | add (unite with the mask there) | skip-existing")
+    return mask
