@@ -1,80 +1,59 @@
-"""Concepts: folders of images with captions; add, remove, enable. Per concept every option of
-the schema (captions, balancing, loss weight, masks, validation), and a preview read the way
-training reads it: the image count, the aspect buckets the images fall into, and the images one by
-one with the caption the trainer uses (prefix/suffix applied; shuffle and dropout drawn as in
-epoch 1)."""
+"""Concepts: folders of images with captions, one card each (a thumbnail of the first image, the
+name, the image count, enabled and repeats); a card opens the concept's window (ui/concept_window.py)
+with every option of the schema, its statistics, its images with the caption the trainer uses
+(prefix/suffix applied; shuffle and dropout drawn as in epoch 1) and an augmentation preview.
+
+Reading a folder (captions, image headers for sizes and buckets) and making thumbnails run on a
+worker thread (ui/background.py), so a folder of a thousand images never freezes the window; the
+results come back to the Tk thread by `after`."""
 
 from __future__ import annotations
 
-from collections import Counter
+import copy
 
 import customtkinter as ctk
 
-from modules.config.train_config import CaptionConfig, ConceptConfig
-from ui.components import show_picture, subsection
+from modules.config.train_config import ConceptConfig
+from ui.background import THUMBNAILS, BackgroundJobs
+from ui.components import show_picture
+from ui.concept_stats import ConceptSummary, summarize
+from ui.concept_window import ConceptWindow, concept_title
 from ui.tabs import Tab
 
-THUMB_SIZE = 160
-GROUPS = [("Captions", ["caption_source", "caption_file"]),
-          ("Balancing and loss", ["repeats", "samples_per_epoch", "loss_weight", "masked_loss", "unmasked_weight"])]
-HEAD = ["enabled", "name", "path", "include_subfolders", "validation"]
+CARD_THUMB = 128
+CARD_WIDTH = 400  # a card's share of the row: its fields' labels are LABEL_WIDTH wide
+CARD_FIELDS = ["enabled", "repeats"]
 
 
-def preview_items(concept: dict) -> tuple[list, str | None]:
-    """(every item as training scans it, problem or None) for a concept dict."""
-    from pydantic import ValidationError
+class _CardFields:
+    """What build_form needs from a tab, registering into its own dict: a card's enabled and
+    repeats are second widgets of paths whose first widgets live in the concept's window (the one
+    `App.field_for` finds); both follow the config (ConfigState.set updates every binding of a path)."""
 
-    from modules.data.concepts import DataError, scan_concept
+    field = Tab.field
 
-    try:
-        config = ConceptConfig.model_validate(concept)
-        items = scan_concept(0, config, lambda _message: None)
-    except (ValidationError, DataError, OSError) as error:
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return [], text.replace("concepts[0].", "")
-    return items, None
-
-
-def bucket_stats(items: list, resolutions: list[int], quantum: int, aspect_buckets: bool) -> Counter:
-    """How many images train at each bucket size (per resolution), from the image headers only."""
-    from PIL import Image
-
-    from modules.data.buckets import bucket_for
-
-    counts: Counter = Counter()
-    for item in items:
-        try:
-            with Image.open(item.image) as image:
-                size = image.size
-        except OSError:
-            continue
-        for resolution in resolutions:
-            counts[bucket_for(*size, resolution, quantum, aspect_buckets)] += 1
-    return counts
-
-
-def trained_caption(caption: str, concept: dict, position: int, seed: int) -> str:
-    """The caption as the trainer uses it in epoch 1 (scan_concept applied prefix/suffix already)."""
-    from modules.data.captions import caption_rng, varied_caption
-
-    try:
-        options = CaptionConfig.model_validate(concept.get("captions") or {})
-    except ValueError:
-        return caption
-    return varied_caption(caption, options, caption_rng(seed, 0, 0, position))
+    def __init__(self, cfg):
+        self.cfg, self.fields = cfg, {}
 
 
 class ConceptsTab(Tab):
     def __init__(self, parent, app):
         super().__init__(parent, app)
-        ctk.CTkButton(self, text="Add concept", width=130, command=self.add).pack(anchor="w", padx=8, pady=(12, 4))
+        self.jobs = BackgroundJobs(self)
+        bar = ctk.CTkFrame(self, fg_color="transparent")
+        bar.pack(fill="x")
+        ctk.CTkButton(bar, text="Add concept", width=130, command=self.add).pack(side="left", padx=8, pady=(12, 4))
         self.list_frame = ctk.CTkFrame(self, fg_color="transparent")
         self.list_frame.pack(fill="x")
-        self.previews: list[dict] = []
+        self.cards: list[dict] = []
+        self.windows: list[ConceptWindow] = []
+        self.previews: list[dict] = []  # per concept: its window's image slot (count, buckets, image, caption, ...)
         self._count = -1
+        self._columns = 0
         self.rebuild()
         self.cfg.reload_listeners.append(self.rebuild)
         self.cfg.validate_listeners.append(self._schedule_previews)
+        self.list_frame.bind("<Configure>", lambda _event: self._arrange(), add="+")
 
     def concepts(self) -> list:
         return self.cfg.data.setdefault("concepts", [])
@@ -89,44 +68,155 @@ class ConceptsTab(Tab):
         self.rebuild(force=True)
         self.cfg.validate()
 
+    def open(self, index: int) -> ConceptWindow:
+        """The concept's window, shown (what clicking its card does)."""
+        window = self.windows[index]
+        window.show()
+        return window
+
     def rebuild(self, force: bool = False) -> None:
         count = len(self.concepts())
         if count == self._count and not force:
             self._schedule_previews()
             return
         self._count = count
+        for window in self.windows:
+            window.destroy()  # the concepts' own fields release their own bindings
         for child in self.list_frame.winfo_children():
-            child.destroy()  # the concepts' own fields release their own bindings
-        self.previews = []
+            child.destroy()
+        self.cards, self.windows, self.previews = [], [], []
+        self._columns = 0
         if not count:
             ctk.CTkLabel(self.list_frame, text="No concepts yet: add a folder of images (captions in .txt files "
                          "of the same name).", anchor="w").pack(fill="x", padx=8, pady=6)
         for index in range(count):
-            self._concept(index)
+            window = ConceptWindow(self, index)
+            self.windows.append(window)
+            self.previews.append(window.slot)
+            self.cards.append(self._card(index))
+        self._arrange()
+        self._schedule_previews()
 
-    def _concept(self, index: int) -> None:
-        at = f"concepts[{index}]"
-        box = ctk.CTkFrame(self.list_frame)
-        box.pack(fill="x", padx=8, pady=6)
-        head = ctk.CTkFrame(box, fg_color="transparent")
-        head.pack(fill="x")
-        ctk.CTkLabel(head, text=f"Concept {index + 1}", font=ctk.CTkFont(weight="bold")).pack(side="left", padx=8)
-        ctk.CTkButton(head, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
-                      command=lambda: self.remove(index)).pack(side="right", padx=8, pady=4)
-        ctk.CTkButton(head, text="Captions…", width=90,
-                      command=lambda: self.open_dataset_tool(index)).pack(side="right", padx=4, pady=4)
-        self.form(box, ConceptConfig, at, HEAD)
-        placed = set(HEAD) | {"captions"}
-        for title, names in GROUPS:
-            group = subsection(box, title)
-            self.form(group, ConceptConfig, at, names)
-            if title == "Captions":
-                self.form(group, CaptionConfig, f"{at}.captions")
-            placed |= set(names)
-        rest = [n for n in ConceptConfig.model_fields if n not in placed]
-        if rest:
-            self.form(subsection(box, "More"), ConceptConfig, at, rest)
-        self._preview_widgets(box, index)
+    # --- cards ---------------------------------------------------------------------------------------
+
+    def _card(self, index: int) -> dict:
+        card = ctk.CTkFrame(self.list_frame, width=CARD_WIDTH)
+        top = ctk.CTkFrame(card, fg_color="transparent")
+        top.pack(fill="x", padx=6, pady=(6, 0))
+        thumb = ctk.CTkLabel(top, text="…", width=CARD_THUMB, height=CARD_THUMB, fg_color=("#d8d8d8", "#333333"),
+                             corner_radius=6, cursor="hand2")
+        thumb.pack(side="left")
+        words = ctk.CTkFrame(top, fg_color="transparent")
+        words.pack(side="left", fill="both", expand=True, padx=8)
+        name = ctk.CTkLabel(words, text=concept_title(self.concepts()[index], index), anchor="w",
+                            font=ctk.CTkFont(weight="bold"), cursor="hand2", wraplength=220, justify="left")
+        name.pack(fill="x")
+        count = ctk.CTkLabel(words, text="Reading the folder…", anchor="w", justify="left", wraplength=220)
+        count.pack(fill="x")
+        buttons = ctk.CTkFrame(words, fg_color="transparent")
+        buttons.pack(fill="x", pady=(6, 0))
+        ctk.CTkButton(buttons, text="Open…", width=80, command=lambda: self.open(index)).pack(side="left")
+        ctk.CTkButton(buttons, text="Remove", width=80, fg_color="#8e3b3b", hover_color="#6e2b2b",
+                      command=lambda: self.remove(index)).pack(side="left", padx=6)
+        for widget in (thumb, name):  # the card opens its window
+            widget.bind("<Button-1>", lambda _event: self.open(index), add="+")
+            inner = getattr(widget, "_label", None)
+            if inner is not None:
+                inner.bind("<Button-1>", lambda _event: self.open(index), add="+")
+        fields = _CardFields(self.cfg)
+        from ui.form import build_form
+
+        build_form(fields, card, ConceptConfig, f"concepts[{index}]", CARD_FIELDS)
+        return {"frame": card, "thumb": thumb, "name": name, "count": count, "fields": fields.fields,
+                "picture": None, "thumb_of": None}
+
+    def _arrange(self) -> None:
+        """Cards in a grid, as many columns as the tab's width holds."""
+        if not self.cards:
+            return
+        width = self.list_frame.winfo_width()
+        columns = max(1, (width if width > 1 else 1100) // CARD_WIDTH)
+        if columns == self._columns:
+            return
+        self._columns = columns
+        for index, card in enumerate(self.cards):
+            card["frame"].grid(row=index // columns, column=index % columns, sticky="nsew", padx=6, pady=6)
+
+    # --- reading the folders (background) -------------------------------------------------------------
+
+    def _schedule_previews(self) -> None:
+        if getattr(self, "_preview_job", None) is None:
+            self._preview_job = self.after(300, self._update_previews)
+
+    def _update_previews(self) -> None:
+        self._preview_job = None
+        for index in range(len(self.previews)):
+            self.update_preview(index)
+
+    def update_preview(self, index: int) -> None:
+        """Read the concept's folder again on the worker when what decides its reading changed."""
+        if index >= len(self.previews) or index >= len(self.concepts()):
+            return
+        slot = self.previews[index]
+        if not slot["count"].winfo_exists():
+            return
+        concept = copy.deepcopy(self.concepts()[index])
+        data = copy.deepcopy(self.cfg.data.get("data") or {})
+        family = self.cfg.get("model.family")
+        key = repr((concept, data.get("resolution"), data.get("aspect_buckets"), family))
+        self.cards[index]["name"].configure(text=concept_title(concept, index))
+        self.windows[index].retitle()
+        self.windows[index].update_augmentation()  # (drawn again only when the data settings changed)
+        if key == slot["key"]:
+            return
+        slot["key"] = key
+        if not str(concept.get("path") or "").strip():  # nothing to read: at once
+            self._summarized(index, key, ConceptSummary(problem="choose a folder"))
+            return
+        self.cards[index]["count"].configure(text="Reading the folder…")
+        self.jobs.submit(("summary", index), lambda: summarize(concept, data, family),
+                         lambda summary: self._summarized(index, key, summary))
+
+    def _summarized(self, index: int, key: str, summary: ConceptSummary) -> None:
+        if index >= len(self.previews) or self.previews[index]["key"] != key:
+            return  # the concepts were rebuilt or changed meanwhile
+        self.windows[index].show_summary(summary)
+        card = self.cards[index]
+        card["count"].configure(text=summary.count_text().removeprefix("Preview: ")
+                                + (f"\n{summary.without_caption} without a caption" if summary.without_caption else ""))
+        self._card_thumbnail(index, summary.items[0].image if summary.items else None)
+
+    def _card_thumbnail(self, index: int, image) -> None:
+        card = self.cards[index]
+        if image is None:
+            self._set_card_picture(card, None, "no image")
+            return
+        card["thumb_of"] = image
+        self.jobs.submit(("thumb", index), lambda: THUMBNAILS.get(image, CARD_THUMB),
+                         lambda picture: self._thumbnail_made(index, image, picture),
+                         lambda error: self._set_card_picture(card, None, "unreadable"))
+
+    def _thumbnail_made(self, index: int, image, thumbnail) -> None:
+        if index >= len(self.cards) or self.cards[index]["thumb_of"] != image:
+            return
+        picture = ctk.CTkImage(light_image=thumbnail, dark_image=thumbnail, size=thumbnail.size)
+        self._set_card_picture(self.cards[index], picture, "")
+
+    @staticmethod
+    def _set_card_picture(card: dict, picture, text: str) -> None:
+        if not card["thumb"].winfo_exists():
+            return
+        show_picture(card["thumb"], picture)  # the label lets go of the old photo image first
+        card["thumb"].configure(text=text)
+        card["picture"] = picture
+
+    # --- browsing, captions ----------------------------------------------------------------------------
+
+    def browse(self, index: int, step: int) -> None:
+        slot = self.previews[index]
+        if slot["items"]:
+            slot["position"] = (slot["position"] + step) % len(slot["items"])
+            self.windows[index].show_item()
 
     def open_dataset_tool(self, index: int):
         """The concept's images and captions in the dataset tool (ui/dataset_tool.py)."""
@@ -148,122 +238,3 @@ class ConceptsTab(Tab):
         if index < len(self.previews):
             self.previews[index]["key"] = None
         self._schedule_previews()
-
-    # --- the preview --------------------------------------------------------------------------------
-
-    def _preview_widgets(self, box, index: int) -> None:
-        preview = ctk.CTkFrame(box, fg_color="transparent")
-        preview.pack(fill="x", padx=8, pady=(2, 8))
-        count = ctk.CTkLabel(preview, text="", anchor="w", justify="left")
-        count.pack(fill="x")
-        buckets = ctk.CTkLabel(preview, text="", anchor="w", justify="left", wraplength=600)
-        buckets.pack(fill="x")
-        row = ctk.CTkFrame(preview, fg_color="transparent")
-        row.pack(fill="x")
-        back = ctk.CTkButton(row, text="◀", width=32, command=lambda: self.browse(index, -1))
-        back.pack(side="left", padx=(0, 4))
-        image = ctk.CTkLabel(row, text="", width=THUMB_SIZE, height=THUMB_SIZE)
-        image.pack(side="left")
-        forward = ctk.CTkButton(row, text="▶", width=32, command=lambda: self.browse(index, 1))
-        forward.pack(side="left", padx=4)
-        caption = ctk.CTkLabel(row, text="", anchor="nw", justify="left", wraplength=420)
-        caption.pack(side="left", fill="both", expand=True, padx=8)
-        self.previews.append({"count": count, "buckets": buckets, "image": image, "caption": caption,
-                              "key": None, "items": [], "position": 0, "picture": None, "images": []})
-        self.update_preview(index)
-
-    def _schedule_previews(self) -> None:
-        if getattr(self, "_preview_job", None) is None:
-            self._preview_job = self.after(300, self._update_previews)
-
-    def _update_previews(self) -> None:
-        self._preview_job = None
-        for index in range(len(self.previews)):
-            self.update_preview(index)
-
-    def update_preview(self, index: int) -> None:
-        if index >= len(self.previews) or index >= len(self.concepts()):
-            return
-        slot = self.previews[index]
-        if not slot["count"].winfo_exists():
-            return
-        concept = self.concepts()[index]
-        data = self.cfg.data.get("data", {})
-        key = repr((concept, data.get("resolution"), data.get("aspect_buckets"), self.cfg.get("model.family")))
-        if key == slot["key"]:
-            return
-        slot["key"] = key
-        slot["items"], slot["position"] = [], 0
-        if not str(concept.get("path") or "").strip():
-            self._show(index, "Preview: choose a folder")
-            return
-        items, problem = preview_items(concept)
-        if problem:
-            self._show(index, f"Preview: {problem}")
-            return
-        slot["items"] = items
-        self._show(index, f"{len(items)} image{'s' if len(items) != 1 else ''}", self._bucket_text(items))
-
-    def _bucket_text(self, items: list) -> str:
-        from pydantic import ValidationError
-
-        from modules.config.train_config import DataConfig
-        from modules.config.families import family_names, get_family_declaration
-
-        family = self.cfg.get("model.family")
-        if family not in family_names() or not items:
-            return ""
-        try:  # the data settings as they are now (cfg.config may not be validated yet during a reload)
-            data = DataConfig.model_validate(self.cfg.data.get("data") or {})
-        except ValidationError:
-            return ""
-        quantum = get_family_declaration(family).bucket_quantum
-        counts = bucket_stats(items, data.resolutions, quantum, data.aspect_buckets)
-        return "Buckets: " + ", ".join(f"{w}x{h}: {n}" for (w, h), n in sorted(counts.items(), key=lambda x: -x[1]))
-
-    def browse(self, index: int, step: int) -> None:
-        slot = self.previews[index]
-        if slot["items"]:
-            slot["position"] = (slot["position"] + step) % len(slot["items"])
-            self._show_item(index)
-
-    def _show(self, index: int, count: str, buckets: str = "") -> None:
-        slot = self.previews[index]
-        slot["count"].configure(text=count)
-        slot["buckets"].configure(text=buckets)
-        self._show_item(index)
-
-    def _show_item(self, index: int) -> None:
-        """The image at the slot's position and its trained caption. The label is pointed at the new
-        picture (or at none) before the old one is let go: a label left on a deleted photo image
-        fails on its next redraw."""
-        from PIL import Image
-
-        slot = self.previews[index]
-        if not slot["items"]:
-            self._set_picture(slot, None)
-            slot["image"].configure(text="")
-            slot["caption"].configure(text="")
-            return
-        position = slot["position"]
-        item = slot["items"][position]
-        try:
-            with Image.open(item.image) as image:
-                image = image.convert("RGB")
-                image.thumbnail((THUMB_SIZE, THUMB_SIZE))
-                picture = ctk.CTkImage(light_image=image, dark_image=image, size=image.size)
-        except OSError as error:
-            self._set_picture(slot, None)
-            slot["image"].configure(text=str(error))
-            return
-        self._set_picture(slot, picture)
-        slot["image"].configure(text="")
-        caption = trained_caption(item.caption, self.concepts()[index], position, int(self.cfg.get("seed") or 0))
-        slot["caption"].configure(text=f"{position + 1}/{len(slot['items'])}  {item.image.name}\n"
-                                       f"Trained caption: {caption or '(empty)'}")
-
-    @staticmethod
-    def _set_picture(slot: dict, picture) -> None:
-        show_picture(slot["image"], picture)
-        slot["picture"] = picture
-        slot["images"] = [picture] if picture is not None else []
