@@ -295,25 +295,34 @@ def test_oft_files_compute_the_same_in_comfyui_and_a1111_maths(tmp_path, constra
     assert (_a1111_oft_weight(weight, blocks, 0.0) - weight).abs().max() < 1e-8  # what alpha 0 would do: nothing
 
 
-@pytest.mark.parametrize("algorithm", ["dora", "lokr-weight-decomposed", "lora"])
-def test_continuing_from_a_lycoris_file_adopts_its_layout(algorithm, tmp_path):
-    """adapter.init_from with no DoRA or rank settings: the file's output-axis dora_scale and a
-    LoRA's rank are adopted (and said), and the run continues with LyCORIS's outputs."""
+# what a LyCORIS file's tensors decide, by option (alpha and OFT's constraint are tensors: loaded)
+ADOPTED = ("rank", "dora", "dora_axis", "factor", "decompose_both", "full_matrix", "block_size")
+
+
+@pytest.mark.parametrize("shape", ["linear-768-320", "conv-320-640"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_continuing_from_a_lycoris_file_adopts_its_layout(algorithm, shape, tmp_path):
+    """adapter.init_from with only adapter.type given: the file's DoRA axis, rank and the
+    algorithm's options (LoKr's factor, decompose_both, full_matrix; OFT's block size) are adopted
+    (and said), and the run continues with LyCORIS's outputs."""
     from modules.adapters.formats.adopt import adopt_file_layout
 
-    layer = nn.Linear(768, 320)
+    if shape.startswith("conv") and algorithm == "lokr-large-factor":
+        pytest.skip("LyCORIS refuses its own file there (test_a_trainer_file_loads_in_lycoris_...)")
+    torch.manual_seed(0)
+    layer = LAYERS[shape]().eval()
     options = ALGORITHMS[algorithm]
     lycoris = _lycoris_module(layer, options)
     path = tmp_path / "lycoris.safetensors"
     save_file({f"{NAME}.{k}": v.detach().contiguous() for k, v in lycoris.state_dict().items() if k != "scalar"},
               str(path))
-    given = {k: v for k, v in options.items() if k not in ("rank", "dora", "dora_axis")}
-    config, said = adopt_file_layout(AdapterConfig(**given, init_from=str(path)), path)
-    if options.get("dora"):
-        assert config.dora and config.dora_axis == "output"
-        assert len(said) == 1 and "adapter.dora_axis: 'output'" in said[0] and "adapter.dora: True" in said[0]
-    if options["type"] == "lora":
-        assert config.rank == options["rank"] and "adapter.rank: 8" in said[0]
+    config, said = adopt_file_layout(AdapterConfig(type=options["type"], init_from=str(path)), path)
+    fully_full = options.get("full_matrix")  # no low-rank factor: no rank to see, none needed
+    for field in ADOPTED:
+        if field in options and not (field == "rank" and fully_full):
+            assert getattr(config, field) == options[field], (field, said)
+            default = type(config).model_fields[field].default
+            assert (f"adapter.{field}: {options[field]!r}" in "".join(said)) == (options[field] != default), said
     x = _input(layer)
     theirs = _lycoris_forward([lycoris], layer, x)
     adapter = create_adapter(config, "unet", NAME, layer, torch.device("cpu"), torch.float32)
@@ -326,7 +335,21 @@ def test_continuing_from_a_lycoris_file_adopts_its_layout(algorithm, tmp_path):
             ours = layer(x)
     finally:
         adapters.unhook()
-    assert (ours - theirs).abs().max() <= 1e-5
+    assert (ours - theirs).abs().max() <= 1e-5 * max(1.0, ours.abs().max().item())
+
+
+def test_an_explicit_lokr_option_the_file_contradicts_is_refused(tmp_path):
+    from modules.adapters.formats.adopt import adopt_file_layout
+    from modules.adapters.formats.files import AdapterFileError
+
+    lycoris = _lycoris_module(nn.Linear(768, 320), ALGORITHMS["lokr-small-factor"])
+    path = tmp_path / "lycoris.safetensors"
+    save_file({f"{NAME}.{k}": v.detach().contiguous() for k, v in lycoris.state_dict().items() if k != "scalar"},
+              str(path))
+    with pytest.raises(AdapterFileError, match=r"adapter\.factor is 8 but the file's is 4"):
+        adopt_file_layout(AdapterConfig(type="lokr", rank=4, factor=8), path)
+    config, said = adopt_file_layout(AdapterConfig(type="lokr", rank=4, factor=4), path)
+    assert said == [] and config.factor == 4
 
 
 def test_an_explicit_setting_the_lycoris_file_contradicts_is_refused(tmp_path):

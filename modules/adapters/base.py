@@ -135,6 +135,14 @@ class AdapterModule(nn.Module, ABC):
         """ss_network_dim and ss_network_alpha: rank and alpha for the low-rank algorithms."""
         return getattr(config, "rank", 0), getattr(config, "alpha", 0)
 
+    @classmethod
+    def options_from_file(cls, config: AdapterConfigBase, layers: dict[str, dict[str, tuple[int, ...]]],
+                          rank: int | None) -> dict[str, tuple[object, str]]:
+        """The options of this algorithm a file's tensor shapes decide (stem -> tensor name -> shape,
+        the rank the file shows or None): option -> (the value that rebuilds those shapes, a key that
+        shows it), for the options whose value differs from `config`'s (formats/adopt.py)."""
+        return {}
+
     def default_alpha(self, local: dict[str, torch.Tensor]) -> float:
         """alpha for a file that has none (kohya's rule: alpha = rank, scale 1): the rows of the
         first low-rank factor the file holds; the adapter's own alpha without one."""

@@ -45,6 +45,40 @@ def factorize(dimension: int, factor: int = -1) -> tuple[int, int]:
 
 
 
+def _lokr_facts(shapes: dict[str, tuple[int, ...]]):
+    """(out_l, out_k, in_m, in_n, w1 full, w2 full) of one layer's LoKr tensors; where w2 is
+    low-rank, in_n is w2_b's column count, a conv's kernel riding on it (`_builds` tries kernels)."""
+    w1 = shapes.get("lokr_w1")
+    w1_a, w1_b = shapes.get("lokr_w1_a"), shapes.get("lokr_w1_b")
+    w2, w2_a = shapes.get("lokr_w2"), shapes.get("lokr_w2_a")
+    if (w1 is None and (w1_a is None or w1_b is None)) or (w2 is None and w2_a is None):
+        return None
+    out_l, in_m = (w1[0], w1[1]) if w1 is not None else (w1_a[0], w1_b[1])
+    out_k = w2[0] if w2 is not None else w2_a[0]
+    in_n = (w2[1] if len(w2) >= 2 else None) if w2 is not None else shapes.get("lokr_w2_b", (0, None))[1]
+    return out_l, out_k, in_m, in_n, w1 is not None, w2 is not None
+
+
+_KERNELS = (1, 9, 4, 16, 25, 49)  # a conv's k*k on w2_b's columns (1: a linear layer)
+
+
+def _builds(fact, rank: int, factor: int, decompose_both: bool, full_matrix: bool) -> bool:
+    """Whether LoKrModule with these options makes this layer's factor shapes."""
+    out_l, out_k, in_m, columns, w1_full, w2_full = fact
+    if factorize(out_l * out_k, factor) != (out_l, out_k):
+        return False
+    if w1_full != (not (decompose_both and rank < max(out_l, in_m) / 2 and not full_matrix)):
+        return False
+    kernels = (1,) if w2_full else [k for k in _KERNELS if columns and columns % k == 0]
+    for kernel in kernels:
+        in_n = columns // kernel if columns else None
+        if in_n is not None and factorize(in_m * in_n, factor) != (in_m, in_n):
+            continue
+        if w2_full == (full_matrix or in_n is None or not rank < max(out_k, in_n) / 2):
+            return True
+    return False
+
+
 class LoKrModule(WeightDecomposed, AdapterModule):
     algorithm = "lokr"
     config_class = LoKrConfig
@@ -63,6 +97,34 @@ class LoKrModule(WeightDecomposed, AdapterModule):
     @classmethod
     def network_args(cls, config, output_format):
         return {"factor": config.factor, "decompose_both": config.decompose_both, "full_matrix": config.full_matrix}
+
+    @classmethod
+    def options_from_file(cls, config, layers, rank):
+        """factor, decompose_both and full_matrix that rebuild every LoKr layer's factor shapes:
+        the candidate that changes fewest options wins, explicit settings kept where any fits."""
+        facts = {stem: fact for stem, shapes in layers.items() if (fact := _lokr_facts(shapes))}
+        if not facts:
+            return {}
+        rank = rank or config.rank
+        sides = sorted({side for fact in facts.values() for side in fact[:4] if side})
+        explicit = config.model_fields_set
+        current = {"factor": config.factor, "decompose_both": config.decompose_both, "full_matrix": config.full_matrix}
+        best = None
+        for factor in dict.fromkeys([config.factor, -1, *sides]):
+            for both in (config.decompose_both, not config.decompose_both):
+                for full in (config.full_matrix, not config.full_matrix):
+                    options = {"factor": factor, "decompose_both": both, "full_matrix": full}
+                    if not all(_builds(fact, rank, **options) for fact in facts.values()):
+                        continue
+                    changed = [k for k in options if options[k] != current[k]]
+                    cost = (sum(k in explicit for k in changed), len(changed))
+                    if best is None or cost < best[0]:
+                        best = (cost, options, changed)
+        if best is None:
+            return {}  # no option rebuilds it: the loader names the shapes that differ
+        example = next(iter(facts))
+        return {k: (best[1][k], f"{example}.lokr_w1" if "lokr_w1" in layers[example] else example)
+                for k in best[2]}
 
     def default_alpha(self, local):
         for key in ("lokr_w2_b", "lokr_w1_b"):

@@ -62,6 +62,21 @@ class OFTModule(AdapterModule):
     def network_dim_alpha(cls, config):
         return config.block_size, config.constraint
 
+    @classmethod
+    def options_from_file(cls, config, layers, rank):
+        """The block_size that lays out every layer's blocks as the file has them (the constraint
+        is each layer's alpha, read with the tensors)."""
+        found = {stem: shapes["oft_blocks"] for stem, shapes in layers.items()
+                 if len(shapes.get("oft_blocks", ())) == 3}
+        if not found:
+            return {}
+        candidates = dict.fromkeys([config.block_size, *sorted({s for shape in found.values() for s in shape[:2]})])
+        for size in candidates:
+            if size >= 2 and all(block_layout(n * b, size) == (b, n) for n, b, _ in found.values()):
+                stem = next(iter(found))
+                return {} if size == config.block_size else {"block_size": (size, f"{stem}.oft_blocks")}
+        return {}
+
     def default_alpha(self, local):
         return 0.0  # no constraint
 

@@ -1,8 +1,11 @@
 """Continuing from an adapter file (`adapter.init_from`) adopts what the file says about its own
 layout where the config leaves it open: whether it has weight decomposition and on which axis
-(LyCORIS writes `dora_scale` on the output axis, kohya/ComfyUI-style files on the input axis), and
-a LoRA's rank. A setting given explicitly that the file contradicts is refused, naming both.
-Only tensor shapes are read (safetensors' header), before the adapters are built."""
+(LyCORIS writes `dora_scale` on the output axis, kohya/ComfyUI-style files on the input axis), the
+rank, and the algorithm's own options its shapes decide (LoKr's factor, decompose_both,
+full_matrix: `AdapterModule.options_from_file`). A setting given explicitly that the file
+contradicts is refused, naming both. Only tensor shapes are read (safetensors' header), before the
+adapters are built; the layers a file adapts beyond the run's selection are added once the model
+has loaded (layers.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from modules.adapters.formats.files import AdapterFileError, check_adapter_file
+from modules.adapters.formats.files import AdapterFileError, algorithm_of_keys, check_adapter_file
+from modules.adapters.registry import adapter_class
 from modules.config.adapter_configs import resolve_dora_axis
 from modules.config.train_config import AdapterConfig, TrainConfig
 
@@ -40,7 +44,18 @@ def _dora_axis(shape: tuple[int, ...]) -> str | None:
 _RANK_AXES = {"lora_down.weight": 0, "lora_A.weight": 0, "hada_w1_b": 0, "lokr_w2_a": 1, "lokr_w1_a": 1}
 
 
-def _found(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[object, str]]:
+def _layers_of(shapes: dict[str, tuple[int, ...]], algorithm: str) -> dict[str, dict[str, tuple[int, ...]]]:
+    """stem -> tensor name -> shape, for the file's tensors of `algorithm` (kohya names)."""
+    names = adapter_class(algorithm).key_names
+    layers: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        stem, _, tensor = key.rpartition(".")
+        if tensor in names:
+            layers.setdefault(stem, {})[tensor] = shape
+    return layers
+
+
+def _found(shapes: dict[str, tuple[int, ...]], config: AdapterConfig | None = None) -> dict[str, tuple[object, str]]:
     """setting -> (value the file says, an example key), for what the file decides."""
     found: dict[str, tuple[object, str]] = {}
     scales = {k: s for k, s in shapes.items() if k.endswith((".dora_scale", ".lora_magnitude_vector"))}
@@ -61,6 +76,12 @@ def _found(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[object, str]]:
     if len(ranks) == 1:
         (rank, key), = ranks.items()
         found["rank"] = (rank, key)
+    if config is not None:
+        algorithm_of = algorithm_of_keys()
+        algorithms = {algorithm_of.get(key.rpartition(".")[2]) for key in shapes} - {None}
+        if algorithms == {config.type}:  # another algorithm: the loader names adapter.type
+            rank = found["rank"][0] if "rank" in found else None
+            found.update(adapter_class(config.type).options_from_file(config, _layers_of(shapes, config.type), rank))
     return found
 
 
@@ -73,7 +94,7 @@ def adopt_file_layout(config: AdapterConfig, source: str | Path,
     explicit = config.model_fields_set
     changes: dict[str, object] = {}
     said, conflicts = [], []
-    for field, (value, key) in _found(shapes).items():
+    for field, (value, key) in _found(shapes, config).items():
         if field not in type(config).model_fields:
             continue  # an algorithm without this option (OFT has no rank); its own checks say what differs
         if field == "dora_axis" and not changes.get("dora", getattr(config, "dora", False)):
