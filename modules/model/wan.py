@@ -56,6 +56,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         PartSpec("vae", "vae", None),
     )
     bucket_quantum = 16  # the VAE's 8x times the transformer's 2x2 patches
+    temporal_quantum = 4  # the VAE's 4x in time: 1 + 4n frames
     kohya_base_version = "wan_2.1_t2v"
     modelspec_architecture = "wan-2.1-t2v/lora"
     key_layout = WAN_KEYS
