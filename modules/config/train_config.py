@@ -33,6 +33,7 @@ from modules.config.method_configs import METHODS, MethodConfigBase
 from modules.config.optimizer_configs import OPTIMIZERS, OptimizerConfigBase
 from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  # noqa: F401  (re-exported)
 from modules.config.strict import StrictModel
+from modules.config.video_config import VideoConfig
 from modules.quantization.weight_modes import LayerOptions, is_weight_mode, weight_mode_names
 
 CURRENT_VERSION = 2
@@ -252,6 +253,8 @@ class ConceptConfig(StrictModel):
     masked_loss: bool = Field(False, description="Weight the loss by `<image>-masklabel.png` beside each image "
                               "(white: full weight).")
     unmasked_weight: float = Field(0.1, ge=0, le=1, description="masked_loss: the weight of the black area.")
+    video: VideoConfig = Field(default_factory=VideoConfig, description="Video options: frames per sample, "
+                               "frame stride or fps, how clips are cut into windows.")
 
 
 _CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$")

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from modules.data.cache import TensorCache
 from modules.data.cache_layout import expected_latent_layout, fits, measure_grid, measure_text_layout
-from modules.data.images import load_cropped
+from modules.data.video import load_entry_pixels
 from modules.data.masks import latent_mask, load_mask
 from modules.util.stopping import StopCheck, raise_if_stopping
 
@@ -72,7 +72,7 @@ def _load_chunk(group: list[Entry], width: int, height: int):
     pixels, ready, failed = [], [], []
     for entry in group:
         try:
-            pixels.append(load_cropped(entry.item.image, width, height))
+            pixels.append(load_entry_pixels(entry, width, height))
             ready.append(entry)
         except Exception as error:  # PIL raises many kinds for a broken file
             failed.append((entry, error))
@@ -97,7 +97,7 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
     too, where it uses them) that the cache lacks; the latent keys whose entries are complete.
     `stop` is asked before each encoder call: StopRequested then ends the build (what is written stays)."""
     ready: set[str] = set()
-    todo: dict[tuple[int, int], list[Entry]] = defaultdict(list)
+    todo: dict[tuple, list[Entry]] = defaultdict(list)  # by bucket and frame count: what encodes together
     seen: set[str] = set()
     grid, stale = None, 0
     for entry in entries:
@@ -112,13 +112,13 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
                 continue
             cache.count_stale()
             stale += 1
-        todo[entry.bucket].append(entry)
+        todo[entry.group].append(entry)
     if stale:
         warn(f"{stale} latent cache entr{'y' if stale == 1 else 'ies'} in {cache.folder} held tensors of other "
              "shapes or dtypes than their image, bucket and model give (damaged, or written by another "
              "program?); encoding them again")
     chunks = [(group[start:start + ENCODE_BATCH], *bucket)
-              for bucket, group in todo.items() for start in range(0, len(group), ENCODE_BATCH)]
+              for (bucket, _), group in todo.items() for start in range(0, len(group), ENCODE_BATCH)]
     bar = caching_progress(sum(len(group) for group in todo.values()), "encoding latents", "image")
     writer = _Writer(cache)
     loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="cache-loader")

@@ -47,7 +47,8 @@ def measure_grid(family: ModelFamily, device: torch.device) -> LatentGrid:
 def expected_latent_layout(entry: Entry, grid: LatentGrid) -> Layout:
     """The tensors cache_build writes for `entry` (its latents; mirrored and masks where it uses them)."""
     channels, height, width = grid.shape(*entry.bucket)
-    layout = {"latents": (STORED_DTYPE, (channels, height, width))}
+    frames = (entry.clip.latent_frames,) if entry.clip is not None and entry.clip.frames > 1 else ()
+    layout = {"latents": (STORED_DTYPE, (channels, *frames, height, width))}
     if entry.flip:
         layout["latents_flipped"] = layout["latents"]
     if entry.mask is not None:

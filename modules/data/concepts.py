@@ -58,17 +58,25 @@ def _caption_from_filename(path: Path) -> str:
     return stem.replace("_", " ").strip()
 
 
-def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None]) -> list[ConceptItem]:
+def scan_concept(index: int, concept: ConceptConfig, warn: Callable[[str], None],
+                 clip_suffixes: frozenset[str] | set[str] = frozenset(), frame_folders: bool = False) -> list[ConceptItem]:
+    """The concept's items: its images, and (a video concept, modules/data/video.py) files with
+    `clip_suffixes` and, with `frame_folders`, each subfolder holding images (one clip of frames;
+    its caption `<folder>.txt` beside it)."""
     where = f"concepts[{index}]"
     folder = Path(concept.path)
     if not folder.is_dir():
         raise DataError(f"{where}.path: {folder} is not a folder")
     pattern = "**/*" if concept.include_subfolders else "*"
-    files = [p for p in folder.glob(pattern) if p.is_file()]
-    images = sorted(p for p in files if p.suffix.lower() in IMAGE_SUFFIXES and not p.stem.endswith("-masklabel"))
-    unread = sorted({p.suffix.lower() for p in files if p.suffix.lower() in UNREAD_IMAGE_SUFFIXES})
+    clip_folders = sorted(p for p in folder.iterdir() if p.is_dir() and any(
+        f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES for f in p.iterdir())) if frame_folders else []
+    files = [p for p in folder.glob(pattern) if p.is_file() and not any(d in p.parents for d in clip_folders)]
+    read = IMAGE_SUFFIXES | set(clip_suffixes)
+    images = sorted([p for p in files if p.suffix.lower() in read and not p.stem.endswith("-masklabel")]
+                    + clip_folders)
+    unread = sorted({p.suffix.lower() for p in files if p.suffix.lower() in UNREAD_IMAGE_SUFFIXES - read})
     if unread:
-        count = sum(p.suffix.lower() in UNREAD_IMAGE_SUFFIXES for p in files)
+        count = sum(p.suffix.lower() in UNREAD_IMAGE_SUFFIXES - read for p in files)
         warn(f"{where}: {count} {'/'.join(unread)} file(s) in {folder} are not read (training reads "
              f"{', '.join(sorted(IMAGE_SUFFIXES))}); convert them to .png to train on them")
     shared_caption = None

@@ -30,10 +30,12 @@ from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
-from modules.data.images import crop_origin, image_size, load_cropped
+from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 from modules.data.shares import batch_share
+from modules.data.video import ClipWindow, clip_windows, content_hash, is_video_concept, load_entry_pixels, probe
+from modules.data.video import scan_options as video_scan_options
 from modules.util.stopping import StopCheck
 
 if TYPE_CHECKING:
@@ -66,6 +68,12 @@ class Entry:
     samples_per_epoch: int | None = None
     flip: bool = False  # a mirrored version is cached too, and drawn half of the time
     original_size: tuple[int, int] | None = None  # (width, height) of the image file, EXIF applied
+    clip: ClipWindow | None = None  # a video concept's window of frames (modules/data/video.py); None: an image
+
+    @property
+    def group(self) -> tuple[tuple[int, int], int]:
+        """What a batch shares: the bucket and the frame count (width x height x frames)."""
+        return self.bucket, self.clip.frames if self.clip is not None else 1
 
 
 @dataclass
@@ -101,7 +109,7 @@ class FreshLatents:
             width, height = entry.bucket
             position = crop_position(rng, self.crop_jitter)
             positions.append(position)
-            image = load_cropped(entry.item.image, width, height, position)
+            image = load_entry_pixels(entry, width, height, position)
             mask = load_mask(entry.mask, width, height, position) if entry.mask is not None else None
             if flip:
                 image = image.flip(-1)
@@ -181,9 +189,9 @@ class TrainDataset:
                 order += [members[j] for j in torch.randperm(count, generator=shuffle).tolist()]
             offset = (start // count) * count
             expanded += order[start - offset:end - offset]
-        by_bucket: dict[tuple[int, int], list[int]] = defaultdict(list)
+        by_bucket: dict[tuple, list[int]] = defaultdict(list)
         for j in torch.randperm(len(expanded), generator=generator).tolist():
-            by_bucket[self.entries[expanded[j]].bucket].append(expanded[j])
+            by_bucket[self.entries[expanded[j]].group].append(expanded[j])
         batches = [
             members[start:start + self.batch_size]
             for _, members in sorted(by_bucket.items())
@@ -262,8 +270,17 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     entries: list[Entry] = []
     for index, concept in concepts:
         usable, unmasked = 0, 0
-        for item in scan_concept(index, concept, warn):
+        video = is_video_concept(concept)
+        if video:
+            _check_video_concept(index, concept, family)
+        for item in scan_concept(index, concept, warn, **video_scan_options(concept)):
             item = ConceptItem(item.image, fixed_caption(item.caption, concept.captions), item.concept)
+            if video:
+                clips = _clip_entries(item, concept, config, family, image_identity, text_identity, warn)
+                if clips is not None:  # None: a still image, made below as in any concept
+                    entries += clips
+                    usable += bool(clips)
+                    continue
             mask = mask_path(item.image) if concept.masked_loss else None
             unmasked += concept.masked_loss and mask is None
             try:
@@ -311,6 +328,46 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}
     return dataset
+
+
+def _check_video_concept(index: int, concept, family: ModelFamily) -> None:
+    where = f"concepts[{index}]"
+    temporal = family.temporal_quantum
+    if temporal is None:
+        raise DataError(f"{where}.video.frames: {concept.video.frames}, but {family.label} trains on still images "
+                        "only (set it to 1)")
+    if (concept.video.frames - 1) % temporal:
+        below = 1 + (concept.video.frames - 1) // temporal * temporal
+        raise DataError(f"{where}.video.frames: {concept.video.frames} is not 1 + {temporal} x n, the frame counts "
+                        f"{family.label} takes (e.g. {below} or {below + temporal})")
+    if concept.masked_loss:
+        raise DataError(f"{where}.masked_loss: loss masks are for still-image concepts (video.frames is "
+                        f"{concept.video.frames})")
+
+
+def _clip_entries(item: ConceptItem, concept, config: TrainConfig, family: ModelFamily, image_identity: str,
+                  text_identity: str | None, warn: Callable[[str], None]) -> list[Entry] | None:
+    """A video concept's entries for one item: one per window and resolution; [] for a clip that
+    cannot be read (named in a warning); None for a still image."""
+    try:
+        info = probe(item.image)
+        if info is None:
+            return None
+        content = content_hash(item.image)
+    except Exception as error:  # PyAV and PIL raise many kinds for a broken file
+        warn(f"skipping unreadable clip {item.image}: {error}")
+        return []
+    made = []
+    for window in clip_windows(item.image, info, concept.video, family.temporal_quantum):
+        for resolution in config.data.resolutions:
+            bucket = bucket_for(*info.size, resolution, family.bucket_quantum, config.data.aspect_buckets)
+            latent_key = cache_key("latent", content, bucket, image_identity, "center-crop", "",
+                                   "flip" if config.data.flip else "", "frames", window.indices)
+            text_key = cache_key("text", item.caption, text_identity) if text_identity is not None else None
+            made.append(Entry(item, bucket, latent_key, text_key, concept.repeats, concept.loss_weight,
+                              concept.captions if concept.captions.varies else None, None, 1.0,
+                              concept.samples_per_epoch, config.data.flip, info.size, window))
+    return made
 
 
 def _warn_of_surprises(config: TrainConfig, family: ModelFamily, entries: list[Entry], validation: bool,

@@ -41,6 +41,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     label: ClassVar[str]
     part_specs: ClassVar[tuple[PartSpec, ...]]
     bucket_quantum: ClassVar[int] = 64
+    # a video family: its VAE's frames per latent frame (samples hold 1 + n x this); None: still images only
+    temporal_quantum: ClassVar[int | None] = None
     kohya_base_version: ClassVar[str]  # kohya's ss_base_model_version ("sd_v1", "sdxl_base_v1-0", ...)
     modelspec_architecture: ClassVar[str]  # modelspec.architecture of a LoRA file for this family
     # named layer selections: preset -> regexes searched in "part.module.name"; the module

@@ -45,6 +45,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan.py
     pipeline_classes = ("WanPipeline",)
     denoiser_config = {"_class_name": "WanTransformer3DModel"}
+    temporal_quantum = 4  # the VAE's 4x in time: 1 + 4n frames
     kohya_base_version = "wan_2.1_t2v"
     modelspec_architecture = "wan-2.1-t2v/lora"
     key_layout = WAN_KEYS

@@ -53,6 +53,6 @@ class FlowMatchingTraining(ABC):
     def predict(self, latents, text, generator):
         noise = self.training_noise(latents, generator)
         sigmas = self.sample_sigmas(latents.shape[0], self.sequence_length(latents), generator).to(latents.device)
-        expanded = sigmas.view(-1, 1, 1, 1).to(latents.dtype)
+        expanded = sigmas.view(-1, *[1] * (latents.dim() - 1)).to(latents.dtype)  # images or (B, C, F, H, W) clips
         noisy = (1 - expanded) * latents + expanded * noise
         return Prediction(self.denoise(noisy, sigmas, text), noise - latents)
