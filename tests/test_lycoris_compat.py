@@ -366,3 +366,73 @@ def test_an_explicit_setting_the_lycoris_file_contradicts_is_refused(tmp_path):
         adopt_file_layout(AdapterConfig(type="lora", rank=4), path)
     config, said = adopt_file_layout(AdapterConfig(type="lora", rank=8, dora=True, dora_axis="output"), path)
     assert said == [] and config.dora_axis == "output"
+
+
+def test_a_lycoris_oft_file_with_layers_outside_the_preset_continues_in_the_trainer(tmp_path, tiny_model,
+                                                                                     shape_images):
+    """LyCORIS's OFT on the tiny UNet's attention/MLP layers and on conv_out, which the default
+    preset (attn-mlp) leaves out: the run adopts conv_out (says so, trains it) and its UNet
+    computes what LyCORIS's does."""
+    from conftest import train_config
+
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    class Warnings(TrainCallbacks):
+        def __init__(self):
+            super().__init__()
+            self.said: list[str] = []
+
+        def on_warning(self, message):
+            self.said.append(message)
+
+    def trainer(workspace, **adapter):
+        callbacks = Warnings()
+        run = GenericTrainer(train_config(tiny_model, shape_images, workspace, {
+            "adapter": {"type": "oft", "block_size": 2, **adapter}, "schedule": {"max_steps": 1}}), callbacks)
+        run.start()
+        return run, callbacks
+
+    plain, _ = trainer(tmp_path / "a")
+    unet = plain.family.parts["unet"]
+    chosen = {a.name: plain.adapters.module_name_of[a.name] for a in plain.adapters}
+    plain.adapters.unhook()
+    assert "conv_out" not in chosen.values()
+    chosen["lora_unet_conv_out"] = "conv_out"
+    modules = dict(unet.named_modules())
+    lycoris = [_lycoris_module(modules[module_name], {"type": "oft", "block_size": 2}) for module_name in chosen.values()]
+    for module, name in zip(lycoris, chosen):
+        module.lora_name = name
+    path = tmp_path / "lycoris-oft.safetensors"
+    save_file({f"{name}.{k}": v.detach().contiguous() for module, name in zip(lycoris, chosen)
+               for k, v in module.state_dict().items() if k != "scalar"}, str(path))
+
+    generator = torch.Generator().manual_seed(5)
+    sample = torch.randn(1, unet.config.in_channels, 8, 8, generator=generator)
+    context = torch.randn(1, 4, unet.config.cross_attention_dim, generator=generator)
+
+    def output(model):
+        with torch.no_grad():
+            return model(sample, torch.tensor([500]), encoder_hidden_states=context).sample
+
+    for module in lycoris:
+        module.apply_to()
+    try:
+        theirs = output(unet)
+    finally:
+        for module in lycoris:
+            module.restore()
+    before = output(unet)
+
+    resumed, callbacks = trainer(tmp_path / "b", init_from=str(path))
+    names = {a.name for a in resumed.adapters}
+    assert names == set(chosen)
+    assert [w for w in callbacks.said if "adopted the file's layers" in w and "unet.conv_out" in w
+            and "'attn-mlp'" in w], callbacks.said
+    ours = output(resumed.family.parts["unet"])
+    assert (theirs - before).abs().max() > 1e-3
+    assert (ours - theirs).abs().max() <= 1e-5 * max(1.0, theirs.abs().max().item())
+    conv_out = resumed.adapters.modules["lora_unet_conv_out"]
+    assert any(p is q for p in resumed.adapters.parameters("unet") for q in conv_out.parameters())
+    resumed.train()
+    assert resumed.step == 1

@@ -17,6 +17,7 @@ from modules.adapters.formats.files import (
     network_metadata,
     save_adapter_file,
 )
+from modules.adapters.formats.layers import adopt_file_layers
 from modules.adapters.layer_selection import trained_parts
 from modules.config.train_config import TrainConfig
 from modules.methods.base import TrainingMethod
@@ -36,6 +37,11 @@ class AdapterMethod(TrainingMethod):
         config, callbacks = self.config, self.trainer.callbacks
         self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts(), self.device,
                                           config.output.format)
+        if config.adapter.init_from:  # the file's layers beyond the selection train too (formats/layers.py)
+            adopted = adopt_file_layers(config.adapter.init_from, self.adapters, self.family, config.adapter,
+                                        self.trained_parts(), self.device, config.output.format)
+            if adopted:
+                callbacks.on_warning(adopted)
         if self.adapters.left_out:
             callbacks.on_warning(self.adapters.left_out_message())
         check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end

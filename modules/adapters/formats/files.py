@@ -98,25 +98,44 @@ def stems(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, str]
     return out
 
 
+def layer_stems(family: ModelFamily, part: str, module_name: str, name: str) -> dict[str, str]:
+    """Every stem a file may use for the adapter `name` on a layer: stem -> layout."""
+    found = {name: "kohya"}
+    comfy = _comfy_stem(family, part, module_name)
+    if comfy is not None:
+        found[comfy] = "kohya"
+        if comfy.startswith("diffusion_model."):
+            # the denoiser's kohya stems in ldm block names (A1111-era files), and SimpleTuner's `lycoris_` ones
+            prefix = family.spec(part).adapter_prefix
+            found[f"{prefix}_{comfy.removeprefix('diffusion_model.').replace('.', '_')}"] = "kohya"
+            found[f"lycoris_{module_name.replace('.', '_')}"] = "kohya"
+    for other in family.other_stems(part, module_name):
+        found[other] = "kohya"
+    for spelled in {family.canonical_module_name(part, module_name), module_name}:
+        found[f"{part}.{spelled}"] = "diffusers"
+    return found
+
+
 def _stems_for_loading(adapters: AdapterSet, family: ModelFamily) -> dict[str, tuple[str, str]]:
     """Every stem a file may use for each adapter: stem -> (adapter name, layout)."""
     lookup: dict[str, tuple[str, str]] = {}
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
-        lookup[name] = (name, "kohya")
-        comfy = _comfy_stem(family, part, module_name)
-        if comfy is not None:
-            lookup[comfy] = (name, "kohya")
-            if comfy.startswith("diffusion_model."):
-                # the denoiser's kohya stems in ldm block names (A1111-era files), and SimpleTuner's `lycoris_` ones
-                prefix = family.spec(part).adapter_prefix
-                lookup[f"{prefix}_{comfy.removeprefix('diffusion_model.').replace('.', '_')}"] = (name, "kohya")
-                lookup[f"lycoris_{module_name.replace('.', '_')}"] = (name, "kohya")
-        for other in family.other_stems(part, module_name):
-            lookup[other] = (name, "kohya")
-        for spelled in {family.canonical_module_name(part, module_name), module_name}:
-            lookup[f"{part}.{spelled}"] = (name, "diffusers")
+        for stem, layout in layer_stems(family, part, module_name, name).items():
+            lookup[stem] = (name, layout)
     return lookup
+
+
+def unmapped_keys(keys, adapters: AdapterSet, family: ModelFamily) -> list[str]:
+    """The file keys that name no adapter of the set (by the stems a file may use)."""
+    lookup = _stems_for_loading(adapters, family)
+    suffixes = (*canonical_keys(), *peft_keys.local_keys())
+    return [key for key in keys if _split(key, lookup, suffixes) is None]
+
+
+def layer_of_key(key: str, lookup: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """The (stem, tensor name) of a file key whose stem `lookup` knows."""
+    return _split(key, lookup, (*canonical_keys(), *peft_keys.local_keys()))
 
 
 # --- saving ----------------------------------------------------------------------------------
