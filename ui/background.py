@@ -91,13 +91,29 @@ class ThumbnailCache:
         self._lock = threading.Lock()
         self._images: OrderedDict = OrderedDict()
 
+    def cached(self, path: str | Path, size: int):
+        """The thumbnail if it is made already and the file did not change since, else None."""
+        try:
+            key = self._key(Path(path), size)
+        except OSError:
+            return None
+        with self._lock:
+            if key in self._images:
+                self._images.move_to_end(key)
+                return self._images[key]
+        return None
+
+    @staticmethod
+    def _key(path: Path, size: int) -> tuple:
+        stat = path.stat()
+        return str(path), size, stat.st_mtime_ns, stat.st_size
+
     def get(self, path: str | Path, size: int):
         """The thumbnail, from the cache or made now; raises OSError for an unreadable image."""
         from PIL import Image, ImageOps
 
         path = Path(path)
-        stat = path.stat()
-        key = (str(path), size, stat.st_mtime_ns, stat.st_size)
+        key = self._key(path, size)
         with self._lock:
             if key in self._images:
                 self._images.move_to_end(key)

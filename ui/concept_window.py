@@ -157,18 +157,31 @@ class ConceptWindow(ctk.CTkToplevel):
             return
         position = slot["position"]
         item = slot["items"][position]
-        try:  # one image, cached: the browse buttons answer at once
-            image = THUMBNAILS.get(item.image, THUMB_SIZE)
-        except OSError as error:
-            self._set_picture(None)
-            slot["image"].configure(text=str(error))
-        else:
-            self._set_picture(ctk.CTkImage(light_image=image, dark_image=image, size=image.size))
-            slot["image"].configure(text="")
+        image = THUMBNAILS.cached(item.image, THUMB_SIZE)
+        if image is not None:  # seen before: at once
+            self._picture_made(item.image, image)
+        else:  # decoding a large image takes a while: on the worker (the last picture stays until then)
+            self.tab.jobs.submit(("browse", self.index), lambda: THUMBNAILS.get(item.image, THUMB_SIZE),
+                                 lambda made: self._picture_made(item.image, made),
+                                 lambda error: self._picture_failed(item.image, error))
         caption = trained_caption(item.caption, self.concept(), position, int(self.cfg.get("seed") or 0))
         slot["caption"].configure(text=f"{position + 1}/{len(slot['items'])}  {item.image.name}\n"
                                        f"Trained caption: {caption or '(empty)'}")
         self.update_augmentation()
+
+    def _showing(self, image) -> bool:
+        slot = self.slot
+        return self.winfo_exists() and bool(slot["items"]) and slot["items"][slot["position"]].image == image
+
+    def _picture_made(self, image, thumbnail) -> None:
+        if self._showing(image):
+            self._set_picture(ctk.CTkImage(light_image=thumbnail, dark_image=thumbnail, size=thumbnail.size))
+            self.slot["image"].configure(text="")
+
+    def _picture_failed(self, image, error: BaseException) -> None:
+        if self._showing(image):
+            self._set_picture(None)
+            self.slot["image"].configure(text=str(error))
 
     def _set_picture(self, picture) -> None:
         show_picture(self.slot["image"], picture)

@@ -4,7 +4,8 @@ Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path
 saved (path; consumers: per tool {applied, total, dropped} for adapter files), validation (step, loss),
 memory (step, measured: peaks in bytes, once after step 2), warning (message), error (message), finished. Commands: stop, sample, backup, save;
 `{"command": "sample", "prompt": {...}}` samples that one prompt (SamplePromptConfig's fields) now.
-The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process.
+The GUI and remote runs speak this to a `launch.py train --protocol jsonl` child process. The same
+commands also come as files in the workspace (command_inbox.py), read with the same `read_command`.
 """
 
 from __future__ import annotations
