@@ -1,7 +1,8 @@
 """The command inbox (modules/trainer/command_inbox.py, issue 30 item 5): a run started by one
 process is sampled, backed up and stopped by another through files in its workspace; a bad file
 is named in a warning, removed, and the run goes on; a file left before the run started is not
-applied."""
+applied; a run the workspace lock refuses leaves the files to the run holding it; `launch.py
+remote` forwards the local inbox to the box."""
 
 from __future__ import annotations
 
@@ -184,3 +185,23 @@ def test_launch_remote_forwards_its_local_inbox_to_the_run_on_the_box(tmp_path):
     assert [name for name, _ in sent] == ["sample", "stop"]
     assert sent[0][1]["prompt"] == "a red circle"
     assert list(inbox_dir(tmp_path).iterdir()) == []
+
+
+def test_a_run_refused_by_the_workspace_lock_leaves_the_inbox_to_the_run_holding_it(tmp_path, tiny_model,
+                                                                                     shape_images):
+    import pytest
+
+    from modules.saving.workspace_lock import LOCK_NAME, WorkspaceBusyError
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_model, shape_images, tmp_path)
+    workspace = Path(config.workspace_dir)
+    workspace.mkdir(parents=True)
+    (workspace / LOCK_NAME).write_text(json.dumps({"pid": 4242, "host": "the-box-that-trains"}))
+    sent = post_command(workspace, "stop")  # for the run holding the workspace
+    commands = TrainCommands()
+    trainer = GenericTrainer(config, commands=commands)
+    with pytest.raises(WorkspaceBusyError):
+        trainer.start()
+    trainer.release()
+    assert sent.exists() and not commands.stop_requested
