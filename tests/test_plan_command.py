@@ -48,3 +48,16 @@ def test_plan_table_and_bad_size(tiny_model, capsys):
     assert "unet" in out and "verdict: does not fit" in out
     assert launch.main(["plan", "--set", f"model.base={tiny_model}", "--vram", "lots"]) == 1
     assert "error: --vram: 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_a_fix_is_verified_by_replanning(tiny_model):
+    """The fix for a budget the plan misses is the first change whose own plan fits it."""
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import plan_run
+
+    config = build_config([{"model": {"base": str(tiny_model)}, "data": {"resolution": 64}}])
+    peak = plan_run(config, None, None).device_peak
+    plan = plan_run(config, int(peak * 0.9), None)
+    assert plan.fits is False and plan.fixes
+    fixed = build_config([config.model_dump(mode="json")], [line.removeprefix("--set ") for line in plan.fixes])
+    assert plan_run(fixed, int(peak * 0.9), None, fix=False).fits is True

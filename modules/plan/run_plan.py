@@ -162,7 +162,9 @@ class Planner:
         from modules.plan.fake_pass import measure_step
 
         parts = config.model.parts
-        key = (tuple(sorted(modes.items())), tuple(sorted(trained.items())), config.schedule.batch_size,
+        # (the weight modes barely change what the step holds beyond the weights: not part of the key,
+        # so the fixes' search re-plans other modes without another pass)
+        key = (tuple(sorted(trained.items())), config.schedule.batch_size,
                largest_resolution(config),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
