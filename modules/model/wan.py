@@ -112,6 +112,11 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     def caption_windows(self) -> list[tuple[object, int]]:
         return [(self.tokenizer, self.max_sequence_length)]
 
+    def planning_conditioning(self, batch, device):
+        length = self.planning_length(MAX_TEXT_TOKENS)
+        return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.d_model,
+                                             dtype=self.compute_dtype("text_encoder"), device=device)}
+
     # --- training ----------------------------------------------------------------------------
 
     def sequence_length(self, latents: torch.Tensor) -> int:
