@@ -67,6 +67,7 @@ def test_a_card_shows_the_count_and_a_thumbnail_and_a_click_opens_its_window(app
     card["thumb"]._label.event_generate("<Button-1>")  # a click on the thumbnail
     pump(app, lambda: window.winfo_ismapped(), timeout=5, what="the concept's window")
     assert window.shown
+    assert 0 <= window.winfo_rootx() - app.winfo_rootx() <= 100 and 0 <= window.winfo_rooty() - app.winfo_rooty() <= 100
     assert window.stats.cget("text").splitlines()[:2] == ["4 images", "Sizes: 64x64: 4"]
     assert "Without a caption: 0" in window.stats.cget("text")
     window.hide()
