@@ -67,6 +67,7 @@ def test_a_card_shows_the_count_and_a_thumbnail_and_a_click_opens_its_window(app
     card["thumb"]._label.event_generate("<Button-1>")  # a click on the thumbnail
     pump(app, lambda: window.winfo_ismapped(), timeout=5, what="the concept's window")
     assert window.shown
+    assert 0 <= window.winfo_rootx() - app.winfo_rootx() <= 100 and 0 <= window.winfo_rooty() - app.winfo_rooty() <= 100
     assert window.stats.cget("text").splitlines()[:2] == ["4 images", "Sizes: 64x64: 4"]
     assert "Without a caption: 0" in window.stats.cget("text")
     window.hide()
@@ -170,6 +171,6 @@ def test_a_folder_of_a_thousand_images_is_read_without_freezing_the_window(app, 
     assert "Sizes: 24x24: 200, 32x24: 200, 40x24: 200, 48x24: 200, 56x24: 200" in stats
     assert "Without a caption: 334" in stats
     # the window answered all along (a read on the Tk thread would stall it for the whole read)
-    assert took > 2.0  # the read was slow
-    assert longest < 0.5, f"the window stalled {longest:.2f} s while reading 1,000 images (read took {took:.1f} s)"
+    assert took > 2.0  # the read was slow: on the Tk thread it would stall the window that long
+    assert longest < 1.0, f"the window stalled {longest:.2f} s while reading 1,000 images (read took {took:.1f} s)"
     assert app.callback_errors == []

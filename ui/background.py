@@ -10,6 +10,7 @@ result is shown). `ThumbnailCache` makes and keeps small PIL images by (path, si
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from collections import OrderedDict
@@ -50,6 +51,7 @@ class BackgroundJobs:
             key, serial, function, done, failed = self._todo.get()
             if self._latest.get(key) != serial:
                 continue  # superseded before it started
+            hold_collector(self)  # (see hold_collector)
             try:
                 self._done.put((key, serial, True, function(), done, failed))
             except Exception as error:  # noqa: BLE001  (handed to the Tk thread, shown there)
@@ -58,8 +60,10 @@ class BackgroundJobs:
     def _poll(self) -> None:
         try:
             if not self.widget.winfo_exists():
+                release_collector(self)
                 return
         except Exception:  # noqa: BLE001  (the window is gone: nothing to deliver to)
+            release_collector(self)
             return
         while True:
             try:
@@ -77,8 +81,38 @@ class BackgroundJobs:
                 raise value
         if self._latest:
             self.widget.after(POLL_MS, self._poll)
-        else:
+        else:  # every job delivered: the worker is idle
             self._polling = False
+            release_collector(self)
+
+
+# A job allocates a lot (a thousand file names and headers), so the cyclic garbage collector would
+# run on the worker and finalize there the Tk objects of widgets destroyed meanwhile (a rebuilt
+# concept list): a tkinter Variable finalized off the Tk thread waits for the Tk thread to do it
+# (~1 s each, then fails, when the Tk thread is not in mainloop but in update()). So while any
+# worker has jobs, automatic collection is off; the Tk thread turns it back on once every job is
+# delivered, and its own next allocation collects there.
+_collector_lock = threading.Lock()
+_collector_holders: set = set()
+_collector_was_enabled = False
+
+
+def hold_collector(owner) -> None:
+    global _collector_was_enabled
+    with _collector_lock:
+        if not _collector_holders:
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _collector_holders.add(owner)
+
+
+def release_collector(owner) -> None:
+    with _collector_lock:
+        if owner not in _collector_holders:
+            return
+        _collector_holders.discard(owner)
+        if not _collector_holders and _collector_was_enabled:
+            gc.enable()
 
 
 class ThumbnailCache:

@@ -34,6 +34,7 @@ class ConceptWindow(ctk.CTkToplevel):
         self.tab, self.index = tab, index
         self.cfg = tab.cfg
         self.geometry("820x760")
+        self._placed = False
         self.protocol("WM_DELETE_WINDOW", self.hide)
         self.bind("<Escape>", lambda _event: self.hide())
         self.body = ctk.CTkScrollableFrame(self, fg_color="transparent")
@@ -113,6 +114,10 @@ class ConceptWindow(ctk.CTkToplevel):
 
     def show(self) -> None:
         self.retitle()
+        if not self._placed:  # over the main window, not wherever the window manager puts it
+            app = self.tab.app
+            self.geometry(f"+{app.winfo_rootx() + 60}+{app.winfo_rooty() + 40}")
+            self._placed = True
         self.deiconify()
         self.lift()
         self.focus_force()
