@@ -4,7 +4,10 @@ Each row is an image's thumbnail and its caption (`<image>.txt`, as training rea
 modules/data/concepts.py), edited in place and saved atomically when the box loses the focus or on
 Ctrl+S; the run's next cache check re-encodes just that caption. Above the rows: a filter by caption
 text, and bulk edits over the selected rows (prefix, suffix, find/replace, add or remove a
-comma-separated tag), and the images' sizes and how many have no caption."""
+comma-separated tag), and the images' sizes and how many have no caption. "Auto-caption…" and
+"Generate masks…" run a captioning or masking model over the folder in a child process
+(ui/label_dialog.py); the rows read the captions again when it ends, and a row names its image's
+mask (`<stem>-masklabel.png`, as masked training reads it) where there is one."""
 
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from pathlib import Path
 import customtkinter as ctk
 
 from modules.autolabel.images import folder_images, read_caption
+from modules.data.mask_files import mask_path
 from modules.util.atomic import write_text
 from ui.components import centre_over
+from ui.label_dialog import CAPTION, MASKS, LabelDialog, LabelJob
 
 THUMB = 96
 MAX_ROWS = 200  # rows shown at once; the filter narrows a bigger folder
@@ -61,6 +66,8 @@ class DatasetTool(ctk.CTkToplevel):
     def __init__(self, master, folder: str | Path, include_subfolders: bool = False):
         super().__init__(master)
         self.folder = Path(folder)
+        self.include_subfolders = include_subfolders
+        self.label_dialogs: list = []  # the auto-caption and mask dialogs opened from here
         self.title(f"Dataset: {self.folder}")
         centre_over(self, master, 820, 640)
         self.images = folder_images(self.folder, include_subfolders)
@@ -89,6 +96,10 @@ class DatasetTool(ctk.CTkToplevel):
         ctk.CTkEntry(bulk, textvariable=self.replacement_var, width=160,
                      placeholder_text="replace with").pack(side="left", padx=4)
         ctk.CTkButton(bulk, text="Apply to selected", width=130, command=self.apply_bulk).pack(side="left", padx=4)
+        ctk.CTkButton(bulk, text="Generate masks…", width=120,
+                      command=lambda: self.open_label_dialog(MASKS)).pack(side="right", padx=2)
+        ctk.CTkButton(bulk, text="Auto-caption…", width=110,
+                      command=lambda: self.open_label_dialog(CAPTION)).pack(side="right", padx=2)
         self.stats = ctk.CTkLabel(self, text=size_stats(self.images, self.captions), anchor="w")
         self.stats.pack(fill="x", padx=12)
         self.status = ctk.CTkLabel(self, text="", anchor="w")
@@ -134,13 +145,15 @@ class DatasetTool(ctk.CTkToplevel):
             ctk.CTkLabel(row, text=str(error), width=THUMB, wraplength=THUMB).pack(side="left", padx=4)
         right = ctk.CTkFrame(row, fg_color="transparent")
         right.pack(side="left", fill="both", expand=True, padx=4, pady=4)
-        ctk.CTkLabel(right, text=image.name, anchor="w").pack(fill="x")
+        mask = mask_path(image)
+        name = ctk.CTkLabel(right, text=image.name + (f"   (mask: {mask.name})" if mask else ""), anchor="w")
+        name.pack(fill="x")
         box = ctk.CTkTextbox(right, height=56, wrap="word")
         box.insert("1.0", self.captions[image])
         box.pack(fill="x")
         box.bind("<FocusOut>", lambda _event: self.save(image))
         box.bind("<Control-s>", lambda _event: self.save(image) or "break")
-        self.rows[image] = {"box": box, "selected": var}
+        self.rows[image] = {"box": box, "selected": var, "name": name}
 
     def _toggle(self, image: Path, on: bool) -> None:
         (self.selected.add if on else self.selected.discard)(image)
@@ -155,6 +168,24 @@ class DatasetTool(ctk.CTkToplevel):
         for row in self.rows.values():
             row["selected"].set(False)
 
+    # --- models that label the folder -------------------------------------------------------------
+
+    def open_label_dialog(self, job: LabelJob) -> LabelDialog:
+        """The "Auto-caption…" (CAPTION) or "Generate masks…" (MASKS) dialog over this folder."""
+        for image in list(self.rows):  # a caption typed and not saved yet is the model's to keep or replace
+            self.save(image)
+        dialog = LabelDialog(self, job, self.folder, self.include_subfolders, on_done=self.reload)
+        self.label_dialogs.append(dialog)
+        return dialog
+
+    def reload(self) -> None:
+        """Read the captions (and masks) from the folder again: a model has written them."""
+        if not self.winfo_exists():
+            return
+        self.captions = {image: read_caption(image) for image in self.images}
+        self.stats.configure(text=size_stats(self.images, self.captions))
+        self.show()
+
     # --- saving -----------------------------------------------------------------------------------
 
     def save(self, image: Path, caption: str | None = None) -> bool:
@@ -164,8 +195,8 @@ class DatasetTool(ctk.CTkToplevel):
             if row is None or not row["box"].winfo_exists():
                 return False
             caption = row["box"].get("1.0", "end-1c").strip()
-        if caption == self.captions[image] and image.with_suffix(".txt").is_file():
-            return False
+        if caption == self.captions[image] and (not caption or image.with_suffix(".txt").is_file()):
+            return False  # unchanged (an image without a caption gets no empty .txt by being looked at)
         write_text(image.with_suffix(".txt"), caption + "\n")
         self.captions[image] = caption
         empty = sum(not self.captions[i] for i in self.images)

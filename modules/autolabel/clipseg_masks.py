@@ -15,6 +15,7 @@ from modules.autolabel.caption_folder import LabelReport, check_batch_size, chec
 from modules.autolabel.images import mask_file
 from modules.autolabel.model_folder import LabelModelError, model_config
 from modules.autolabel.transformers_models import load_model, load_pretrained, model_inputs
+from modules.data.mask_files import mask_path
 from modules.errors import UserError
 from modules.util.atomic import write_with
 
@@ -80,8 +81,6 @@ def binary_mask(probability, threshold: float, expand: int = 0, existing=None):
 def _existing_mask(image: Path, size: tuple[int, int]):
     from PIL import Image
 
-    from modules.data.masks import mask_path
-
     path = mask_path(image)
     if path is None:
         return None
@@ -96,8 +95,6 @@ def mask_images(images: list[Path], masker, prompt: str, threshold: float = 0.4,
                 expand: int = 0, batch_size: int = 4, on_progress: Callable = lambda report, path: None,
                 on_warning: Callable[[str], None] = lambda message: None,
                 stop_requested: Callable[[], bool] = lambda: False) -> LabelReport:
-    from modules.data.masks import mask_path
-
     check_mode(mode, MASK_MODES), check_batch_size(batch_size), check_threshold(threshold)
     if not prompt.strip():
         raise UserError("say what to mask (e.g. 'a person')", field="--prompt")

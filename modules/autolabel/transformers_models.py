@@ -22,6 +22,10 @@ def torch_dtype(name: str):
 def load_pretrained(loader, folder: Path, what: str, **options):
     """`loader.from_pretrained(folder, local_files_only=True, **options)`; a folder whose files do not
     fit raises one LabelModelError naming it (never a download: local_files_only)."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # its notes (a slower image processor without torchvision) are not the user's
+    logging.disable_progress_bar()  # a bar per load, in the run's log
     try:
         return loader.from_pretrained(str(folder), local_files_only=True, **options)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:

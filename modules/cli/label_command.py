@@ -95,6 +95,22 @@ def read_stop_commands(stream: IO[str], commands: TrainCommands, events: LabelEv
     return thread
 
 
+class LoadedOnFirstUse:
+    """A labelling model loaded when its first batch comes (on `--device`, in `--dtype`): a run that is
+    stopped before, or finds nothing to do (skip-existing), never waits for torch and the weights."""
+
+    def __init__(self, load: Callable[[str, str], object], args, events: LabelEvents):
+        self._load, self._args, self._events, self._model = load, args, events, None
+
+    def __getattr__(self, name: str):
+        if self._model is None:
+            device = train_device(self._args.device)
+            dtype = compute_dtype(self._args.dtype, device)
+            self._model = self._load(device, dtype)
+            self._events.emit("loaded", f"[model loaded on {device} in {dtype}]", device=device, dtype=dtype)
+        return getattr(self._model, name)
+
+
 def run_labelling(args, label: Callable[[LabelEvents, TrainCommands], object], what: str) -> int:
     """Run `label(events, commands)` (it returns a LabelReport) with events, stop commands and signals."""
     from modules.errors import environment_error
@@ -131,9 +147,8 @@ def caption_command(args) -> int:
         check_mode(args.mode), check_batch_size(args.batch_size)
         kind = kind_for(args.model)
         template = check_template(kind.default_prompt if args.prompt is None else args.prompt)
-        device = train_device(args.device)
-        captioner = kind.load(Path(args.model), device, compute_dtype(args.dtype, device))
-        events.started(len(images), f"{kind.name} on {device}")
+        captioner = LoadedOnFirstUse(lambda device, dtype: kind.load(Path(args.model), device, dtype), args, events)
+        events.started(len(images), kind.name)
         return caption_images(images, captioner, template, args.mode, args.batch_size, args.max_new_tokens,
                               events.progress, events.warning, lambda: commands.stop_requested)
 
@@ -184,9 +199,8 @@ def mask_command(args) -> int:
     def label(events: LabelEvents, commands: TrainCommands):
         images = folder_images(existing_folder(args.folder), args.include_subfolders)
         check_threshold(args.threshold), check_clipseg_folder(args.model)  # (before torch loads)
-        device = train_device(args.device)
-        masker = ClipSegMasker(args.model, device, compute_dtype(args.dtype, device))
-        events.started(len(images), f"clipseg on {device}")
+        masker = LoadedOnFirstUse(lambda device, dtype: ClipSegMasker(args.model, device, dtype), args, events)
+        events.started(len(images), "clipseg")
         return mask_images(images, masker, args.prompt, args.threshold, args.mode, args.expand, args.batch_size,
                            events.progress, events.warning, lambda: commands.stop_requested)
 

@@ -11,14 +11,7 @@ import torch.nn.functional as F
 from PIL import Image
 
 from modules.data.images import open_covering
-
-
-def mask_path(image: Path) -> Path | None:
-    for suffix in (".png", ".jpg", ".jpeg", ".webp"):
-        candidate = image.with_name(f"{image.stem}-masklabel{suffix}")
-        if candidate.is_file():
-            return candidate
-    return None
+from modules.data.mask_files import mask_path  # noqa: F401  (the data pipeline's name for it)
 
 
 def load_mask(path: Path, width: int, height: int, position: tuple[float, float] = (0.5, 0.5)) -> torch.Tensor:

@@ -1,0 +1,114 @@
+"""The dataset tool's "Auto-caption…" and "Generate masks…" dialogs in a real window (Xvfb), with
+the tiny BLIP and CLIPSeg (modules/autolabel/tiny_models.py): each runs `launch.py caption` /
+`launch.py mask` as a child process, shows its progress, stops on request, and the tool's rows
+read the captions and masks again when it ends; the window stays live all along."""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+
+from gui_driver import fresh, pump
+
+MACHINE = {"families": {}, "devices": {"cpu": {}}}
+
+
+@pytest.fixture(scope="module")
+def app(display, home):
+    from ui.app import App
+
+    window = App(machine_info=MACHINE, restore=False)
+    pump(window, timeout=0.2)
+    yield window
+    try:
+        window.destroy()
+    except Exception:
+        pass
+
+
+def run_dialog(app, dialog, timeout: float = 90) -> float:
+    """Pump the window until the dialog's run ends; the longest the window went without events."""
+    import tkinter
+
+    longest, deadline = 0.0, time.monotonic() + timeout
+    while dialog.client is None or dialog.client.returncode is None or dialog.start_button.cget("state") != "normal":
+        began = time.monotonic()
+        try:
+            app.update()
+        except tkinter.TclError:
+            pass
+        longest = max(longest, time.monotonic() - began)
+        assert time.monotonic() < deadline, f"the run did not end: {dialog.events}, log {dialog.log[-5:]}"
+        time.sleep(0.02)
+    pump(app, timeout=0.1)
+    return longest
+
+
+def test_auto_caption_runs_in_the_background_stops_and_refreshes_the_rows(app, shape_images, tiny_labellers, tmp_path):
+    from ui.label_dialog import CAPTION, MASKS
+
+    folder = tmp_path / "concept"
+    shutil.copytree(shape_images, folder)
+    images = sorted(folder.glob("*.png"))
+    for image in images[1:]:
+        image.with_suffix(".txt").unlink()
+    kept = images[0].with_suffix(".txt").read_text()
+    fresh(app)
+    app.tabs["Concepts"].add(str(folder))
+    pump(app, timeout=0.1)
+    tool = app.tabs["Concepts"].open_dataset_tool(0)
+    try:
+        pump(app, lambda: tool.winfo_ismapped(), timeout=5, what="the dataset tool")
+        assert tool.stats.cget("text").endswith("; 3 without a caption.")
+        dialog = tool.open_label_dialog(CAPTION)
+        pump(app, lambda: dialog.winfo_ismapped(), timeout=5, what="the auto-caption dialog")
+        dialog.model_var.set(str(tiny_labellers("blip")))
+        dialog.vars["--batch-size"].set("2")
+        dialog.vars["--max-new-tokens"].set("4")
+        assert dialog.vars["--mode"].get() == "skip-existing"
+
+        dialog.start()  # and Stop once it has started: before its first batch or while the model loads for it
+        pump(app, lambda: any(e["event"] == "started" for e in dialog.events), timeout=60, what="the started event")
+        dialog.stop()
+        run_dialog(app, dialog)
+        written = [image for image in images[1:] if image.with_suffix(".txt").exists()]
+        assert written in (images[1:1], images[1:3])  # one batch of two at most
+        assert f"stopped after {1 + len(written)} of 4 images" in dialog.status.cget("text")  # (one kept)
+        assert all(tool.captions[image] for image in written) and not tool.captions[images[3]]
+
+        dialog.start()  # again: skip-existing goes on where the stopped run ended
+        longest = run_dialog(app, dialog)
+        assert longest < 1.0, f"the window went {longest:.2f} s without handling events"
+        assert dialog.status.cget("text").startswith(f"{3 - len(written)} captions written, {1 + len(written)} kept, "
+                                                     "0 failed."), dialog.status.cget("text")
+        assert dialog.bar.get() == 1.0
+        assert images[0].with_suffix(".txt").read_text() == kept
+        for image in images:  # the rows show what the child wrote
+            written = image.with_suffix(".txt").read_text().strip()
+            assert written and tool.captions[image] == written
+            assert tool.rows[image]["box"].get("1.0", "end-1c") == written
+        assert tool.stats.cget("text").endswith("; 0 without a caption.")
+        dialog.destroy()
+
+        from modules.data.masks import load_mask, mask_path
+
+        masks = tool.open_label_dialog(MASKS)
+        masks.model_var.set(str(tiny_labellers("clipseg")))
+        masks.vars["--prompt"].set("a circle")
+        masks.vars["--threshold"].set("0.3")
+        masks.start()
+        run_dialog(app, masks)
+        assert masks.status.cget("text").startswith("4 masks written"), masks.status.cget("text")
+        for image in images:
+            assert mask_path(image) == image.with_name(f"{image.stem}-masklabel.png")
+            assert load_mask(mask_path(image), 64, 64).shape == (1, 64, 64)
+        assert list(tool.rows) == images  # masks are not listed as images, but named on their image's row
+        for image in images:
+            assert tool.rows[image]["name"].cget("text") == f"{image.name}   (mask: {image.stem}-masklabel.png)"
+        masks.destroy()
+    finally:
+        tool.destroy()
+    pump(app, timeout=0.2)
+    assert app.callback_errors == []
