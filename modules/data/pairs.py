@@ -163,6 +163,8 @@ def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: s
         raise DataError(f"{where(odd.item.concept)}: {odd.item.image} has {few} control image(s), other samples "
                         f"{max(counts)}; every sample of a run needs the same number")
     count = counts.pop() if counts else 0
+    if count == 0:
+        return []
     if count > family.control_images:
         first = entries[0]
         raise DataError(f"{where(first.item.concept)}: {first.item.image} has {count} control images; "
