@@ -21,7 +21,7 @@ class PartSpec:
 # what a ModelFamily subclass takes from its declaration (flow_matching comes from its training
 # mixin, which must agree with the declaration)
 CLASS_ATTRIBUTES = ("name", "label", "part_specs", "denoiser_part", "layer_presets", "bucket_quantum",
-                    "negative_prompt")
+                    "negative_prompt", "control_images")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,8 @@ class FamilyDeclaration:
     flow_matching: bool = False  # rectified-flow target (no SNR weighting; logit-normal times)
     # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
     negative_prompt: bool = True
+    # the most control (reference) images one sample may carry (an edit model's); 0: none taken
+    control_images: int = 0
 
     def default_parts(self) -> dict[str, dict]:
         return {spec.name: {"train": spec.default_train} for spec in self.part_specs}
@@ -53,4 +55,5 @@ class FamilyDeclaration:
                    denoiser_part=family_class.denoiser_part, layer_presets=dict(family_class.layer_presets),
                    implementation=f"{family_class.__module__}:{family_class.__qualname__}",
                    bucket_quantum=family_class.bucket_quantum, flow_matching=family_class.flow_matching,
-                   negative_prompt=family_class.negative_prompt)
+                   negative_prompt=family_class.negative_prompt,
+                   control_images=getattr(family_class, "control_images", 0))

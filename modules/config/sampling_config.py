@@ -25,6 +25,8 @@ class SamplePromptConfig(StrictModel):
                        f"(a multiple of 8, at most {MAX_RESOLUTION}).")
     height: int = Field(512, ge=8, le=MAX_RESOLUTION, multiple_of=8, description="Sample height in pixels "
                         f"(a multiple of 8, at most {MAX_RESOLUTION}).")
+    control_images: list[str] = Field(default_factory=list, description="Edit models: the control (reference) "
+                                      "image files this sample starts from, resized to the sample's size.")
     enabled: bool = Field(True, description="Sampled at each sampling point; off: kept in the list, skipped.")
 
 

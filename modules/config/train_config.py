@@ -25,6 +25,7 @@ from modules.config.adapter_configs import (  # noqa: F401  (re-exported: the co
 )
 from modules.config.distributed_config import DistributedConfig, check_distributed  # noqa: F401  (re-exported)
 from modules.config.embedding_config import EmbeddingConfig, check_embeddings
+from modules.config.control_config import ControlConfig
 from modules.config.errors import located_error
 from modules.config.limits import (MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
                                     MAX_LEARNING_RATE, MAX_LOSS_WEIGHT, MAX_REPEATS, MAX_RESOLUTION,
@@ -255,6 +256,8 @@ class ConceptConfig(StrictModel):
     unmasked_weight: float = Field(0.1, ge=0, le=1, description="masked_loss: the weight of the black area.")
     video: VideoConfig = Field(default_factory=VideoConfig, description="Video options: frames per sample, "
                                "frame stride or fps, how clips are cut into windows.")
+    controls: ControlConfig = Field(default_factory=ControlConfig, description="Control (reference) images per "
+                                    "sample, for edit models (docs/data.md#paired-samples).")
 
 
 _CADENCE_TEXT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(steps?|epochs?|minutes?)\s*$")

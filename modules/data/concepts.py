@@ -30,6 +30,7 @@ class ConceptItem:
     image: Path
     caption: str
     concept: int  # index into config.concepts
+    controls: tuple[Path, ...] = ()  # an edit sample's control (reference) images (pairs.py)
 
 
 def check_concepts(concepts: list[ConceptConfig]) -> None:

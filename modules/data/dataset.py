@@ -11,6 +11,7 @@ and a batch is the same whichever thread assembles it and when.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections import defaultdict
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
+from modules.data.pairs import attach_controls, check_controls, drop_unready, scan_items
 from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
@@ -69,6 +71,7 @@ class Entry:
     flip: bool = False  # a mirrored version is cached too, and drawn half of the time
     original_size: tuple[int, int] | None = None  # (width, height) of the image file, EXIF applied
     clip: ClipWindow | None = None  # a video concept's window of frames (modules/data/video.py); None: an image
+    control_keys: tuple[str, ...] = ()  # latent keys of its control images (pairs.py), mirrored with it
 
     @property
     def group(self) -> tuple[tuple[int, int], int]:
@@ -85,6 +88,7 @@ class Batch:
     masks: torch.Tensor | None = None  # (B, 1, h, w) per-pixel loss weights on the latent grid; None: all 1
     # (B, 4): original height, original width, crop top, crop left (SDXL's size conditioning)
     image_info: torch.Tensor | None = None
+    controls: torch.Tensor | None = None  # (B, N, C, h, w) latents of each sample's control images; None: none
 
 
 def _image_info(entry: Entry, position: tuple[float, float]) -> list[float]:
@@ -137,6 +141,7 @@ class HostBatch:
     captions: list[str]
     loss_weights: list[float]
     unmasked_weights: list[float]
+    controls: torch.Tensor | None = None
 
 
 def _pinned(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -211,12 +216,16 @@ class TrainDataset:
         rngs = [caption_rng(self.seed, epoch, batch_index, share.first + position) for position in range(len(entries))]
         # each sample's stream draws its flip first, then (fresh latents) its crop and colour, then its caption
         flipped = [e.flip and rng.random() < 0.5 for e, rng in zip(entries, rngs)]
-        latents = pixels = None
+        latents = pixels = control_latents = None
         if self.fresh is None:
             latent_keys = [e.latent_key + FLIPPED if flip else e.latent_key for e, flip in zip(entries, flipped)]
             latents = _pinned(torch.stack([self.latents[k] for k in latent_keys]), pin)
             sample_masks = [self.masks[k] if k in self.masks else None for k in latent_keys]
             positions = [(0.5, 0.5)] * len(entries)
+            if entries[0].control_keys:  # mirrored exactly when their target is
+                controls = [torch.stack([self.latents[k + FLIPPED if flip else k] for k in e.control_keys])
+                            for e, flip in zip(entries, flipped)]
+                control_latents = _pinned(torch.stack(controls), pin)
         else:
             pixels, sample_masks, positions = self.fresh.load(entries, flipped, rngs)
             pixels = _pinned(pixels, pin)
@@ -228,7 +237,7 @@ class TrainDataset:
         captions = [varied_caption(e.item.caption, e.captions, rng) if e.captions is not None else e.item.caption
                     for e, rng in zip(entries, rngs)]
         return HostBatch(latents, pixels, sample_masks, image_info, text, captions,
-                         [e.loss_weight for e in entries], [e.unmasked_weight for e in entries])
+                         [e.loss_weight for e in entries], [e.unmasked_weight for e in entries], control_latents)
 
     def finish(self, host: HostBatch, device: torch.device) -> Batch:
         """The device half of a batch: copies (asynchronous from pinned memory) and, for fresh
@@ -246,7 +255,8 @@ class TrainDataset:
             raw = torch.stack([m if m is not None else torch.ones(1, *grid) for m in sample_masks]).to(device)
             floor = torch.tensor([w if m is not None else 1.0 for w, m in zip(host.unmasked_weights, sample_masks)])
             masks = mask_loss_weights(raw, floor.to(device))
-        return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device))
+        controls = None if host.controls is None else host.controls.to(device, non_blocking=True)
+        return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device), controls)
 
 
 def _file_hash(path: Path) -> str:
@@ -261,6 +271,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     left without any usable image is an error naming its folder."""
     check_concepts(config.concepts)
     concepts = [(i, c) for i, c in enumerate(config.concepts) if c.enabled and c.validation == validation]
+    check_controls(config, family, concepts)
     latent_cache = TensorCache(cache_dir / "latents")
     text_cache = TensorCache(cache_dir / "text")
     image_identity = family.fingerprint(*family.image_parts)
@@ -273,8 +284,11 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         video = is_video_concept(concept)
         if video:
             _check_video_concept(index, concept, family)
-        for item in scan_concept(index, concept, warn, **video_scan_options(concept)):
-            item = ConceptItem(item.image, fixed_caption(item.caption, concept.captions), item.concept)
+        # a video concept's clips (modules/data/video.py), or images alone or with controls (pairs.py)
+        items = scan_concept(index, concept, warn, **video_scan_options(concept)) if video else \
+            scan_items(index, concept, warn)
+        for item in items:
+            item = dataclasses.replace(item, caption=fixed_caption(item.caption, concept.captions))
             if video:
                 clips = _clip_entries(item, concept, config, family, image_identity, text_identity, warn)
                 if clips is not None:  # None: a still image, made below as in any concept
@@ -306,14 +320,15 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
             raise DataError(f"concepts[{index}].path: no usable image in {concept.path}")
     check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
     _warn_of_surprises(config, family, entries, validation, warn)
+    controls = attach_controls(entries, family, image_identity, lambda index: f"concepts[{index}]")
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
     masks: Mapping = {}
     if config.data.cache_latents:
-        ready = fill_latents(entries, family, device, latent_cache, warn, stop)
-        entries = [e for e in entries if e.latent_key in ready]
-        latents = CachedTensors(reader, latent_cache, _latent_index(entries, "latents"))
+        ready = fill_latents(entries + controls, family, device, latent_cache, warn, stop)
+        entries = drop_unready(entries, ready, warn)
+        latents = CachedTensors(reader, latent_cache, _latent_index(entries + controls, "latents"))
         masks = CachedTensors(reader, latent_cache, _latent_index([e for e in entries if e.mask], "mask"))
     else:
         fresh = FreshLatents(family, config.data.crop_jitter, config.data.color_jitter)

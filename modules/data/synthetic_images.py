@@ -43,3 +43,32 @@ def write_shape_images(folder: str | Path, count: int = 8, width: int = 64, heig
         path.with_suffix(".txt").write_text(f"a {color} {shape} on a {background} background", encoding="utf-8")
         paths.append(path)
     return paths
+
+
+def write_edit_pairs(folder: str | Path, count: int = 2, width: int = 64, height: int = 64,
+                     control_size: tuple[int, int] | None = None) -> list[Path]:
+    """Edit pairs in the `folders` layout (docs/data.md): `target/NNN.png` with its instruction in
+    `target/NNN.txt` ("make the circle red"), and `control/NNN.png`, the same shape in another colour,
+    `control_size` (width, height) if given. Both have their left third black, so a mirrored image
+    differs from the image. The targets' paths."""
+    folder = Path(folder)
+    (folder / "target").mkdir(parents=True, exist_ok=True)
+    (folder / "control").mkdir(parents=True, exist_ok=True)
+    names = list(COLORS)
+    control_width, control_height = control_size or (width, height)
+    paths = []
+    for index in range(count):
+        shape, color = SHAPES[index % len(SHAPES)], names[index % len(names)]
+        before, background = names[(index + 3) % len(names)], names[(index * 3 + 2) % len(names)]
+        if background in (color, before):
+            background = next(n for n in names if n not in (color, before))
+        target = folder / "target" / f"{index:03d}.png"
+        image = draw_shape(shape, color, background, width, height)
+        ImageDraw.Draw(image).rectangle((0, 0, width // 3, height), fill=COLORS["black"])
+        image.save(target)
+        target.with_suffix(".txt").write_text(f"make the {shape} {color}", encoding="utf-8")
+        control = draw_shape(shape, before, background, control_width, control_height)
+        ImageDraw.Draw(control).rectangle((0, 0, control_width // 3, control_height), fill=COLORS["black"])
+        control.save(folder / "control" / f"{index:03d}.png")
+        paths.append(target)
+    return paths

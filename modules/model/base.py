@@ -55,6 +55,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
     # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
     negative_prompt: ClassVar[bool] = True
+    # the most control (reference) images one sample may carry (an edit model: they reach the
+    # denoiser as conditioning["control_latents"], (B, N, C, h, w)); 0: none taken
+    control_images: ClassVar[int] = 0
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)

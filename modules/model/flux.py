@@ -224,19 +224,24 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The transformer's velocity prediction for (B, C, H, W) latents at `sigmas`."""
-        dtype = self.compute_dtype("transformer")
         height, width = noisy.shape[-2:]
+        ids = image_ids(height, width, noisy.device, self.compute_dtype("transformer"))
+        return unpack_latents(self.run_transformer(pack_latents(noisy), ids, sigmas, text), height, width)
+
+    def run_transformer(self, packed: torch.Tensor, ids: torch.Tensor, sigmas: torch.Tensor,
+                        text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer on packed image tokens (B, L, C * 4) with their position ids (L, 3)."""
+        dtype = self.compute_dtype("transformer")
         hidden = text["hidden_states"].to(dtype)
         guidance = None
         if self.transformer.config.guidance_embeds:
-            guidance = torch.full((noisy.shape[0],), TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
-        packed = self.transformer(
-            hidden_states=pack_latents(noisy).to(dtype), timestep=sigmas.to(dtype), guidance=guidance,
+            guidance = torch.full((packed.shape[0],), TRAINING_GUIDANCE, device=packed.device, dtype=torch.float32)
+        return self.transformer(
+            hidden_states=packed.to(dtype), timestep=sigmas.to(dtype), guidance=guidance,
             pooled_projections=text["pooled"].to(dtype), encoder_hidden_states=hidden,
-            txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=image_ids(height, width, noisy.device, dtype), return_dict=False,
+            txt_ids=torch.zeros(hidden.shape[1], 3, device=packed.device, dtype=dtype),
+            img_ids=ids.to(dtype), return_dict=False,
         )[0]
-        return unpack_latents(packed, height, width)
 
     # --- sampling ----------------------------------------------------------------------------
 

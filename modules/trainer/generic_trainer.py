@@ -366,10 +366,13 @@ class GenericTrainer:
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
-        captions vary), plus `image_info` (original size and crop, for families that condition on it)."""
+        captions vary), plus `image_info` (original size and crop, for families that condition on it)
+        and `control_latents` (an edit sample's control images, for the families that take them)."""
         text = (batch.text if batch.text is not None
                 else self.family.encode_text(self.family.tokenize(self.captions(batch))))
-        return {**text, "image_info": batch.image_info} if batch.image_info is not None else text
+        if batch.image_info is not None:
+            text = {**text, "image_info": batch.image_info}
+        return {**text, "control_latents": batch.controls} if batch.controls is not None else text
 
     def captions(self, batch: Batch) -> list[str]:
         """The batch's captions as the methods' tokens need them (embeddings' placeholders written out)."""

@@ -10,9 +10,12 @@ from modules.model.tiny.char_tokenizers import write_char_sentencepiece_tokenize
 from modules.model.tiny.parts import tiny_clip, tiny_flux_vae
 
 
-def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int = 0) -> Path:
-    """A random FLUX.1-dev-architecture pipeline in diffusers layout, built offline."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int = 0,
+                    pipeline: str = "FluxPipeline") -> Path:
+    """A random FLUX.1-dev-architecture pipeline in diffusers layout, built offline; `pipeline`:
+    the diffusers class it is saved as (FluxKontextPipeline for Kontext, same components)."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
     from transformers import AutoTokenizer, T5Config, T5EncoderModel
 
     out = Path(out)
@@ -34,7 +37,7 @@ def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int 
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )
-    pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer,
+    pipe = getattr(diffusers, pipeline)(scheduler=scheduler, vae=vae, text_encoder=clip, tokenizer=tokenizer,
                         text_encoder_2=t5, tokenizer_2=tokenizer_2,
                         transformer=FluxTransformer2DModel(**transformer_config))
     pipe.save_pretrained(str(out))
