@@ -65,6 +65,13 @@ def test_auto_caption_runs_in_the_background_stops_and_refreshes_the_rows(app, s
         assert tool.stats.cget("text").endswith("; 3 without a caption.")
         dialog = tool.open_label_dialog(CAPTION)
         pump(app, lambda: dialog.winfo_ismapped(), timeout=5, what="the auto-caption dialog")
+        dialog.model_var.set("")
+        dialog.start()
+        assert dialog.client is None and dialog.status.cget("text") == "Choose the model folder first."
+        dialog.model_var.set(str(tmp_path / "no-model"))  # the child's one-line error, shown in the dialog
+        dialog.start()
+        run_dialog(app, dialog)
+        assert dialog.status.cget("text") == f"--model: {tmp_path / 'no-model'} is not a folder"
         dialog.model_var.set(str(tiny_labellers("blip")))
         dialog.vars["--batch-size"].set("2")
         dialog.vars["--max-new-tokens"].set("4")

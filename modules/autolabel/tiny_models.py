@@ -11,7 +11,6 @@ provides only with torchvision installed (not a requirement of this project)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 WORDS = "a an the of red blue green yellow circle square triangle photo picture on with and".split()
@@ -125,5 +124,4 @@ def make_tiny_clipseg(out: str | Path) -> Path:
     _seeded()
     CLIPSegForImageSegmentation(config).save_pretrained(out)
     processor.save_pretrained(out)
-    (out / "README.md").write_text("A tiny random CLIPSeg built offline for tests (modules/autolabel/tiny_models.py).\n")
     return out
