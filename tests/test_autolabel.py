@@ -1,5 +1,5 @@
 """Auto-captioning and generated masks (issue 30, items 2 and 3) with tiny random models built
-offline (modules/autolabel/tiny_models.py): a BLIP and a LLaVA chat captioner (a tiny Qwen2-VL's
+offline (modules/autolabel/tiny_models.py): BLIP, BLIP-2 and a LLaVA chat captioner (a tiny Qwen2-VL's
 processor needs torchvision, which is not installed), and a CLIPSeg masker."""
 
 from __future__ import annotations
@@ -59,6 +59,16 @@ def test_blip_captions_every_image_and_each_mode_keeps_or_replaces(blip, tmp_pat
     caption_images(images, captioner, "a photo of", "overwrite", batch_size=2, max_new_tokens=6)
     assert all(read_caption(image).startswith("a photo of") for image in images)  # BLIP keeps its prompt
     assert images[0].with_suffix(".txt").read_text(encoding="utf-8").endswith("\n") and no_temp_files(tmp_path)
+
+
+def test_blip2_captions_after_its_prompt(tiny_labellers, tmp_path):
+    folder = tiny_labellers("blip2")
+    kind = kind_for(folder)
+    assert kind.name == "blip"
+    captioner = kind.load(folder, "cpu", "float32")
+    images = images_in(tmp_path, count=3)
+    report = caption_images(images, captioner, "a photo of", "overwrite", batch_size=2, max_new_tokens=4)
+    assert report.written == images and all(read_caption(image).startswith("a photo of ") for image in images)
 
 
 def test_a_chat_model_answers_the_prompt_for_every_image(tiny_labellers, tmp_path):

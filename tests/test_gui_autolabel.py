@@ -13,6 +13,7 @@ import pytest
 from gui_driver import fresh, pump
 
 MACHINE = {"families": {}, "devices": {"cpu": {}}}
+BUTTON1 = 1 << 8  # X's Button1Mask: a motion with the left button held
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +65,13 @@ def test_auto_caption_runs_in_the_background_stops_and_refreshes_the_rows(app, s
         assert tool.stats.cget("text").endswith("; 3 without a caption.")
         dialog = tool.open_label_dialog(CAPTION)
         pump(app, lambda: dialog.winfo_ismapped(), timeout=5, what="the auto-caption dialog")
+        dialog.model_var.set("")
+        dialog.start()
+        assert dialog.client is None and dialog.status.cget("text") == "Choose the model folder first."
+        dialog.model_var.set(str(tmp_path / "no-model"))  # the child's one-line error, shown in the dialog
+        dialog.start()
+        run_dialog(app, dialog)
+        assert dialog.status.cget("text") == f"--model: {tmp_path / 'no-model'} is not a folder"
         dialog.model_var.set(str(tiny_labellers("blip")))
         dialog.vars["--batch-size"].set("2")
         dialog.vars["--max-new-tokens"].set("4")
@@ -108,6 +116,56 @@ def test_auto_caption_runs_in_the_background_stops_and_refreshes_the_rows(app, s
         for image in images:
             assert tool.rows[image]["name"].cget("text") == f"{image.name}   (mask: {image.stem}-masklabel.png)"
         masks.destroy()
+    finally:
+        tool.destroy()
+    pump(app, timeout=0.2)
+    assert app.callback_errors == []
+
+
+def test_a_mask_painted_by_hand_is_saved_as_masked_training_reads_it(app, shape_images, tmp_path):
+    import numpy as np
+
+    from modules.data.masks import load_mask, mask_path
+    from ui.dataset_tool import DatasetTool
+
+    folder = tmp_path / "concept"
+    shutil.copytree(shape_images, folder)
+    images = sorted(folder.glob("*.png"))
+    tool = DatasetTool(app, folder)
+    try:
+        tool.rows[images[0]]["paint"].invoke()  # the row's "Mask…"
+        painter = tool.painter
+        pump(app, lambda: painter.winfo_ismapped(), timeout=5, what="the mask painter")
+        assert painter.scale == 8  # a 64-px image shown at 512 px
+        canvas = painter.canvas
+        painter.tool_var.set("eraser")  # black: a stroke across the top rows, from (0, 4) to (63, 4) in the image
+        painter.size_var.set(4)
+        canvas.event_generate("<ButtonPress-1>", x=0, y=32)
+        canvas.event_generate("<B1-Motion>", x=300, y=32, state=BUTTON1)
+        canvas.event_generate("<B1-Motion>", x=511, y=32, state=BUTTON1)
+        canvas.event_generate("<ButtonRelease-1>", x=511, y=32)
+        painter.size_var.set(2)
+        painter.tool_var.set("brush")
+        canvas.event_generate("<ButtonPress-1>", x=256, y=32)  # a white dot back in the black band
+        canvas.event_generate("<ButtonRelease-1>", x=256, y=32)
+        pump(app, timeout=0.1)
+        assert painter.changed
+        painter.save()
+        pump(app, timeout=0.1)
+        mask = np.asarray(load_mask(mask_path(images[0]), 64, 64)[0])
+        assert mask_path(images[0]) == folder / f"{images[0].stem}-masklabel.png"
+        assert (mask[3:6, :28] == 0).all() and (mask[3:6, 36:] == 0).all()  # the eraser's band (4 px wide)
+        assert (mask[4, 31:34] == 1).all() and (mask[3:6, 32] == 1).all()  # the brush's dot in it
+        assert (mask[10:] == 1).all()  # the rest untouched: white
+        assert "(mask: " in tool.rows[images[0]]["name"].cget("text")
+
+        painter.tool_var.set("fill")  # right button: the white area under the click becomes black
+        canvas.event_generate("<ButtonPress-3>", x=256, y=400)
+        canvas.event_generate("<ButtonRelease-3>", x=256, y=400)
+        painter.save()
+        mask = np.asarray(load_mask(mask_path(images[0]), 64, 64)[0])
+        assert (mask[10:] == 0).all() and mask[4, 32] == 1  # the dot is not connected to it
+        painter.destroy()
     finally:
         tool.destroy()
     pump(app, timeout=0.2)

@@ -7,7 +7,8 @@ text, and bulk edits over the selected rows (prefix, suffix, find/replace, add o
 comma-separated tag), and the images' sizes and how many have no caption. "Auto-caption…" and
 "Generate masks…" run a captioning or masking model over the folder in a child process
 (ui/label_dialog.py); the rows read the captions again when it ends, and a row names its image's
-mask (`<stem>-masklabel.png`, as masked training reads it) where there is one."""
+mask (`<stem>-masklabel.png`, as masked training reads it) where there is one; its "Mask…" paints
+one by hand (ui/mask_painter.py)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ class DatasetTool(ctk.CTkToplevel):
         self.folder = Path(folder)
         self.include_subfolders = include_subfolders
         self.label_dialogs: list = []  # the auto-caption and mask dialogs opened from here
+        self.painter = None  # the last mask painter opened from here
         self.title(f"Dataset: {self.folder}")
         centre_over(self, master, 820, 640)
         self.images = folder_images(self.folder, include_subfolders)
@@ -146,14 +148,18 @@ class DatasetTool(ctk.CTkToplevel):
         right = ctk.CTkFrame(row, fg_color="transparent")
         right.pack(side="left", fill="both", expand=True, padx=4, pady=4)
         mask = mask_path(image)
-        name = ctk.CTkLabel(right, text=image.name + (f"   (mask: {mask.name})" if mask else ""), anchor="w")
-        name.pack(fill="x")
+        head = ctk.CTkFrame(right, fg_color="transparent")
+        head.pack(fill="x")
+        name = ctk.CTkLabel(head, text=image.name + (f"   (mask: {mask.name})" if mask else ""), anchor="w")
+        name.pack(side="left", fill="x", expand=True)
+        paint = ctk.CTkButton(head, text="Mask…", width=64, height=22, command=lambda: self.open_mask_painter(image))
+        paint.pack(side="right")
         box = ctk.CTkTextbox(right, height=56, wrap="word")
         box.insert("1.0", self.captions[image])
         box.pack(fill="x")
         box.bind("<FocusOut>", lambda _event: self.save(image))
         box.bind("<Control-s>", lambda _event: self.save(image) or "break")
-        self.rows[image] = {"box": box, "selected": var, "name": name}
+        self.rows[image] = {"box": box, "selected": var, "name": name, "paint": paint}
 
     def _toggle(self, image: Path, on: bool) -> None:
         (self.selected.add if on else self.selected.discard)(image)
@@ -177,6 +183,18 @@ class DatasetTool(ctk.CTkToplevel):
         dialog = LabelDialog(self, job, self.folder, self.include_subfolders, on_done=self.reload)
         self.label_dialogs.append(dialog)
         return dialog
+
+    def open_mask_painter(self, image: Path):
+        """Paint `image`'s loss mask by hand (ui/mask_painter.py); its row names the mask once saved."""
+        from ui.mask_painter import MaskPainter
+
+        self.painter = MaskPainter(self, image, on_saved=lambda path: self._mask_saved(image, path))
+        return self.painter
+
+    def _mask_saved(self, image: Path, mask: Path) -> None:
+        row = self.rows.get(image)
+        if row is not None and row["name"].winfo_exists():
+            row["name"].configure(text=f"{image.name}   (mask: {mask.name})")
 
     def reload(self) -> None:
         """Read the captions (and masks) from the folder again: a model has written them."""

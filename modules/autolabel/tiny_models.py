@@ -1,5 +1,5 @@
 """Tiny random labelling models, built offline from transformers configs (for tests and trying the
-tools without a download): a BLIP captioner, a LLaVA chat captioner and a CLIPSeg masker, each a
+tools without a download): BLIP and BLIP-2 captioners, a LLaVA chat captioner and a CLIPSeg masker, each a
 folder from_pretrained reads, with a tokenizer built from a word list.
 
 A random model's first choice is often a special token, which decodes to an empty caption; the
@@ -11,7 +11,6 @@ provides only with torchvision installed (not a requirement of this project)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 WORDS = "a an the of red blue green yellow circle square triangle photo picture on with and".split()
@@ -58,6 +57,36 @@ def make_tiny_blip(out: str | Path) -> Path:
     _seeded()
     model = BlipForConditionalGeneration(config)
     _no_special_starts(model, [0, 1, 2, 4], eos=3)
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def make_tiny_blip2(out: str | Path) -> Path:
+    """BLIP-2: a Q-Former between a tiny vision tower and a tiny OPT."""
+    from transformers import Blip2Config, Blip2ForConditionalGeneration, Blip2Processor, BlipImageProcessor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, _ = _word_tokenizer(["<pad>", "</s>"], WORDS, bos_token="</s>", eos_token="</s>", pad_token="<pad>")
+    # the processor adds its image token to the tokenizer (one placeholder per query token)
+    processor = Blip2Processor(image_processor=BlipImageProcessor(size={"height": 32, "width": 32}),
+                               tokenizer=tokenizer, num_query_tokens=4)
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = Blip2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_hidden_layers=2,
+                           image_size=32, patch_size=8),
+        qformer_config=dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                            intermediate_size=64, encoder_hidden_size=32, max_position_embeddings=64),
+        text_config=dict(model_type="opt", vocab_size=len(tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                         num_attention_heads=2, word_embed_proj_dim=32, max_position_embeddings=128, bos_token_id=1,
+                         eos_token_id=1, pad_token_id=0),
+        num_query_tokens=4, image_token_index=image_token)
+    _seeded()
+    model = Blip2ForConditionalGeneration(config)
+    # (without a prompt this tiny one ends its caption at once, whatever the generation config says:
+    # tests caption with a prompt)
+    _no_special_starts(model, [0, 2, image_token], eos=1)
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
@@ -125,5 +154,4 @@ def make_tiny_clipseg(out: str | Path) -> Path:
     _seeded()
     CLIPSegForImageSegmentation(config).save_pretrained(out)
     processor.save_pretrained(out)
-    (out / "README.md").write_text("A tiny random CLIPSeg built offline for tests (modules/autolabel/tiny_models.py).\n")
     return out

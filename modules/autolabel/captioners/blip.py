@@ -1,5 +1,6 @@
-"""BLIP (BlipForConditionalGeneration): the prompt, where given, is the caption's first words
-("a photography of"), and the caption is returned with them, as BLIP writes it."""
+"""BLIP and BLIP-2 (BlipForConditionalGeneration, Blip2ForConditionalGeneration): the prompt, where
+given, is the caption's first words ("a photography of"), and the caption is returned with them,
+as BLIP writes it."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ from modules.autolabel.captioners import CaptionerKind, register
 from modules.autolabel.transformers_models import load_model, load_pretrained, model_inputs
 
 
+TAKES = {"blip": "BlipForConditionalGeneration", "blip-2": "Blip2ForConditionalGeneration"}  # model_type: class
+
+
 def takes(config: dict, _folder: Path) -> bool:
-    return config.get("model_type") == "blip" and "BlipForConditionalGeneration" in (config.get("architectures") or [])
+    return TAKES.get(config.get("model_type")) in (config.get("architectures") or [])
 
 
 class BlipCaptioner:
     def __init__(self, folder: Path, device: str, dtype: str):
-        from transformers import AutoProcessor, BlipForConditionalGeneration
+        from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = load_pretrained(AutoProcessor, folder, "processor")
-        self.model = load_model(BlipForConditionalGeneration, folder, device, dtype)
+        self.model = load_model(AutoModelForImageTextToText, folder, device, dtype)
 
     def caption(self, images: list, prompts: list[str], max_new_tokens: int) -> list[str]:
         import torch
@@ -33,5 +37,5 @@ class BlipCaptioner:
         return [caption.strip() for caption in self.processor.batch_decode(tokens, skip_special_tokens=True)]
 
 
-register(CaptionerKind(name="blip", describes="BLIP (model_type blip, BlipForConditionalGeneration)",
+register(CaptionerKind(name="blip", describes="BLIP, BLIP-2 (model_type blip, blip-2)",
                        takes=takes, load=BlipCaptioner, default_prompt="", order=10))
