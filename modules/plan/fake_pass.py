@@ -16,6 +16,7 @@ a trained text encoder's activations are not measured here (its tokens need its 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -56,8 +57,10 @@ def _make_fake(module: torch.nn.Module, mode: FakeTensorMode) -> None:
 
 def measure_step(family, config, trained: dict[str, str], batch: int, resolution: int,
                  checkpointing: dict[str, bool], activation_offloading: dict[str, bool],
-                 adapter_set_builder=None) -> StepFigures:
-    """trained: part -> "adapter" or "weights" for the parts the step trains."""
+                 adapter_set_builder=None, fused_attention: bool = True) -> StepFigures:
+    """trained: part -> "adapter" or "weights" for the parts the step trains. fused_attention: the
+    train device runs attention in a fused kernel (CUDA's flash / memory-efficient, the CPU's flash
+    kernel), so the pass does too; else torch's math path, as on devices without one."""
     from modules.util.torch_utils import make_generator
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -85,7 +88,7 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         live.known(held)
         live.known([latents])
         generator = make_generator("cpu", 0)
-        with live, efficient_attention():
+        with live, efficient_attention() if fused_attention else contextlib.nullcontext():
             step_latents = latents.clone()
             text = family.planning_conditioning(batch, TRAIN)
             if not trained:  # nothing trains: still a backward to the input, as a guard would see

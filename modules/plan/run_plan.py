@@ -29,6 +29,9 @@ from modules.offload.layer_tensors import block_bytes, layer_tensors, tensor_byt
 from modules.offload.schedule import bytes_in_flight, choose_parked
 from modules.plan.gpu_classes import gpu_class, step_seconds
 
+# device types whose scaled_dot_product_attention runs a fused kernel (no L x L scores held):
+# CUDA's flash / memory-efficient ones (the trainer pins them, trainer/sdpa.py) and the CPU's flash
+FUSED_ATTENTION_DEVICES = ("cuda", "cpu")
 DEVICE_KEYS = ("weights", "trained", "gradients", "optimizer_state", "activations", "offload_window")
 
 
@@ -82,6 +85,12 @@ class RunPlan:
                 "fits": self.fits, "fixes": list(self.fixes), "auto": dict(self.auto), "notes": list(self.notes)}
 
 
+def train_device_type(config: TrainConfig) -> str:
+    from modules.util.torch_utils import resolve_device
+
+    return resolve_device(config.train_device).type
+
+
 def largest_resolution(config: TrainConfig) -> int:
     return max(config.data.resolutions)
 
@@ -123,6 +132,7 @@ class Planner:
         self.variant = variant
         self._steps: dict[tuple, Any] = {}
         self._sizes: dict[tuple, dict] = {}
+        self._unused = None
 
     def weight_modes(self, config: TrainConfig) -> dict[str, str]:
         from modules.plan.auto import planned_weight_modes
@@ -155,6 +165,7 @@ class Planner:
                 }
             self._sizes[key] = {"parts": sizes, "family": family, "config": planned.config,
                                 "released": planned.released}
+            self._unused = (tuple(sorted(modes.items())), planned)  # the first step may make this one fake
         return self._sizes[key]
 
     def step(self, config: TrainConfig, modes: dict[str, str], trained: dict[str, str]):
@@ -164,12 +175,15 @@ class Planner:
         parts = config.model.parts
         # (the weight modes barely change what the step holds beyond the weights: not part of the key,
         # so the fixes' search re-plans other modes without another pass)
-        key = (tuple(sorted(trained.items())), config.schedule.batch_size,
+        key = (tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
                largest_resolution(config),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
         if key not in self._steps:
-            planned = self._architecture(config, modes)  # fresh: the pass makes its parts fake
+            unused, self._unused = self._unused, None
+            # the pass makes its parts fake: the architecture the sizes were read from, once, else a fresh one
+            planned = unused[1] if unused and unused[0] == tuple(sorted(modes.items())) else \
+                self._architecture(config, modes)
             family = planned.family
             adapters = []
 
@@ -180,7 +194,8 @@ class Planner:
 
             figures = measure_step(family, config, trained, config.schedule.batch_size, largest_resolution(config),
                                    {n: p.gradient_checkpointing is True for n, p in parts.items()},
-                                   {n: p.activation_offloading for n, p in parts.items()}, build)
+                                   {n: p.activation_offloading for n, p in parts.items()}, build,
+                                   fused_attention=train_device_type(config) in FUSED_ATTENTION_DEVICES)
             adapter_bytes: dict[str, int] = {}
             adapter_params: dict[str, int] = {}
             for built in adapters:
