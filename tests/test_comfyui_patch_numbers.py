@@ -1,5 +1,5 @@
 """ComfyUI's weight patch of a saved file equals the trainer's merge (max abs diff <= 1e-5), for
-Chroma, SD3 and Qwen-Image, LoRA / LoHa / LoKr / DoRA (kohya files, the transformer's every
+Chroma, SD3, Qwen-Image and FLUX.2 (klein), LoRA / LoHa / LoKr / DoRA (kohya files, the transformer's every
 linear layer, tiny models).
 
 ComfyUI's side is rebuilt from its source (Comfy-Org a125cd84 and pollockjj 618b803d): which
@@ -45,6 +45,29 @@ def _targets(family) -> tuple[dict[str, tuple[str, int | None, bool]], dict[str,
         swapped = {via["norm_out.linear"]}
         if transformer.transformer_blocks[last].context_pre_only:
             swapped.add(via[f"transformer_blocks.{last}.norm1_context.linear"])
+    elif family.name == "flux2":
+        # ComfyUI's Flux2 holds BFL's weights; which diffusers module each is: diffusers'
+        # convert_flux2_transformer_checkpoint_to_diffusers (ComfyUI keeps no FLUX.2 diffusers map)
+        top = {"x_embedder": "img_in", "context_embedder": "txt_in", "proj_out": "final_layer.linear",
+               "norm_out.linear": "final_layer.adaLN_modulation.1",
+               **{f"time_guidance_embed.{d}.linear_{n}": f"{o}.{layer}"
+                  for d, o in (("timestep_embedder", "time_in"), ("guidance_embedder", "guidance_in"))
+                  for n, layer in ((1, "in_layer"), (2, "out_layer"))},
+               **{f"{m}.linear": f"{m}.lin" for m in ("double_stream_modulation_img", "double_stream_modulation_txt",
+                                                      "single_stream_modulation")}}
+        via = dict(top)
+        for i in range(len(transformer.transformer_blocks)):
+            b, o = f"transformer_blocks.{i}", f"double_blocks.{i}"
+            via |= {f"{b}.attn.{p}": f"{o}.img_attn.qkv" for p in ("to_q", "to_k", "to_v")}
+            via |= {f"{b}.attn.{p}": f"{o}.txt_attn.qkv" for p in ("add_q_proj", "add_k_proj", "add_v_proj")}
+            via |= {f"{b}.attn.to_out.0": f"{o}.img_attn.proj", f"{b}.attn.to_add_out": f"{o}.txt_attn.proj",
+                    f"{b}.ff.linear_in": f"{o}.img_mlp.0", f"{b}.ff.linear_out": f"{o}.img_mlp.2",
+                    f"{b}.ff_context.linear_in": f"{o}.txt_mlp.0", f"{b}.ff_context.linear_out": f"{o}.txt_mlp.2"}
+        for i in range(len(transformer.single_transformer_blocks)):
+            b, o = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
+            via |= {f"{b}.attn.to_qkv_mlp_proj": f"{o}.linear1", f"{b}.attn.to_out": f"{o}.linear2"}
+        via = {d: o for d, o in via.items() if d in present}
+        swapped = {"final_layer.adaLN_modulation.1"}  # flux_to_diffusers' swap_scale_shift
     else:  # chroma: its Flux map, and the distilled guidance layer under its original names
         own = set(comfyui.chroma_original_keys(transformer))
         flux = comfyui.flux1_diffusers_names(len(transformer.transformer_blocks),
@@ -104,7 +127,7 @@ def _patch(weight: torch.Tensor, local: dict[str, torch.Tensor], swapped: bool) 
     return calc * (dora / (norm + torch.finfo(weight.dtype).eps))
 
 
-@pytest.fixture(scope="module", params=["chroma", "sd3", "qwen_image"])
+@pytest.fixture(scope="module", params=["chroma", "sd3", "qwen_image", "flux2"])
 def family(request, tiny_family_model, tmp_path_factory, shape_images):
     from modules.config.families import get_family_class
 
@@ -147,6 +170,7 @@ def test_comfyui_patches_the_weights_the_trainer_merges(family, algorithm):
         if not stem.startswith("lora_te"):
             grouped.setdefault(stem, {})[tensor_name] = tensor.float()
     assert grouped and not set(grouped) - set(stems), sorted(set(grouped) - set(stems))[:5]
+    assert not set(grouped) - comfyui.stems(family)  # every key one ComfyUI maps (test_consumer_keys.py)
     patched = {}
     for own, module_list in members.items():
         weight = torch.cat([base[m] for m in module_list])
