@@ -386,3 +386,30 @@ def test_kohya_files_warn_of_what_sd_scripts_will_not_load(family):
     assert {"unet.conv_in", "unet.conv_out", "unet.time_embedding.linear_1", "unet.time_embedding.linear_2"} <= set(outside)
     counted = sum(int(re.search(r"load (\d+) of these", w).group(1)) for w in warned)
     assert counted == len(outside), (outside, warned)
+
+
+@pytest.fixture(scope="module", params=["chroma", "sd3"])
+def dit_family(request, tiny_family_model, tmp_path_factory, shape_images):
+    return _load_family(request.param, tiny_family_model, tmp_path_factory, shape_images)
+
+
+@pytest.mark.parametrize("adapter", ALGORITHMS, ids=["lora", "dora", "loha", "lokr", "oft"])
+def test_every_chroma_and_sd3_stem_is_one_comfyui_maps(dit_family, adapter):
+    """Chroma (ComfyUI's Flux subclass) and SD3 (its MMDiT): every adapter of every algorithm on
+    every linear layer, transformer and text encoders, in kohya and comfy files, is a key ComfyUI
+    maps to a weight its model has; a diffusers file's unread keys are exactly those the run warns
+    of (T5, Chroma's distilled guidance layer, SD3's CLIP text projections)."""
+    known = comfyui.stems(dit_family)
+    adapters = _adapters(dit_family, layer_preset="all-linear", **adapter)
+    try:
+        for fmt in ("kohya", "comfy"):
+            stems = _stems(file_state(adapters, dit_family, fmt))
+            assert not stems - known, (fmt, sorted(stems - known)[:5])
+            assert any(s.startswith("lora_te") for s in stems)  # the text encoders are in the file
+        if adapter == {"type": "lora"}:  # diffusers/peft holds it (DoRA on this axis it cannot)
+            unread = _stems(file_state(adapters, dit_family, "diffusers")) - known
+            warned = [w for w in format_warnings("diffusers", adapters, dit_family) if "ComfyUI will not load" in w]
+            counts = [int(re.search(r"load (\d+) of these", w).group(1)) for w in warned]
+            assert unread and sum(counts) == len(unread), (sorted(unread)[:5], warned)
+    finally:
+        adapters.unhook()

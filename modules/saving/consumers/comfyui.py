@@ -60,7 +60,7 @@ def _clip_keys(encoder, clip: str) -> list[str]:
 
 def clip_stems(family, generic: bool) -> set[str]:
     """The CLIP encoders' stems; `generic`: with ComfyUI's `text_encoders.<weight>` names (Forge lacks them)."""
-    clips = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"} if family.name == "sdxl" else {"text_encoder": "clip_l"}
+    clips = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"} if family.name in ("sdxl", "sd3") else {"text_encoder": "clip_l"}
     stems = set()
     for part, clip in clips.items():
         keys = _clip_keys(family.parts[part], clip)
@@ -275,10 +275,91 @@ def wan_stems(family) -> set[str]:
                     for k in encoder.state_dict() if k.endswith(".weight")}
 
 
+# --- Chroma and SD3 -----------------------------------------------------------------------------
+# ComfyUI's Chroma (comfy/model_base.py `class Chroma(Flux)`, comfy/ldm/chroma/model.py) has
+# FLUX's blocks without their modulation layers (`img_in`, `txt_in`, double blocks' `img_attn.qkv`
+# / `.proj`, `img_mlp.0` / `.2` and the txt ones, single blocks' `linear1` / `linear2`,
+# `final_layer.linear`) and the `distilled_guidance_layer` (`in_proj`, `layers.N.in_layer` /
+# `.out_layer`, `out_proj`); the Flux branch of model_lora_keys_unet adds flux_to_diffusers' names,
+# of which those whose target Chroma lacks patch nothing. ComfyUI's SD3 is MMDiT
+# (comfy/ldm/modules/diffusionmodules/mmdit.py); the SD3 branch maps, for each diffusers weight of
+# comfy/utils.py mmdit_to_diffusers, `transformer.<D>`, `base_model.model.<D>`,
+# `lora_transformer_<D with _>` and `lycoris_<D with _>`. model_lora_keys_clip: a lone T5 (Chroma)
+# is `lora_te1_`, T5 after CLIP-L and CLIP-G (SD3) `lora_te3_`; every encoder weight also
+# `text_encoders.<its ComfyUI name>` (`t5xxl.transformer.<k>`, `clip_l.transformer...`). Read in both
+# versions named above (0.8.0 builds Chroma's blocks from Flux's with modulation=False: same names).
+
+
+def chroma_original_keys(transformer) -> list[str]:
+    approximator = "distilled_guidance_layer"
+    keys = ["img_in", "txt_in", "final_layer.linear", f"{approximator}.in_proj", f"{approximator}.out_proj"]
+    keys += [f"{approximator}.layers.{i}.{layer}" for i in range(len(transformer.distilled_guidance_layer.layers))
+             for layer in ("in_layer", "out_layer")]
+    for i in range(len(transformer.transformer_blocks)):
+        keys += [f"double_blocks.{i}.{side}_{layer}" for side in ("img", "txt")
+                 for layer in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")]
+    for i in range(len(transformer.single_transformer_blocks)):
+        keys += [f"single_blocks.{i}.{layer}" for layer in ("linear1", "linear2")]
+    return keys
+
+
+def t5_encoder_stems(encoder, index: int) -> set[str]:
+    """model_lora_keys_clip's T5 names: `lora_te<index>_<k with _>` and `text_encoders.t5xxl.transformer.<k>`."""
+    keys = [k.removesuffix(".weight") for k in encoder.state_dict() if k.endswith(".weight")]
+    return ({f"lora_te{index}_{k.replace('.', '_')}" for k in keys}
+            | {f"text_encoders.t5xxl.transformer.{k}" for k in keys})
+
+
+def chroma_stems(family) -> set[str]:
+    transformer = family.transformer
+    own = chroma_original_keys(transformer)
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    for name, target in flux1_diffusers_names(len(transformer.transformer_blocks),
+                                              len(transformer.single_transformer_blocks)).items():
+        if target in own:
+            stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
+                      f"lora_transformer_{name.replace('.', '_')}"}
+    return stems | t5_encoder_stems(family.parts["text_encoder"], 1)
+
+
+# comfy/utils.py MMDIT_MAP_BLOCK and MMDIT_MAP_BASIC (weights only): diffusers module -> MMDiT module
+MMDIT_BLOCK = {"norm1_context.linear": "context_block.adaLN_modulation.1", "attn.to_add_out": "context_block.attn.proj",
+               "ff_context.net.0.proj": "context_block.mlp.fc1", "ff_context.net.2": "context_block.mlp.fc2",
+               "norm1.linear": "x_block.adaLN_modulation.1", "attn.to_out.0": "x_block.attn.proj",
+               "attn2.to_out.0": "x_block.attn2.proj", "ff.net.0.proj": "x_block.mlp.fc1", "ff.net.2": "x_block.mlp.fc2",
+               **{f"attn.{p}": "x_block.attn.qkv" for p in ("to_q", "to_k", "to_v")},
+               **{f"attn.{p}": "context_block.attn.qkv" for p in ("add_q_proj", "add_k_proj", "add_v_proj")},
+               **{f"attn2.{p}": "x_block.attn2.qkv" for p in ("to_q", "to_k", "to_v")}}
+MMDIT_BASIC = {"context_embedder": "context_embedder", "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+               "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2", "pos_embed.proj": "x_embedder.proj",
+               "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+               "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+               "norm_out.linear": "final_layer.adaLN_modulation.1", "proj_out": "final_layer.linear"}
+
+
+def mmdit_to_diffusers(transformer) -> dict[str, str]:
+    """diffusers module -> the MMDiT weight it patches, for the modules this transformer has."""
+    mapping = dict(MMDIT_BASIC)
+    for i in range(len(transformer.transformer_blocks)):
+        mapping |= {f"transformer_blocks.{i}.{d}": f"joint_blocks.{i}.{m}" for d, m in MMDIT_BLOCK.items()}
+    present = set(_layers(transformer))
+    return {d: m for d, m in mapping.items() if d in present}
+
+
+def sd3_stems(family) -> set[str]:
+    to_mmdit = mmdit_to_diffusers(family.transformer)
+    own = set(to_mmdit.values())
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    for name in to_mmdit:
+        stems |= {f"transformer.{name}", f"base_model.model.{name}", f"lora_transformer_{name.replace('.', '_')}",
+                  f"lycoris_{name.replace('.', '_')}"}
+    return stems | clip_stems(family, generic=True) | t5_encoder_stems(family.parts["text_encoder_3"], 3)
+
+
 # the families whose ComfyUI map is rebuilt here; others: not checked
 MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
         "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems,
-        "wan": wan_stems}
+        "wan": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems}
 
 
 def stems(family) -> set[str] | None:
