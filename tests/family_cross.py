@@ -13,7 +13,8 @@ from conftest import train_config
 MODES = ["bfloat16", "float8", "nf4"]
 
 
-def initializes_and_steps(model, images, workspace, family: str, part: str, mode: str, dora: bool) -> None:
+def initializes_and_steps(model, images, workspace, family: str, part: str, mode: str, dora: bool,
+                          overlay: dict | None = None) -> None:
     from modules.quantization.capabilities import detect_capabilities
     from modules.trainer.generic_trainer import GenericTrainer
 
@@ -23,7 +24,7 @@ def initializes_and_steps(model, images, workspace, family: str, part: str, mode
         "model": {"family": family, "parts": {part: {"weight_dtype": mode}}},
         "adapter": {"dora": dora, "layer_preset": "attn-mlp"},
         "schedule": {"max_steps": 1, "batch_size": 1},
-    })
+    }, overlay or {})
     trainer = GenericTrainer(config)
     trainer.start()
     trainer.train()
@@ -50,7 +51,8 @@ def blocks_run_in_listed_order(family, part: str, run) -> None:
     assert len(blocks) == len({id(b) for b in blocks}) > 1
 
 
-def offloaded_training_matches(model, images, workspace, family: str, part: str, device) -> None:
+def offloaded_training_matches(model, images, workspace, family: str, part: str, device,
+                               overlay: dict | None = None) -> None:
     """Half of the denoiser's blocks parked on the CPU, and the blocks' saved inputs too (the
     transformers get them as keywords), while training on `device` gives the same adapter as
     keeping them all resident."""
@@ -72,7 +74,7 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
         settings = {"gradient_checkpointing": True, "offload_fraction": fraction, "activation_offloading": fraction > 0}
         config = train_config(model, images, where, {
             "model": {"family": family, "parts": {part: settings}},
-            "schedule": {"epochs": 2, "batch_size": 1}, "train_device": str(device)})
+            "schedule": {"epochs": 2, "batch_size": 1}, "train_device": str(device)}, overlay or {})
         trainer = GenericTrainer(config)
         trainer.start()
         trainer.train()
@@ -86,6 +88,47 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
     ours, theirs = offloaded.adapters.state_dict(), plain.adapters.state_dict()
     for key in theirs:
         torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-5, rtol=0)
+
+
+def resumed_training_matches(model, images, workspace, family: str, overlay: dict | None = None) -> None:
+    """A run stopped after its first step (which writes a backup) and resumed gives the adapter of
+    an uninterrupted run."""
+    import torch
+
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.commands import TrainCommands
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    class StopAfterFirstStep(TrainCallbacks):
+        def __init__(self, commands):
+            self.commands = commands
+
+        def on_progress(self, progress):
+            if progress.step == 1:
+                self.commands.stop()
+
+    def config(where):
+        return train_config(model, images, where, {"model": {"family": family},
+                                                   "schedule": {"epochs": 2, "batch_size": 1}}, overlay or {})
+
+    straight = GenericTrainer(config(workspace / "straight"))
+    straight.start()
+    straight.train()
+    interrupted = config(workspace / "resumed")
+    commands = TrainCommands()
+    first = GenericTrainer(interrupted, StopAfterFirstStep(commands), commands)
+    first.start()
+    first.train()
+    halfway = {k: v.clone() for k, v in first.adapters.state_dict().items()}
+    assert first.step == 1
+    resumed = GenericTrainer(interrupted.model_copy(update={"backup": interrupted.backup.model_copy(update={"resume": True})}))
+    resumed.start()
+    resumed.train()
+    assert resumed.step == straight.step >= 2
+    expected, actual = straight.adapters.state_dict(), resumed.adapters.state_dict()
+    assert any(not torch.allclose(halfway[k], expected[k]) for k in expected)  # the comparison is not vacuous
+    for key in expected:
+        torch.testing.assert_close(actual[key], expected[key], atol=1e-6, rtol=0)
 
 
 def perturbed_adapters(family, parts, **options):

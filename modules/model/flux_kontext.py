@@ -13,7 +13,7 @@ FluxKontextPipeline.load_lora_weights read the same names).
 Sampling: `sampling.prompts[].control_images[0]` is resized to cover the sample's size and
 centre-cropped, as training brings each control to its target's bucket, and handed to the pipeline
 at that size (`_auto_resize` off: the pipeline would otherwise pick one of Kontext's preferred
-~1 MP resolutions).
+~1 MP resolutions); `max_area` is the sample's own, or the pipeline scales every sample to 1 MP.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class FluxKontextFamily(FluxFamily):
         return self.pipeline()(
             prompt=prompt.prompt, num_inference_steps=prompt.steps, guidance_scale=prompt.cfg,
             width=prompt.width, height=prompt.height, generator=make_generator(device, prompt.seed),
-            max_sequence_length=self.max_sequence_length, **references,
+            max_sequence_length=self.max_sequence_length, max_area=prompt.width * prompt.height, **references,
         ).images[0]
 
 
