@@ -1,7 +1,8 @@
 """diffusers' `load_lora_weights` on every family's own pipeline (family.pipeline(), tiny models)
 and every output format: a LoRA on the attention/MLP layers of every part that carries adapters
 loads with exactly the adapters the run's warning does not name as dropped (counted in peft's
-LoraLayers), or the file is refused where docs/formats.md says so (pinned below, with why)."""
+LoraLayers), or the file is refused where docs/formats.md says so (pinned below, with why); the
+save check's diffusers entry (formats/files.py diffusers_report) counts the same."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from conftest import train_config
 
 from modules.adapters.adapter_set import build_adapter_set
-from modules.adapters.formats.files import check_output_format, format_warnings, save_adapter_file
+from modules.adapters.formats.files import check_output_format, diffusers_report, format_warnings, save_adapter_file
 from modules.config.train_config import AdapterConfig
 
 FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan")
@@ -56,6 +57,7 @@ def test_load_lora_weights_loads_what_the_run_does_not_warn_of(family, fmt, tmp_
         check_output_format(fmt, adapters, family)
         warned = [w for w in format_warnings(fmt, adapters, family) if "load_lora_weights" in w]
         dropped = sum(int(m.group(1)) for w in warned if (m := re.search(r"will not load (\d+) of these", w)))
+        report = diffusers_report(fmt, adapters, family)  # what each save's check says of diffusers
         path = tmp_path / "lora.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
         total = len(adapters)
@@ -69,9 +71,13 @@ def test_load_lora_weights_loads_what_the_run_does_not_warn_of(family, fmt, tmp_
                 pipe.load_lora_weights(str(path))
             if why.startswith("T5"):
                 assert any("refuses" in w for w in warned), warned
+            if why.startswith("ComfyUI"):
+                assert report["applied"] == 0 and len(report["dropped"]) == total
+                assert any("load_lora_weights refuses ComfyUI's ldm-named layout" in w for w in warned), warned
             return
         pipe.load_lora_weights(str(path))
         loaded = sum(isinstance(m, LoraLayer) for part in parts for m in getattr(pipe, part).modules())
         assert loaded == total - dropped, (loaded, total, warned)
+        assert report["applied"] == loaded and report["total"] == total
     finally:
         pipe.unload_lora_weights()

@@ -37,7 +37,8 @@ def test_a_save_reports_each_consumer_and_the_first_backup_warns_of_its_drops(tm
     saved = [e for e in lines if e["event"] == "saved"]
     assert len(saved) == 1
     consumers = saved[0]["consumers"]
-    assert set(consumers) == {"ComfyUI", "Forge"}
+    assert set(consumers) == {"ComfyUI", "Forge", "diffusers"}
+    assert consumers["diffusers"]["applied"] == 0  # diffusers reads no ComfyUI-layout SD1.5 file
     total = consumers["Forge"]["total"]
     assert total > 1 and consumers["Forge"] == {"applied": total, "total": total, "dropped": []}
     dropped = consumers["ComfyUI"]["dropped"]

@@ -11,6 +11,7 @@ from torch import nn
 from modules.adapters.adapter_set import AdapterSet, build_adapter_set
 from modules.adapters.formats.files import (
     check_output_format,
+    diffusers_report,
     file_state,
     format_warnings,
     load_adapter_file,
@@ -88,7 +89,9 @@ class AdapterMethod(TrainingMethod):
         return [save_adapter_file(path, self.adapters, family, self.config.output.format, dtype, metadata)]
 
     def consumers(self, file: Path) -> dict[str, dict]:
-        return check_file(file, self.family)
+        report = check_file(file, self.family)  # the kept key maps (ComfyUI, Forge)
+        report["diffusers"] = diffusers_report(self.config.output.format, self.adapters, self.family)
+        return report
 
     def first_backup_warnings(self) -> list[str]:
         """The output format's own tools (ComfyUI for comfy; ComfyUI and Forge for kohya) dropping

@@ -44,6 +44,10 @@ class AdapterKeyNames:
         (stacked: written on an original layer, fused.py), or None."""
         return None
 
+    def diffusers_refuses(self, fmt: str) -> str | None:
+        """Why diffusers' `load_lora_weights` refuses a whole `fmt` file of this family, or None."""
+        return self.key_layout.diffusers_refuses.get(fmt)
+
     def unstacked_kohya_stem(self, part: str, module_name: str) -> str | None:
         """A kohya file's stem for an adapter not on an original layer; None: its adapter name."""
         if part in self.key_layout.whole_layer_original_names:

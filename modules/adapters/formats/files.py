@@ -184,10 +184,29 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
                 f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in comfyui.items()]
     warnings += [f"output.format: {fmt!r}: diffusers' load_lora_weights will not load {len(names)} of these adapters "
                  f"(e.g. {names[0]}): {why}" for why, names in diffusers.items()]
+    refused = family.diffusers_refuses(fmt)
+    if refused:
+        warnings.append(f"output.format: {fmt!r}: diffusers' {refused}")
     warnings += [f"output.format: {fmt!r}: kohya's sd-scripts (networks/lora.py) will not load {len(names)} of these "
                  f"adapters (e.g. {names[0]}): {why}; ComfyUI, Forge and diffusers load them"
                  for why, names in sd_scripts.items()]
     return warnings
+
+
+def diffusers_report(fmt: str, adapters: AdapterSet, family: ModelFamily) -> dict:
+    """The save check's diffusers entry ({"applied", "total", "dropped"}, counted in adapters): what
+    `load_lora_weights` loads from a file of `fmt`, by the facts the project keeps (each family's
+    `diffusers_skips_key` and `diffusers_refuses`, rebuilt from diffusers' converters). Not
+    diffusers run on the file: tests/test_diffusers_load_lora.py holds these facts
+    against the real loader for every family and format."""
+    stacked = fused.fused_names(adapters, family) if family.file_layout(fmt) == "kohya" else set()
+    refused = family.diffusers_refuses(fmt) is not None
+    dropped = []
+    for name in adapters.modules:
+        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
+        if refused or family.diffusers_skips_key(fmt, part, module_name, name in stacked):
+            dropped.append(f"{part}.{family.canonical_module_name(part, module_name)}")
+    return {"applied": len(adapters) - len(dropped), "total": len(adapters), "dropped": sorted(dropped)}
 
 
 def file_state(adapters: AdapterSet, family: ModelFamily, fmt: str) -> dict[str, torch.Tensor]:

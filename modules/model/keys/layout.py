@@ -116,3 +116,5 @@ class KeyLayout:
     # names, and so backups, keep the part's): FLUX.2's transformer `lora_transformer`, the name
     # ComfyUI's FLUX diffusers map reads (comfy/utils.py flux_to_diffusers), as for FLUX.1
     unstacked_kohya_prefixes: Mapping[str, str] = field(default_factory=dict)
+    # output formats whose files diffusers' load_lora_weights refuses whole: format -> why
+    diffusers_refuses: Mapping[str, str] = field(default_factory=dict)

@@ -28,4 +28,6 @@ SD15_KEYS = KeyLayout(
     comfyui_skips={"unet": COMFYUI_UNET_ATTENTION_SKIP},
     sd_scripts_skips={"unet": SD_SCRIPTS_UNET_SKIP, "text_encoder": SD_SCRIPTS_CLIP_SKIP},
     other_stem_prefixes={"text_encoder": "text_encoders.clip_l.transformer."},
+    diffusers_refuses={"comfy": "load_lora_weights refuses ComfyUI's ldm-named layout (\"Invalid LoRA "
+                                "checkpoint\", diffusers 0.42); use 'kohya' for ComfyUI, Forge and diffusers alike"},
 )

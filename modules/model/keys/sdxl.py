@@ -37,4 +37,6 @@ SDXL_KEYS = KeyLayout(
                       "text_encoder_2": SD_SCRIPTS_CLIP_SKIP},
     other_stem_prefixes={"text_encoder": "text_encoders.clip_l.transformer.",
                          "text_encoder_2": "text_encoders.clip_g.transformer."},
+    diffusers_refuses={"comfy": "load_lora_weights refuses ComfyUI's ldm-named layout (\"Invalid LoRA "
+                                "checkpoint\", diffusers 0.42); use 'kohya' for ComfyUI, Forge and diffusers alike"},
 )
