@@ -61,3 +61,18 @@ def test_a_fix_is_verified_by_replanning(tiny_model):
     assert plan.fits is False and plan.fixes
     fixed = build_config([config.model_dump(mode="json")], [line.removeprefix("--set ") for line in plan.fixes])
     assert plan_run(fixed, int(peak * 0.9), None, fix=False).fits is True
+
+
+def test_weight_dtype_auto_is_the_densest_storage_that_fits(tiny_model):
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import plan_run
+
+    # (a quantized part computes in train_dtype: bfloat16, as the dense pick does, so only storage differs)
+    config = build_config([{"model": {"base": str(tiny_model), "parts": {"unet": {"weight_dtype": "auto"}}},
+                            "data": {"resolution": 64}, "train_dtype": "bfloat16"}])
+    dense = plan_run(config, None, None)
+    assert dense.auto["model.parts.unet.weight_dtype"]["value"] == "bfloat16"
+    tight = plan_run(config, dense.device_peak - 1, None)  # (the tiny UNet keeps most layers dense: 8-bit saves little)
+    choice = tight.auto["model.parts.unet.weight_dtype"]
+    assert choice["value"] != "bfloat16" and tight.parts["unet"].weight_dtype == choice["value"]
+    assert tight.fits is True

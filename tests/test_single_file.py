@@ -4,6 +4,8 @@ with the dotted config path that supplies it; ComfyUI scaled-fp8 weights keep th
 
 from __future__ import annotations
 
+import shutil
+
 from pathlib import Path
 
 import pytest
@@ -178,6 +180,8 @@ def test_a_single_file_without_configs_or_tokenizers_says_where_to_look(tmp_path
     for part in ("unet", "vae", "text_encoder"):
         (configs / part).mkdir(parents=True)
         (configs / part / "config.json").write_text((tiny_model / part / "config.json").read_text())
+    # the scheduler is read before the tokenizers (every part and the scheduler first: modules/plan/)
+    shutil.copytree(tiny_model / "scheduler", configs / "scheduler")
     family = _family("sd15", file, shape_images, tmp_path / "b", configs=configs)
     with pytest.raises(ModelLoadError, match=r"no tokenizer/ folder"):
         family.load()

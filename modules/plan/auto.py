@@ -47,3 +47,44 @@ def offload_fractions(config: TrainConfig, sizes: dict, trained: dict[str, str],
         window = 2 * max(blocks) * cost(name)
         fractions[name] = min(1.0, math.ceil((excess + window) / offloadable / STEP - 1e-9) * STEP)
     return fractions
+
+
+def resolve_auto_weight_modes(planner, config: TrainConfig, vram: int | None, ram: int | None,
+                              gpu_class_name: str | None) -> tuple[TrainConfig, dict[str, dict]]:
+    """`weight_dtype: auto` parts resolved through the plan: the fastest storage that fits. Dense
+    (bfloat16) first; then the big parts (>= 15% of the model's bytes, largest first) one at a
+    time to 8-bit, then to 4-bit (auto's ladder, as the precision policy steps); small parts stay
+    dense. No budget, or nothing fits: dense, or the smallest, said in `why`. Returns the config
+    with the modes set and, per resolved part, {"value", "why"} for the plan's `auto`."""
+    from modules.config.loading import build_config
+    from modules.plan.fixes import lower_tiers
+
+    autos = [name for name, part in config.model.parts.items() if part.weight_dtype == "auto"]
+    if not autos:
+        return config, {}
+    base = config.model_dump(mode="json")
+    dense = {name: "bfloat16" for name in autos}
+
+    def with_modes(modes: dict[str, str]) -> TrainConfig:
+        return build_config([base], [f"model.parts.{n}.weight_dtype={m}" for n, m in modes.items()])
+
+    def why(modes, text):
+        return {f"model.parts.{n}.weight_dtype": {"value": m, "why": text} for n, m in modes.items()}
+
+    if vram is None and ram is None:
+        return with_modes(dense), why(dense, "no budget known: dense storage")
+    sizes = planner.sizes(with_modes(dense), planner.weight_modes(with_modes(dense)))["parts"]
+    total = sum(s["bytes"] for s in sizes.values())
+    big = sorted((n for n in autos if sizes[n]["bytes"] >= 0.15 * total), key=lambda n: -sizes[n]["bytes"]) \
+        or sorted(autos, key=lambda n: -sizes[n]["bytes"])
+    steps = [dict(dense)]
+    for tier in lower_tiers():
+        for name in big:
+            steps.append({**steps[-1], name: tier})
+    for modes in steps:
+        candidate = with_modes(modes)
+        if planner.plan(candidate, vram, ram, gpu_class_name).fits:
+            text = ("everything fits dense" if modes == dense else
+                    "the densest storage that fits the budget (big parts stepped down, largest first)")
+            return candidate, why(modes, text)
+    return with_modes(steps[-1]), why(steps[-1], "nothing fits: the smallest storage (park blocks: offload_fraction)")

@@ -114,10 +114,13 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     memory (None: unknown, no verdict on it). `variant`: for a released architecture (model.base
     empty), the model of a family of several (FLUX.2 "dev"). `fix`: search the smallest change
     that fits when it does not."""
+    from modules.plan.auto import resolve_auto_weight_modes
     from modules.plan.fixes import find_fixes
 
     planner = Planner(config, variant)
+    config, weight_choices = resolve_auto_weight_modes(planner, config, vram, ram, gpu_class_name)
     plan = planner.plan(config, vram, ram, gpu_class_name)
+    plan.auto.update(weight_choices)
     if fix and plan.fits is False:
         plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
     return plan
@@ -173,9 +176,13 @@ class Planner:
         from modules.plan.fake_pass import measure_step
 
         parts = config.model.parts
-        # (the weight modes barely change what the step holds beyond the weights: not part of the key,
-        # so the fixes' search re-plans other modes without another pass)
-        key = (tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
+        # (the weight modes change what the step holds beyond the weights through the dtypes the parts
+        # compute in, not otherwise: the key has those, so the searches re-plan 8-bit for a bfloat16
+        # part computing in bfloat16 without another pass)
+        from modules.quantization.weight_modes import DENSE_DTYPES
+
+        computes = tuple(sorted((n, DENSE_DTYPES.get(m) and m or config.train_dtype) for n, m in modes.items()))
+        key = (computes, tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
                largest_resolution(config),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
