@@ -107,6 +107,7 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self.tabs = {}
         for name, cls in TABS:
             self.tabs[name] = cls(self.tabview.add(name), self)
+        self.plan_panel = self.tabs["Offload"].plan_panel  # the memory plan before Start (ui/plan_panel.py)
         self.cfg.validate_listeners.append(self._validated)
         if restore:
             last = self._read_json(gui_dir() / "last_config.json")
