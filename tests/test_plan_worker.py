@@ -19,12 +19,12 @@ time.sleep(config.get("sleep", 0))
 if "fail" in config:
     print("error: " + config["fail"], file=sys.stderr)
     sys.exit(1)
-print(json.dumps({"fits": True, "echo": config}))
+print(json.dumps({"fits": True, "echo": config, "options": sys.argv[2:]}))
 """
 
 
-def fake_plan(config_file):
-    return [sys.executable, "-c", FAKE_PLAN, str(config_file)]
+def fake_plan(config_file, options):
+    return [sys.executable, "-c", FAKE_PLAN, str(config_file), *options]
 
 
 def wait_idle(worker: PlanWorker, timeout: float = 30) -> list:
@@ -41,10 +41,10 @@ def test_requests_during_a_plan_are_coalesced_into_the_newest():
         first = worker.request(json.dumps({"sleep": 1.0, "n": 1}))
         time.sleep(0.3)  # the first child is running
         for n in (2, 3, 4):
-            worker.request(json.dumps({"n": n}))
+            worker.request(json.dumps({"n": n}), ("--vram", f"{n}GiB"))
         results = wait_idle(worker)
-        assert [(number, kind, payload["echo"]["n"]) for number, kind, payload in results] == [
-            (first, "ok", 1), (worker.requested, "ok", 4)]
+        assert [(number, kind, payload["echo"]["n"], payload["options"]) for number, kind, payload in results] == [
+            (first, "ok", 1, []), (worker.requested, "ok", 4, ["--vram", "4GiB"])]
     finally:
         worker.close()
 

@@ -86,7 +86,7 @@ class PlanPanel(ctk.CTkFrame):
         self.plan: dict | None = None  # the plan shown
         self.measured: dict | None = None  # the last run's memory event, drawn on the total bar
         self.rows: list[tuple[str, int, int]] = []  # what the bars show: (name, on the device, parked)
-        self._asked_for: str | None = None  # the config JSON last sent to the worker
+        self._asked_for: tuple | None = None  # the config JSON and options last sent to the worker
         self._debounce = None
         self._polling = False
         header = ctk.CTkFrame(self, fg_color="transparent")
@@ -94,6 +94,13 @@ class PlanPanel(ctk.CTkFrame):
         ctk.CTkLabel(header, text="Memory plan", font=ctk.CTkFont(weight="bold")).pack(side="left")
         self.state_label = ctk.CTkLabel(header, text="", anchor="w")
         self.state_label.pack(side="left", padx=12)
+        # a budget of the user's: the GPU of a remote box, or one this machine does not have
+        self.budget = tk.StringVar(value="")
+        ctk.CTkLabel(header, text="GiB").pack(side="right")
+        self.budget_entry = ctk.CTkEntry(header, textvariable=self.budget, width=60)
+        self.budget_entry.pack(side="right", padx=4)
+        ctk.CTkLabel(header, text="Plan for GPU memory (empty: the train device's free memory)").pack(side="right")
+        self.budget.trace_add("write", lambda *_: self.config_changed())
         self.verdict = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=700)
         self.verdict.pack(fill="x", padx=8)
         self.canvas = tk.Canvas(self, height=ROW_HEIGHT * 2, highlightthickness=0, background="#242424")
@@ -129,15 +136,31 @@ class PlanPanel(ctk.CTkFrame):
         self._debounce = None
         if self.cfg.config is None or not self.winfo_ismapped():  # (planned again when shown: <Map>)
             return
-        config_json = self.cfg.config_json()
-        if config_json == self._asked_for:
+        options = self.budget_options()
+        if options is None:
+            self.state_label.configure(text=f"the GPU memory to plan for is a number of GiB, not {self.budget.get()!r}")
             return
-        self._asked_for = config_json
-        self.worker.request(config_json)
+        asked = (self.cfg.config_json(), options)
+        if asked == self._asked_for:
+            return
+        self._asked_for = asked
+        self.worker.request(*asked)
         self.state_label.configure(text="planning…")
         if not self._polling:
             self._polling = True
             self.after(POLL_MS, self._poll)
+
+    def budget_options(self) -> tuple[str, ...] | None:
+        """`launch.py plan`'s arguments for the budget typed in (none when empty; None when it is not
+        a positive number)."""
+        text = self.budget.get().strip()
+        if not text:
+            return ()
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return ("--vram", f"{value:g}GiB") if value > 0 else None
 
     def _poll(self) -> None:
         results = self.worker.drain()

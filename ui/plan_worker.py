@@ -2,7 +2,8 @@
 process (docs/cli.md), so planning (which imports torch and builds the architecture on the meta
 device, seconds) never blocks the window and the GUI process stays torch-free.
 
-`request(config_json)` (from the Tk thread) asks for a plan of that config; requests that arrive
+`request(config_json, options)` (from the Tk thread) asks for a plan of that config (`options`: more
+arguments of `launch.py plan`, such as `--vram 16GiB`); requests that arrive
 while one is planned are coalesced: when the child ends, only the newest waiting request runs
 next. Each finished plan goes on `results` as `(number, "ok", plan dict)` or
 `(number, "error", message)`, where `number` is the request's (the panel shows only the newest).
@@ -25,17 +26,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300  # a plan takes seconds; a child past this is stuck, not slow
 
 
-def plan_argv(config_file: str | os.PathLike) -> list[str]:
-    return [sys.executable, str(ROOT / "launch.py"), "plan", "--config", str(config_file), "--json"]
+def plan_argv(config_file: str | os.PathLike, options: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, str(ROOT / "launch.py"), "plan", "--config", str(config_file), *options, "--json"]
 
 
 class PlanWorker:
-    def __init__(self, argv_for: Callable[[Path], list[str]] = plan_argv):
+    def __init__(self, argv_for: Callable[[Path, tuple[str, ...]], list[str]] = plan_argv):
         self.argv_for = argv_for
         self.results: queue.Queue = queue.Queue()
         self.requested = 0  # the number of the newest request
         self.planned = 0  # the number of the newest request whose plan (or error) is on `results`
-        self._pending: tuple[int, str] | None = None
+        self._pending: tuple[int, str, tuple[str, ...]] | None = None
         self._wake = threading.Condition()
         self._closed = False
         self._child: subprocess.Popen | None = None
@@ -47,10 +48,10 @@ class PlanWorker:
     def busy(self) -> bool:
         return self.planned < self.requested
 
-    def request(self, config_json: str) -> int:
+    def request(self, config_json: str, options: tuple[str, ...] = ()) -> int:
         with self._wake:
             self.requested += 1
-            self._pending = (self.requested, config_json)
+            self._pending = (self.requested, config_json, tuple(options))
             self._wake.notify()
             return self.requested
 
@@ -87,22 +88,22 @@ class PlanWorker:
                     self._wake.wait()
                 if self._closed:
                     return
-                number, config_json = self._pending
+                number, config_json, options = self._pending
                 self._pending = None
-            kind, payload = self._plan(config_json)
+            kind, payload = self._plan(config_json, options)
             if self._closed:
                 return
             self.results.put((number, kind, payload))
             self.planned = number
 
-    def _plan(self, config_json: str) -> tuple[str, object]:
+    def _plan(self, config_json: str, options: tuple[str, ...]) -> tuple[str, object]:
         config_file = self._folder / "config.json"
         config_file.write_text(config_json, encoding="utf-8")
         try:
             with self._wake:
                 if self._closed:
                     return "error", "closed"
-                self._child = subprocess.Popen(self.argv_for(config_file), cwd=ROOT, stdin=subprocess.DEVNULL,
+                self._child = subprocess.Popen(self.argv_for(config_file, options), cwd=ROOT, stdin=subprocess.DEVNULL,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             out, err = self._child.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
