@@ -9,6 +9,7 @@
   python launch.py schema
   python launch.py make-tiny-model --family sd15 --out DIR [--variant dev]
   python launch.py info [--json] [--device DEV]
+  python launch.py plan --config my.json [--preset NAME] [--set key=value ...] [--vram 16GiB] [--ram 64GiB] [--gpu CLASS] [--json]
   python launch.py remote --host user@box --config my.json | remote --attach --config my.json
 
 An error that is the input's or the machine's (a bad config value, a missing or damaged file, a
@@ -207,6 +208,21 @@ def cmd_make_tiny_model(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from modules.cli.plan_command import format_plan, run_plan_command
+    from modules.cli.train_command import resolve_config
+
+    config = resolve_config(args.config, args.preset, args.set)  # neither: the defaults and --set
+    variant = None
+    if args.preset and not config.model.base:  # the released model the preset is made for
+        from modules.config.families import get_family_class
+
+        variant = get_family_class(config.model.family).tiny_model_options(args.preset).get("variant")
+    plan = run_plan_command(config, args.vram, args.ram, args.gpu, variant)
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
 def cmd_info(args) -> int:
     from modules.cli.info import format_info, machine_info
 
@@ -274,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--device", default="auto",
                       help="the train device to probe and size auto precision for (default: auto, as in training)")
     info.set_defaults(run=cmd_info)
+
+    plan = sub.add_parser("plan", help="what a config needs on the train device and the host, per part, "
+                          "and whether it fits (before anything loads)")
+    plan.add_argument("--config", action="append", default=[], metavar="FILE", help="config JSON (repeatable; later wins)")
+    plan.add_argument("--preset", help="a preset name, applied under the config files")
+    plan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. schedule.batch_size=2")
+    plan.add_argument("--vram", metavar="SIZE", help="train-device memory to plan for (16GiB, 12GB, 24000MB); "
+                      "default: the train device's free memory")
+    plan.add_argument("--ram", metavar="SIZE", help="host memory to plan for; default: the host's available RAM")
+    plan.add_argument("--gpu", metavar="CLASS", help="the GPU class seconds per step are estimated for "
+                      "(rtx3060, rtx3090, rtx4060ti-16, rtx4070, rtx4080, rtx4090, rtx5090, a100-80g, h100-sxm; "
+                      "default rtx4090)")
+    plan.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    plan.set_defaults(run=cmd_plan)
 
     from modules.remote.cli import add_remote_parser
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # lowest first; "modules" is the files directly in modules/ (errors.py)
 LAYERS = ["modules", "quantization", "util", "loading", "config", "sampling", "model", "saving", "adapters",
-          "data", "optim", "offload", "methods", "trainer", "cli", "remote", "ui"]
+          "data", "optim", "offload", "methods", "plan", "trainer", "cli", "remote", "ui"]
 
 # Upward imports being removed by the declared-union work of issue 31 (the adapter config union's
 # metaclass, the family registry read by the config, the optimizer trait tables): each entry is

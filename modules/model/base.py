@@ -137,6 +137,21 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Conditioning tensors, batch first (what the text cache stores per caption)."""
 
+    def planning_conditioning(self, batch: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """What encode_text returns for `batch` captions, as uninitialised tensors of its keys, shapes
+        and dtypes on `device`, from the parts' configs alone (no tokenizer, no weight): what the
+        planner (modules/plan/) feeds the denoiser. tests/test_plan_conditioning.py checks it against
+        encode_text on each tiny model."""
+        raise NotImplementedError(f"{self.label} does not say what its text conditioning looks like")
+
+    def planning_length(self, released: int) -> int:
+        """The text window encode_text pads to: the tokenizer's where one is loaded, else the
+        released model's `released`."""
+        try:
+            return self.max_sequence_length
+        except AttributeError:  # no tokenizer: planning a model folder without one
+            return released
+
     def caption_windows(self) -> list[tuple[object, int]]:
         """(tokenizer, token count) of each window the family cuts every caption to, when the cut loses
         text the model sees nowhere else (the data warns of captions longer than it); loaded tokenizers.

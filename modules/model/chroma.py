@@ -101,8 +101,8 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
                                                     ignore_unexpected=[r"^decoder\.", r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", ChromaTransformer2DModel)
         self.parts["vae"] = load_vae(self)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         self.load_flow_scheduler()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
     def single_file_part(self, part: str):
         # Chroma ships as one original-layout transformer file (bare or under model.diffusion_model.);
@@ -150,6 +150,12 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
         mask = tokens["attention_mask"].to(encoder.device)
         hidden = encoder(tokens["input_ids"].to(encoder.device), attention_mask=mask, output_hidden_states=False)[0]
         return {"hidden_states": hidden, "attention_mask": mask}
+
+    def planning_conditioning(self, batch, device):
+        length = self.planning_length(512)
+        return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.d_model,
+                                             dtype=self.compute_dtype("text_encoder"), device=device),
+                "attention_mask": torch.empty(batch, length, dtype=torch.long, device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -172,10 +172,10 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
                                                       ignore_unexpected=[r"^decoder\.", r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", FluxTransformer2DModel)
         self.parts["vae"] = load_vae(self)
+        self.load_flow_scheduler()
         self.tokenizer = load_clip_tokenizer(self)
         self.tokenizer_2 = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer_2")),
                                                          local_files_only=True)
-        self.load_flow_scheduler()
 
     def single_file_part(self, part: str):
         # BFL / ComfyUI files: the transformer (bare or under model.diffusion_model.); ComfyUI's
@@ -234,6 +234,13 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
         pooled = clip(tokens["input_ids"].to(clip.device), output_hidden_states=False).pooler_output
         hidden = t5(tokens["input_ids_2"].to(t5.device), output_hidden_states=False)[0]
         return {"pooled": pooled, "hidden_states": hidden}
+
+    def planning_conditioning(self, batch, device):
+        clip, t5 = self.parts["text_encoder"], self.parts["text_encoder_2"]
+        return {"pooled": torch.empty(batch, clip.config.hidden_size, dtype=self.compute_dtype("text_encoder"),
+                                      device=device),
+                "hidden_states": torch.empty(batch, self.planning_length(512), t5.config.d_model,
+                                             dtype=self.compute_dtype("text_encoder_2"), device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -138,20 +138,19 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
             self.parts["text_encoder"] = self.load_part(
                 "text_encoder", mistral3_text.Mistral3LanguageModel, rename=mistral3_text.language_model_key,
                 ignore_unexpected=mistral3_text.UNUSED_KEYS)
-            # Flux2Pipeline's tokenizer is the Pixtral processor (its chat template); a plain tokenizer works too
-            self.tokenizer = AutoProcessor.from_pretrained(str(self.support_folder("tokenizer")),
-                                                           local_files_only=True)
         else:
             self.parts["text_encoder"] = self.load_part("text_encoder", Qwen3Model, rename=_text_encoder_key,
                                                         ignore_unexpected=[r"^lm_head\."])
             width = self.parts["text_encoder"].config.hidden_size
             self.embedding_slots = {"text_encoder": ("tokenizer", embedding_key(width))}
-            self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")),
-                                                           local_files_only=True)
         self.parts["transformer"] = self.load_part("transformer", Flux2Transformer2DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLFlux2)
         self.load_flow_scheduler()
         self.is_distilled = self._read_is_distilled()
+        # every part before the tokenizer, so a folder of configs alone builds them all (modules/plan/)
+        # Flux2Pipeline's tokenizer for [dev] is the Pixtral processor (its chat template); a plain tokenizer works too
+        tokenizer_class = AutoProcessor if mistral else AutoTokenizer
+        self.tokenizer = tokenizer_class.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
     def _part_config(self, part: str) -> dict:
         config = self.part_folder(part) / "config.json"
@@ -281,6 +280,11 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
                          output_hidden_states=True, use_cache=False)
         stacked = torch.stack([output.hidden_states[k] for k in self.out_layers], dim=2)  # (B, L, 3, D)
         return {"hidden_states": stacked.flatten(2)}
+
+    def planning_conditioning(self, batch, device):
+        width = self.parts["text_encoder"].config.hidden_size * len(self.out_layers)
+        return {"hidden_states": torch.empty(batch, self.planning_length(MAX_SEQUENCE_LENGTH), width,
+                                             dtype=self.compute_dtype("text_encoder"), device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -115,10 +115,10 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
             ignore_unexpected=[r"^visual\.", r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", QwenImageTransformer2DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLQwenImage)
+        self.load_flow_scheduler()
         folder = self.support_folder("tokenizer")
         self.tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
         self._check_template_split(folder)
-        self.load_flow_scheduler()
 
     def _check_template_split(self, folder) -> None:
         # the 34 dropped tokens are the template's system line and user header as Qwen2.5's tokenizer
@@ -198,6 +198,12 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
             embeds[i, :len(states)] = states
             kept_mask[i, :len(states)] = 1
         return {"hidden_states": embeds, "attention_mask": kept_mask}
+
+    def planning_conditioning(self, batch, device):
+        length = self.planning_length(MAX_TEXT_TOKENS)
+        return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.hidden_size,
+                                             dtype=self.compute_dtype("text_encoder"), device=device),
+                "attention_mask": torch.empty(batch, length, dtype=torch.long, device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

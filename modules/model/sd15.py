@@ -13,6 +13,7 @@ from modules.model.base import ModelFamily, PartSpec
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
+    clip_window,
     ldm_clip_single_file,
     load_clip_text_encoder,
     load_clip_tokenizer,
@@ -65,8 +66,8 @@ class SD15Family(DDPMTraining, ModelFamily):
         self.parts["text_encoder"] = load_clip_text_encoder(self, "text_encoder")
         self.parts["unet"] = self.load_part("unet", UNet2DConditionModel)
         self.parts["vae"] = load_vae(self)
-        self.tokenizer = load_clip_tokenizer(self)
         self.load_noise_scheduler()
+        self.tokenizer = load_clip_tokenizer(self)
 
     def single_file_part(self, part: str):
         # the original SD1.x checkpoint layout (A1111, ComfyUI, model sites), read with diffusers' converters
@@ -104,6 +105,12 @@ class SD15Family(DDPMTraining, ModelFamily):
         text_encoder = self.parts["text_encoder"]
         hidden = text_encoder(tokens["input_ids"].to(text_encoder.device))[0]
         return {"hidden_states": hidden}
+
+    def planning_conditioning(self, batch, device):
+        encoder = self.parts["text_encoder"]
+        window = clip_window(getattr(self, "tokenizer", None), encoder)
+        return {"hidden_states": torch.empty(batch, window, encoder.config.hidden_size,
+                                             dtype=self.compute_dtype("text_encoder"), device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from modules.model.base import ModelFamily, PartSpec
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
+    clip_window,
     load_clip_text_encoder_with_projection,
     load_clip_tokenizer,
 )
@@ -87,11 +88,11 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
                                                       ignore_unexpected=[r"^decoder\.", r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", SD3Transformer2DModel)
         self.parts["vae"] = load_vae(self)
+        self.load_flow_scheduler()
         self.tokenizer = load_clip_tokenizer(self)
         self.tokenizer_2 = load_clip_tokenizer(self, "tokenizer_2")
         self.tokenizer_3 = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer_3")),
                                                          local_files_only=True)
-        self.load_flow_scheduler()
 
     def part_folder(self, part: str):
         # a single file's MMDiT is built from the shipped config of the variant it holds: SD3.5
@@ -181,6 +182,15 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         clip_hidden = torch.nn.functional.pad(clip_hidden, (0, t5_hidden.shape[-1] - clip_hidden.shape[-1]))
         return {"hidden_states": torch.cat([clip_hidden, t5_hidden.to(clip_hidden.device)], dim=-2),
                 "pooled": torch.cat([out_l.text_embeds, out_g.text_embeds.to(out_l.text_embeds.dtype)], dim=-1)}
+
+    def planning_conditioning(self, batch, device):
+        clip_l, clip_g, t5 = (self.parts[p] for p in self.text_parts)
+        window = clip_window(getattr(self, "tokenizer", None), clip_l)
+        dtype = self.compute_dtype("text_encoder")
+        length = window + self.planning_length(T5_MAX_LENGTH)
+        return {"hidden_states": torch.empty(batch, length, t5.config.d_model, dtype=dtype, device=device),
+                "pooled": torch.empty(batch, clip_l.config.projection_dim + clip_g.config.projection_dim,
+                                      dtype=dtype, device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

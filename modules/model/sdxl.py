@@ -15,6 +15,7 @@ from modules.model.base import PartSpec
 from modules.model.components.clip import (
     clip_encoder_layers,
     clip_input_ids,
+    clip_window,
     ldm_clip_single_file,
     load_clip_text_encoder,
     load_clip_text_encoder_with_projection,
@@ -71,9 +72,9 @@ class SDXLFamily(SD15Family):
         self.parts["text_encoder_2"] = load_clip_text_encoder_with_projection(self, "text_encoder_2")
         self.parts["unet"] = self.load_part("unet", UNet2DConditionModel)
         self.parts["vae"] = load_vae(self)
+        self.load_noise_scheduler()
         self.tokenizer = load_clip_tokenizer(self)
         self.tokenizer_2 = load_clip_tokenizer(self, "tokenizer_2")
-        self.load_noise_scheduler()
 
     def single_file_part(self, part: str):
         # the original SDXL layout (sgm: model.diffusion_model., first_stage_model., conditioner.embedders.N.)
@@ -114,6 +115,15 @@ class SDXLFamily(SD15Family):
         hidden = torch.cat([out_1.hidden_states[-2], out_2.hidden_states[-2].to(out_1.hidden_states[-2].dtype)],
                            dim=-1)
         return {"hidden_states": hidden, "pooled": out_2.text_embeds}
+
+    def planning_conditioning(self, batch, device):
+        first, second = self.parts["text_encoder"], self.parts["text_encoder_2"]
+        window = clip_window(getattr(self, "tokenizer", None), first)
+        width = first.config.hidden_size + second.config.hidden_size
+        return {"hidden_states": torch.empty(batch, window, width, dtype=self.compute_dtype("text_encoder"),
+                                             device=device),
+                "pooled": torch.empty(batch, second.config.projection_dim, dtype=self.compute_dtype("text_encoder_2"),
+                                      device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -68,8 +68,8 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
                                                     ignore_unexpected=[r"^lm_head\."])
         self.parts["transformer"] = self.load_part("transformer", ZImageTransformer2DModel)
         self.parts["vae"] = load_vae(self)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         self.load_flow_scheduler()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
     def single_file_part(self, part: str):
         # ComfyUI / original Z-Image transformer files (fused q/k/v); text encoder and VAE ship apart
@@ -120,6 +120,12 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
                          output_hidden_states=True).hidden_states[-2]
         # padded to a fixed length so captions batch and cache; the mask picks the real tokens
         return {"hidden_states": hidden, "attention_mask": mask}
+
+    def planning_conditioning(self, batch, device):
+        length = self.planning_length(512)
+        return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.hidden_size,
+                                             dtype=self.compute_dtype("text_encoder"), device=device),
+                "attention_mask": torch.empty(batch, length, dtype=torch.long, device=device)}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -65,3 +65,9 @@ def ldm_clip_single_file(prefix: str, remove_prefix: str | None = None):
     if remove_prefix is None:
         return SingleFilePart((prefix,), lambda sd, model: convert.convert_ldm_clip_checkpoint(sd))
     return SingleFilePart((prefix,), lambda sd, model: convert.convert_ldm_clip_checkpoint(sd, remove_prefix=remove_prefix))
+
+
+def clip_window(tokenizer, encoder: torch.nn.Module) -> int:
+    """CLIP's token window: the tokenizer's, or (planning without one) the encoder's position count
+    (77 in the released models)."""
+    return tokenizer.model_max_length if tokenizer is not None else encoder.config.max_position_embeddings

@@ -1,0 +1,76 @@
+"""Live bytes on one device during a pass of fake tensors: each new storage an op puts there counts
+once, from the op that made it until its last tensor goes (a weakref on the storage says when).
+Storages that existed before (weights, buffers, adapters) are registered first, so a view of a
+weight (a transpose, a reshape) is not counted as new memory.
+
+The same mode counts FLOPs with torch.utils.flop_counter's formulas (its `flop_registry`), not
+with FlopCounterMode itself: that mode's module tracker hangs closures on the autograd graph
+that sit in reference cycles with the activations, so they would live (and count) until the
+garbage collector ran: 6.5 GiB instead of 0.74 for FLUX.1 at 512 px.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+
+class LiveBytes(TorchDispatchMode):
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.live = 0
+        self.peak = 0
+        self.flops = 0
+        self._seen: dict[int, weakref.ref] = {}
+
+    def known(self, tensors) -> None:
+        """Storages that are not the pass's (weights, buffers, trained tensors): never counted."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                self._seen.setdefault(id(storage), weakref.ref(storage))
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func.overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        for tensor in _tensors(out):
+            if tensor.device == self.device:
+                self._count(tensor.untyped_storage())
+        return out
+
+    def _count(self, storage) -> None:
+        key = id(storage)
+        ref = self._seen.get(key)
+        if ref is not None and ref() is storage:
+            return
+        size = storage.nbytes()
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def gone(_ref, size=size, key=key):
+            self.live -= size
+            if self._seen.get(key) is _ref:
+                del self._seen[key]
+
+        self._seen[key] = weakref.ref(storage, gone)
+
+
+def _tensors(out):
+    """The tensors of an op's output (a tensor, or tuples and lists of them). Not torch's
+    tree_flatten: its recursive helper is a closure in a reference cycle that holds the leaves, so
+    every output it saw would live until the garbage collector ran, and count as live."""
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, (tuple, list)):
+        for item in out:
+            yield from _tensors(item)

@@ -1,0 +1,267 @@
+"""`plan_run`: what a config needs on the train device and the host, per part, before anything
+loads; whether that fits a budget; the smallest change that fits.
+
+Per part (docs/memory-and-offload.md, "Planning"):
+- weights: each tensor as its weight mode stores it (architecture.py builds the quantized layers
+  themselves on meta), minus the parked blocks (offload_fraction: schedule.choose_parked);
+- trained: the adapter's parameters (the real adapters of the config, built on fake tensors), or
+  in a fine-tune the part's own weights; gradients: the trained tensors' (in a fused backward,
+  the largest single weight's: each is stepped and freed as its gradient completes);
+  optimizer_state: the trained parameters times what one step of the configured optimizer keeps
+  per parameter (optim/state_size.py); a fine-tune's parked blocks park their state with them;
+- activations: the most the training step holds beyond those (fake_pass.py), on the denoiser;
+- offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
+The device peak is the sum. Host: during the load about the final model (the streamed load),
+during training the parked bytes (pinned arenas on CUDA: pinned_arenas.plan_arenas) and the
+offloaded activations. Transfers: each parked block comes over in the forward and again in the
+backward (and a fine-tuned block's weights and state go home again); seconds per step from the
+FLOPs and the host link of a named GPU class (gpu_classes.py), marked estimated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from modules.config.method_configs import METHODS
+from modules.config.train_config import TrainConfig
+from modules.offload.layer_tensors import block_bytes, layer_tensors, tensor_bytes
+from modules.offload.schedule import bytes_in_flight, choose_parked
+from modules.plan.gpu_classes import gpu_class, step_seconds
+
+DEVICE_KEYS = ("weights", "trained", "gradients", "optimizer_state", "activations", "offload_window")
+
+
+@dataclass
+class PartPlan:
+    weight_dtype: str
+    offload_fraction: float
+    gradient_checkpointing: bool
+    train: bool
+    device: dict[str, int]
+    parked: int
+    blocks: int = 0
+    parked_blocks: int = 0
+
+    def as_dict(self) -> dict:
+        return {"weight_dtype": self.weight_dtype, "offload_fraction": self.offload_fraction,
+                "gradient_checkpointing": self.gradient_checkpointing, "train": self.train,
+                "device": {**self.device, "total": sum(self.device.values())}, "parked": self.parked,
+                "blocks": self.blocks, "parked_blocks": self.parked_blocks}
+
+
+@dataclass
+class RunPlan:
+    family: str
+    budget: dict[str, int | None]
+    parts: dict[str, PartPlan]
+    host: dict[str, int]
+    transfer: dict[str, Any]
+    flops: int
+    fixes: list[str] = field(default_factory=list)
+    auto: dict[str, dict] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def device_peak(self) -> int:
+        return sum(sum(p.device.values()) for p in self.parts.values())
+
+    @property
+    def fits(self) -> bool | None:
+        vram, ram = self.budget["vram"], self.budget["ram"]
+        if vram is None and ram is None:
+            return None
+        return ((vram is None or self.device_peak <= vram)
+                and (ram is None or max(self.host["load_peak"], self.host["train_peak"]) <= ram))
+
+    def as_dict(self) -> dict:
+        return {"family": self.family, "budget": dict(self.budget),
+                "parts": {name: part.as_dict() for name, part in self.parts.items()},
+                "device": {"peak": self.device_peak, "budget": self.budget["vram"]},
+                "host": dict(self.host), "transfer": dict(self.transfer), "flops_per_step": self.flops,
+                "fits": self.fits, "fixes": list(self.fixes), "auto": dict(self.auto), "notes": list(self.notes)}
+
+
+def largest_resolution(config: TrainConfig) -> int:
+    return max(config.data.resolutions)
+
+
+def trained_kinds(config: TrainConfig, family) -> dict[str, str]:
+    """part -> "adapter" or "weights" for what the step trains."""
+    from modules.adapters.layer_selection import trained_parts
+
+    traits = METHODS.traits(config.method.type)
+    if traits.trains_model_weights:
+        return {name: "weights" for name, part in config.model.parts.items()
+                if part.train and family.spec(name).adapter_prefix}
+    if config.method.type == "embedding":
+        return {}
+    return dict.fromkeys(trained_parts(config, family), "adapter")
+
+
+def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None = None,
+             variant: str | None = None, fix: bool = True) -> RunPlan:
+    """The plan of `config` against `vram` bytes of train-device memory and `ram` bytes of host
+    memory (None: unknown, no verdict on it). `variant`: for a released architecture (model.base
+    empty), the model of a family of several (FLUX.2 "dev"). `fix`: search the smallest change
+    that fits when it does not."""
+    from modules.plan.fixes import find_fixes
+
+    planner = Planner(config, variant)
+    plan = planner.plan(config, vram, ram, gpu_class_name)
+    if fix and plan.fits is False:
+        plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
+    return plan
+
+
+class Planner:
+    """Plans of one model and its variations (the fixes' search re-plans through it): the meta
+    architecture is built once per set of weight modes, the fake step once per set of what shapes
+    it (checkpointing, batch, resolution, what trains)."""
+
+    def __init__(self, config: TrainConfig, variant: str | None = None):
+        self.variant = variant
+        self._steps: dict[tuple, Any] = {}
+        self._sizes: dict[tuple, dict] = {}
+
+    def weight_modes(self, config: TrainConfig) -> dict[str, str]:
+        from modules.plan.auto import planned_weight_modes
+
+        return planned_weight_modes(config)
+
+    def _architecture(self, config: TrainConfig, modes: dict[str, str]):
+        from modules.plan.architecture import build_architecture
+
+        return build_architecture(config, modes, self.variant)
+
+    def sizes(self, config: TrainConfig, modes: dict[str, str]) -> dict:
+        """Per part: its tensors' bytes, its blocks' bytes, its floating parameters (count, largest)."""
+        key = (tuple(sorted(modes.items())), tuple(sorted((n, tuple(p.quantize_skip)) for n, p in
+                                                           config.model.parts.items())))
+        if key not in self._sizes:
+            planned = self._architecture(config, modes)
+            family = planned.family
+            sizes = {}
+            for name, module in family.parts.items():
+                floating = [p for p in module.parameters() if p.is_floating_point()]
+                sizes[name] = {
+                    "bytes": block_bytes(module),
+                    "blocks": [block_bytes(b) for b in family.checkpoint_blocks(name)],
+                    "block_tensors": [[tensor_bytes(t.get()) for t in layer_tensors(b)]
+                                      for b in family.checkpoint_blocks(name)],
+                    "parameters": sum(p.numel() for p in floating),
+                    "parameter_bytes": sum(p.numel() * p.element_size() for p in floating),
+                    "largest_parameter_bytes": max((p.numel() * p.element_size() for p in floating), default=0),
+                }
+            self._sizes[key] = {"parts": sizes, "family": family, "config": planned.config,
+                                "released": planned.released}
+        return self._sizes[key]
+
+    def step(self, config: TrainConfig, modes: dict[str, str], trained: dict[str, str]):
+        from modules.adapters.adapter_set import build_adapter_set
+        from modules.plan.fake_pass import measure_step
+
+        parts = config.model.parts
+        # (the weight modes barely change what the step holds beyond the weights: not part of the key,
+        # so the fixes' search re-plans other modes without another pass)
+        key = (tuple(sorted(trained.items())), config.schedule.batch_size,
+               largest_resolution(config),
+               tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
+               config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
+        if key not in self._steps:
+            planned = self._architecture(config, modes)  # fresh: the pass makes its parts fake
+            family = planned.family
+            adapters = []
+
+            def build(adapter_parts, device):
+                built = build_adapter_set(family, config.adapter, adapter_parts, device, config.output.format)
+                adapters.append(built)
+                return built
+
+            figures = measure_step(family, config, trained, config.schedule.batch_size, largest_resolution(config),
+                                   {n: p.gradient_checkpointing is True for n, p in parts.items()},
+                                   {n: p.activation_offloading for n, p in parts.items()}, build)
+            adapter_bytes: dict[str, int] = {}
+            adapter_params: dict[str, int] = {}
+            for built in adapters:
+                for part in set(built.part_of.values()):
+                    params = built.parameters(part)
+                    adapter_params[part] = sum(p.numel() for p in params)
+                    adapter_bytes[part] = sum(p.numel() * p.element_size() for p in params)
+            self._steps[key] = (figures, adapter_params, adapter_bytes)
+        return self._steps[key]
+
+    def plan(self, config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None) -> RunPlan:
+        from modules.optim.state_size import optimizer_state_bytes_per_parameter
+        from modules.plan.auto import offload_fractions
+
+        modes = self.weight_modes(config)
+        sized = self.sizes(config, modes)
+        family = sized["family"]
+        trained = trained_kinds(config, family)
+        figures, adapter_params, adapter_bytes = self.step(config, modes, trained)
+        state_per_parameter = optimizer_state_bytes_per_parameter(config) if trained else 0.0
+        fused = bool(getattr(config.method, "fused_backward", False))
+        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram)
+        parts, parked_total, transfer, host_parked_tensors = {}, 0, 0, []
+        for name, size in sized["parts"].items():
+            part_config = config.model.parts[name]
+            kind = trained.get(name)
+            fraction = fractions[name]
+            blocks = size["blocks"]
+            window = 1 + part_config.offload_prefetch
+            parked = choose_parked(blocks, fraction, window) if fraction > 0 and blocks else []
+            parked_bytes = sum(blocks[i] for i in parked)
+            in_flight = bytes_in_flight(blocks, parked, window) if parked else 0
+            device = dict.fromkeys(DEVICE_KEYS, 0)
+            resident = size["bytes"] - parked_bytes
+            if kind == "weights":
+                # the fine-tuned weights are what trains; their state parks with their block
+                trained_share = size["parameter_bytes"] / size["bytes"] if size["bytes"] else 0.0
+                device["trained"] = int(resident * trained_share)
+                device["weights"] = resident - device["trained"]
+                state = state_per_parameter * size["parameters"]
+                state_share = (size["bytes"] - parked_bytes) / size["bytes"] if size["bytes"] else 1.0
+                device["optimizer_state"] = int(state * state_share)
+                device["gradients"] = size["largest_parameter_bytes"] if fused else size["parameter_bytes"]
+                window_factor = 1.0 + (state / size["bytes"] if size["bytes"] else 0.0)
+                device["offload_window"] = int(in_flight * window_factor)
+                transfer += 2 * parked_bytes * window_factor  # in for the forward; in and home for the backward
+            else:
+                device["weights"] = resident
+                device["offload_window"] = in_flight
+                if kind == "adapter":
+                    device["trained"] = adapter_bytes.get(name, 0)
+                    device["gradients"] = adapter_bytes.get(name, 0)
+                    device["optimizer_state"] = int(state_per_parameter * adapter_params.get(name, 0))
+                # a part the step runs brings its parked blocks over in the forward and again for the
+                # backward (a frozen text encoder is not in the step: the text cache stands in for it)
+                if name in {family.denoiser_part, *trained}:
+                    transfer += 2 * parked_bytes
+            if name == family.denoiser_part:
+                device["activations"] = figures.activations
+            parked_total += parked_bytes
+            if parked:
+                host_parked_tensors += [t for i in parked for t in size["block_tensors"][i]]
+            parts[name] = PartPlan(modes[name], fraction, part_config.gradient_checkpointing is True,
+                                   bool(part_config.train), device, parked_bytes, len(blocks), len(parked))
+        from modules.offload.pinned_arenas import plan_arenas
+
+        total_bytes = sum(size["bytes"] for size in sized["parts"].values())
+        pinned = plan_arenas(host_parked_tensors).pinned_bytes if host_parked_tensors else 0
+        gpu = gpu_class(gpu_class_name)
+        host = {"load_peak": total_bytes, "train_peak": max(parked_total, pinned), "pinned": pinned}
+        transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
+                         "gpu_class": gpu.name, "estimated": True}
+        plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops)
+        for name, fraction in fractions.items():
+            if config.model.parts[name].offload_fraction == "auto":
+                plan.auto[f"model.parts.{name}.offload_fraction"] = {
+                    "value": fraction, "why": "the smallest share of the blocks that fits the budget"
+                    if fraction else "everything fits without parking"}
+        if sized["released"]:
+            plan.notes.append(f"planned on the released architecture (resources/model_configs/{config.model.family})")
+        if any(kind != "adapter" and name in family.text_parts for name, kind in trained.items()) or any(
+                name in family.text_parts for name in trained):
+            plan.notes.append("a trained text encoder's activations are not counted (its tokens need its tokenizer)")
+        return plan

@@ -1,0 +1,63 @@
+"""`launch.py plan`: sizes as users write them, one clear error for a bad one, and the plan of a
+tiny model as a table and as JSON with the agreed keys (the GUI and preflight read them)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from modules.cli.plan_command import SizeError, parse_size
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("16GiB", 16 * 2**30), ("12GB", 12 * 10**9), ("24000MB", 24 * 10**9), ("1.5TiB", int(1.5 * 2**40)),
+    ("512", 512), ("8 gib", 8 * 2**30)])
+def test_sizes(text, expected):
+    assert parse_size(text, "--vram") == expected
+
+
+@pytest.mark.parametrize("text", ["16 gigs", "GiB", "-3GB", "1e9", ""])
+def test_bad_size_names_the_option(text):
+    with pytest.raises(SizeError, match=r"^--vram: .* is not a size"):
+        parse_size(text, "--vram")
+
+
+def test_plan_json_of_a_tiny_model(tiny_model, capsys):
+    import launch
+
+    assert launch.main(["plan", "--set", f"model.base={tiny_model}", "--set", "data.resolution=64",
+                        "--vram", "1GiB", "--ram", "4GiB", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert set(plan) >= {"family", "budget", "parts", "device", "host", "transfer", "fits", "fixes", "auto"}
+    assert plan["budget"] == {"vram": 2**30, "ram": 4 * 2**30}
+    unet = plan["parts"]["unet"]
+    assert set(unet["device"]) == {"weights", "trained", "gradients", "optimizer_state", "activations",
+                                   "offload_window", "total"}
+    assert unet["device"]["trained"] > 0 and unet["device"]["activations"] > 0
+    assert plan["device"]["peak"] == sum(p["device"]["total"] for p in plan["parts"].values())
+    assert plan["transfer"]["estimated"] is True and plan["fits"] is True
+
+
+def test_plan_table_and_bad_size(tiny_model, capsys):
+    import launch
+
+    assert launch.main(["plan", "--set", f"model.base={tiny_model}", "--set", "data.resolution=64",
+                        "--vram", "1KiB", "--ram", "4GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "unet" in out and "verdict: does not fit" in out
+    assert launch.main(["plan", "--set", f"model.base={tiny_model}", "--vram", "lots"]) == 1
+    assert "error: --vram: 'lots' is not a size" in capsys.readouterr().err
+
+
+def test_a_fix_is_verified_by_replanning(tiny_model):
+    """The fix for a budget the plan misses is the first change whose own plan fits it."""
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import plan_run
+
+    config = build_config([{"model": {"base": str(tiny_model)}, "data": {"resolution": 64}}])
+    peak = plan_run(config, None, None).device_peak
+    plan = plan_run(config, int(peak * 0.9), None)
+    assert plan.fits is False and plan.fixes
+    fixed = build_config([config.model_dump(mode="json")], [line.removeprefix("--set ") for line in plan.fixes])
+    assert plan_run(fixed, int(peak * 0.9), None, fix=False).fits is True
