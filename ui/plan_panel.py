@@ -115,7 +115,6 @@ class PlanPanel(ctk.CTkFrame):
         self.fixes.pack(fill="x", padx=8, pady=(0, 6))
         self.cfg.validate_listeners.append(self.config_changed)
         # (on the plain canvas: a CTkFrame binds events to an inner canvas of its own)
-        self.canvas.bind("<Map>", lambda _event: self.config_changed(), add="+")
         self.canvas.bind("<Destroy>", self._destroyed, add="+")
 
     # --- asking for a plan -------------------------------------------------------------------
@@ -134,7 +133,10 @@ class PlanPanel(ctk.CTkFrame):
 
     def _ask(self) -> None:
         self._debounce = None
-        if self.cfg.config is None or not self.winfo_ismapped():  # (planned again when shown: <Map>)
+        if self.cfg.config is None:
+            return
+        if not self.winfo_viewable():  # out of view (another tab): looked at again until shown
+            self._debounce = self.after(DEBOUNCE_MS, self._ask)
             return
         options = self.budget_options()
         if options is None:
