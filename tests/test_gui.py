@@ -254,6 +254,11 @@ def test_run_from_gui_completes_with_progress_loss_and_gallery(app, gui_run, sho
     samples = [e["path"] for e in gui_run["events"] if e["event"] == "sample"]
     assert len(samples) == 2 and run_tab.samples == samples and len(run_tab._images) == 2
     assert "saved: " in run_tab.log_text()  # the run's log
+    # the measured memory after step 2 (a CPU run: the host's), one event, on the Run tab
+    memory = [e for e in gui_run["events"] if e["event"] == "memory"]
+    assert [e["step"] for e in memory] == [2]
+    assert run_tab.memory_line.cget("text").startswith("Memory after step 2: host peak ")
+    assert run_tab.memory_line.winfo_ismapped()
     assert gui_run["output"].is_file()
     assert app.dialogs == [] and app.callback_errors == []
 

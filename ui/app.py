@@ -205,6 +205,11 @@ class App(PresetBar, RunControl, RemoteRun, WindowPersistence, ctk.CTk):
         self.cfg.load(data)
         return True
 
+    @property
+    def plan_panel(self):
+        """The memory plan before Start (ui/plan_panel.py), on the Offload tab (built on first use)."""
+        return self.tabs["Offload"].plan_panel
+
     def field_for(self, path: str):
         """The Field bound to `path`, on whichever tab it is."""
         for name, tab in self.tabs.items():

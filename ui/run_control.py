@@ -227,6 +227,9 @@ class RunControl:
             run_tab.add_loss(step, loss)
         elif name == "sample":  # the run's own log (stderr) says what it wrote
             run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config))
+        elif name == "memory":  # measured peaks after step 2, beside the plan
+            run_tab.show_memory(event)
+            self.plan_panel.show_measured(event)
         elif name in ("backup", "saved"):
             self.set_status(f"{'Backup' if name == 'backup' else 'Saved'}: {event['path']}{consumer_counts(event)}")
         elif name == "error":

@@ -21,7 +21,7 @@ class RunTab(ctk.CTkFrame):
         self.columnconfigure(0, weight=3)
         self.columnconfigure(1, weight=2)
         self.rowconfigure(0, weight=3)
-        self.rowconfigure(1, weight=2)
+        self.rowconfigure(2, weight=2)
 
         from matplotlib.backends.backend_tkagg import FigureCanvasTkAgg
         from matplotlib.figure import Figure
@@ -67,13 +67,19 @@ class RunTab(ctk.CTkFrame):
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
 
+        # the run's measured memory after step 2 beside its plan (the `memory` event): one line
+        self.memory_line = ctk.CTkLabel(self, text="", anchor="w", font=ctk.CTkFont(size=11))
+        self.memory_line.grid(row=1, column=0, columnspan=2, sticky="ew", padx=8)
+        self.memory_line.grid_remove()  # (shown with its first report: no empty row before)
         # a small requested height: at 900x600 and 150% the plot keeps its share of the space
         self.log = ctk.CTkTextbox(self, wrap="none", height=60, font=ctk.CTkFont(family="monospace", size=11))
-        self.log.grid(row=1, column=0, columnspan=2, sticky="nsew", padx=4, pady=4)
+        self.log.grid(row=2, column=0, columnspan=2, sticky="nsew", padx=4, pady=4)
         self.log.configure(state="disabled")
         self.log_lines = 0
 
     def clear(self) -> None:
+        self.memory_line.configure(text="")
+        self.memory_line.grid_remove()
         self.steps, self.losses = [], []
         self._redraw()
         self.samples = []
@@ -158,6 +164,13 @@ class RunTab(ctk.CTkFrame):
             cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
             ctk.CTkLabel(cell, text="", image=picture).pack()
             ctk.CTkLabel(cell, text=self.caption(path), font=ctk.CTkFont(size=11), wraplength=THUMB).pack()
+
+    def show_memory(self, report: dict) -> None:
+        from modules.trainer.memory_report import describe_memory
+
+        text = describe_memory(report)
+        self.memory_line.configure(text=text[:1].upper() + text[1:])
+        self.memory_line.grid()
 
     def append_log(self, text: str) -> None:
         self.log.configure(state="normal")
