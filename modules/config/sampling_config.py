@@ -11,6 +11,7 @@ from pydantic import Field
 
 from modules.config.limits import MAX_GUIDANCE, MAX_RESOLUTION, MAX_SAMPLE_STEPS, MAX_SEED
 from modules.config.strict import StrictModel
+from modules.config.video_config import MAX_FRAMES
 
 
 class SamplePromptConfig(StrictModel):
@@ -25,6 +26,8 @@ class SamplePromptConfig(StrictModel):
                        f"(a multiple of 8, at most {MAX_RESOLUTION}).")
     height: int = Field(512, ge=8, le=MAX_RESOLUTION, multiple_of=8, description="Sample height in pixels "
                         f"(a multiple of 8, at most {MAX_RESOLUTION}).")
+    frames: int = Field(1, ge=1, le=MAX_FRAMES, description="Video families: frames of the sample (Wan: 1 + 4n, "
+                        "e.g. 33 or 81), written as .mp4 with a poster .png; 1: an image.")
     enabled: bool = Field(True, description="Sampled at each sampling point; off: kept in the list, skipped.")
 
 
