@@ -9,6 +9,9 @@ issue 4 describes."""
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from conftest import fixed_loss, train_config
@@ -322,3 +325,49 @@ def test_a_saved_file_reads_back_into_the_trainers_adapters(family, tmp_path, fm
         assert all(torch.allclose(tensor, state[key], atol=1e-7) for key, tensor in again.state_dict().items())
     finally:
         again.unhook()
+
+
+@pytest.mark.parametrize("mp4", [True, False], ids=["mp4", "webp-fallback"])
+def test_a_video_prompt_writes_a_video_with_a_poster(family, tmp_path, monkeypatch, mp4):
+    """sampling.prompts[i].frames > 1: the sample is an H.264 .mp4 (an animated .webp where PyAV's
+    encoder is missing) of that many frames at Wan's 16 fps, its first frame as the .png the run reports."""
+    from PIL import Image
+
+    from modules.config.train_config import SamplePromptConfig
+    from modules.sampling import video_writer
+    from modules.sampling.sampler import sample_prompts
+
+    if not mp4:
+        monkeypatch.setattr(video_writer, "mp4_encoder_available", lambda: False)
+    prompt = SamplePromptConfig(prompt="a red circle", steps=2, cfg=1.0, width=32, height=32, seed=3, frames=5)
+    (poster,) = sample_prompts(family, [prompt], tmp_path, 7, torch.device("cpu"))
+    assert poster.name == "step0000007-0.png" and Image.open(poster).size == (32, 32)
+    if mp4:
+        import av
+
+        with av.open(str(poster.with_suffix(".mp4"))) as container:
+            stream = container.streams.video[0]
+            assert stream.codec_context.name == "h264" and float(stream.average_rate) == 16.0
+            frames = [f.to_ndarray(format="rgb24") for f in container.decode(stream)]
+    else:
+        with Image.open(poster.with_suffix(".webp")) as video:
+            frames = [np.asarray(video.seek(i) or video.convert("RGB")) for i in range(video.n_frames)]
+    assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+    def luma(rgb):  # (H.264 halves the colour resolution: compare brightness)
+        return np.asarray(rgb, dtype=np.float32) @ np.array([0.299, 0.587, 0.114], dtype=np.float32)
+
+    first = luma(Image.open(poster).convert("RGB"))
+    assert np.abs(luma(frames[0]) - first).mean() < 4 < np.abs(luma(frames[0]) - luma(frames[0][::-1])).mean()
+
+
+@pytest.mark.parametrize("family_name, frames, message", [
+    ("wan", 6, r"sampling\.prompts\[0\]\.frames: 6 is not 1 \+ 4 x n.*\(e\.g\. 5 or 9\)"),
+    ("sd15", 5, r"sampling\.prompts\[0\]\.frames: 5, but Stable Diffusion 1\.5 trains and samples still images only"),
+])
+def test_the_preflight_refuses_a_frame_count_the_family_cannot_take(tmp_path, shape_images, family_name, frames,
+                                                                     message):
+    from modules.trainer.preflight import preflight_problems
+
+    config = train_config(tmp_path, shape_images, tmp_path, {"model": {"family": family_name}, "sampling": {
+        "prompts": [{"prompt": "a", "frames": frames}]}})
+    assert any(re.match(message, problem) for problem in preflight_problems(config)), preflight_problems(config)

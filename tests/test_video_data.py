@@ -172,7 +172,7 @@ def test_a_family_without_video_and_a_frame_count_it_cannot_take_are_refused(cli
     from modules.model.sd15 import SD15Family
 
     config = train_config(tiny_model, clips, tmp_path, {"concepts": [{"path": str(clips), "video": {"frames": 5}}]})
-    with pytest.raises(DataError, match=r"concepts\[0\]\.video\.frames: 5, but Stable Diffusion 1\.5 trains on still images only"):
+    with pytest.raises(DataError, match=r"concepts\[0\]\.video\.frames: 5, but Stable Diffusion 1\.5 trains and samples still images only"):
         family = SD15Family(config)
         family.load()
         prepare_dataset(config, family, torch.device("cpu"), tmp_path / "c", Warnings(), cache_text=True)

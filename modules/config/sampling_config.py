@@ -11,6 +11,7 @@ from pydantic import Field
 
 from modules.config.limits import MAX_GUIDANCE, MAX_RESOLUTION, MAX_SAMPLE_STEPS, MAX_SEED
 from modules.config.strict import StrictModel
+from modules.config.video_config import MAX_FRAMES
 
 
 class SamplePromptConfig(StrictModel):
@@ -27,6 +28,8 @@ class SamplePromptConfig(StrictModel):
                         f"(a multiple of 8, at most {MAX_RESOLUTION}).")
     control_images: list[str] = Field(default_factory=list, description="Edit models: the control (reference) "
                                       "image files this sample starts from, resized to the sample's size.")
+    frames: int = Field(1, ge=1, le=MAX_FRAMES, description="Video families: frames of the sample (Wan: 1 + 4n, "
+                        "e.g. 33 or 81), written as .mp4 with a poster .png; 1: an image.")
     enabled: bool = Field(True, description="Sampled at each sampling point; off: kept in the list, skipped.")
 
 

@@ -36,7 +36,8 @@ from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 from modules.data.shares import batch_share
-from modules.data.video import ClipWindow, clip_windows, content_hash, is_video_concept, load_entry_pixels, probe
+from modules.data.video import (ClipWindow, clip_windows, content_hash, frame_count_problem, is_video_concept,
+                                load_entry_pixels, probe)
 from modules.data.video import scan_options as video_scan_options
 from modules.util.stopping import StopCheck
 
@@ -347,14 +348,9 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
 
 def _check_video_concept(index: int, concept, family: ModelFamily) -> None:
     where = f"concepts[{index}]"
-    temporal = family.temporal_quantum
-    if temporal is None:
-        raise DataError(f"{where}.video.frames: {concept.video.frames}, but {family.label} trains on still images "
-                        "only (set it to 1)")
-    if (concept.video.frames - 1) % temporal:
-        below = 1 + (concept.video.frames - 1) // temporal * temporal
-        raise DataError(f"{where}.video.frames: {concept.video.frames} is not 1 + {temporal} x n, the frame counts "
-                        f"{family.label} takes (e.g. {below} or {below + temporal})")
+    problem = frame_count_problem(concept.video.frames, family.temporal_quantum, family.label)
+    if problem:
+        raise DataError(f"{where}.video.frames: {problem}")
     if concept.masked_loss:
         raise DataError(f"{where}.masked_loss: loss masks are for still-image concepts (video.frames is "
                         f"{concept.video.frames})")

@@ -36,6 +36,18 @@ def scan_options(concept) -> dict:
     return {"clip_suffixes": VIDEO_SUFFIXES | ANIMATED_SUFFIXES, "frame_folders": True} if is_video_concept(concept) else {}
 
 
+def frame_count_problem(frames: int, temporal: int | None, label: str) -> str | None:
+    """Why a family cannot take samples of `frames` frames (a concept's or a sample prompt's), or None."""
+    if frames == 1:
+        return None
+    if temporal is None:
+        return f"{frames}, but {label} trains and samples still images only (set it to 1)"
+    if (frames - 1) % temporal:
+        below = 1 + (frames - 1) // temporal * temporal
+        return f"{frames} is not 1 + {temporal} x n, the frame counts {label} takes (e.g. {below} or {below + temporal})"
+    return None
+
+
 @dataclass(frozen=True)
 class ClipInfo:
     size: tuple[int, int]  # (width, height)

@@ -226,6 +226,19 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     def run_sampling_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:
         """One image from the family's diffusers pipeline built on the live modules."""
 
+    # a video family's sample frame rate (what its sample .mp4 plays at)
+    video_fps: ClassVar[float] = 16.0
+
+    def sample_video(self, prompt: SamplePromptConfig, device: torch.device) -> list[Image.Image]:
+        """A video family's `prompt.frames` frames from the live modules, as sample() computes them."""
+        from modules.sampling.part_dtypes import parts_in_compute_dtypes
+
+        with parts_in_compute_dtypes(self):
+            return self.run_video_pipeline(prompt, device)
+
+    def run_video_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> list[Image.Image]:
+        raise NotImplementedError(f"{self.label} samples still images only")
+
     def sampling_dtype(self, part: str) -> torch.dtype:
         """The dtype a part's inputs are cast to while sampling: its compute dtype, unless the
         family's pipeline itself moves the part to another dtype for sampling."""

@@ -165,6 +165,11 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     def run_sampling_pipeline(self, prompt, device):
         return self.sample_frames(prompt, device, 1)[0]
 
+    video_fps = 16.0  # Wan 2.1's frame rate (its 81-frame clips are 5 s)
+
+    def run_video_pipeline(self, prompt, device):
+        return self.sample_frames(prompt, device, prompt.frames)
+
     # --- adapters: what other tools do with the files (the key layout itself: keys/wan.py) ---
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:

@@ -26,15 +26,20 @@ import torch
 def cast_floats(value, dtype: torch.dtype):
     """`value` with every floating tensor of two or more dimensions cast to `dtype`, through
     lists, tuples and dicts. Scalars and 1-d tensors (timesteps, guidance) pass unchanged: the
-    models embed those at their own precision (a bf16 timestep 979 would read as 980)."""
+    models embed those at their own precision (a bf16 timestep 979 would read as 980).
+    A container with nothing to cast is passed on itself, not a copy: a module may fill a list it
+    is handed (the Wan VAE's causal cache of earlier frames, `feat_cache`), and a copy would lose
+    what it wrote there (a 5-frame Wan sample decoded to 2 frames)."""
     if isinstance(value, torch.Tensor):
         if value.is_floating_point() and value.dim() >= 2 and value.dtype != dtype:
             return value.to(dtype)
         return value
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floats(item, dtype) for item in value)
+        items = [cast_floats(item, dtype) for item in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
     if isinstance(value, dict):
-        return {key: cast_floats(item, dtype) for key, item in value.items()}
+        items = {key: cast_floats(item, dtype) for key, item in value.items()}
+        return value if all(items[key] is item for key, item in value.items()) else items
     return value
 
 

@@ -1,4 +1,5 @@
-"""Sample images from the live model (adapters hooked) into workspace/samples/."""
+"""Sample images (and a video family's videos, video_writer.py) from the live model (adapters
+hooked) into workspace/samples/."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from modules.sampling.video_writer import write_sample_video
 from modules.util.atomic import write_with
 from modules.util.stopping import StopCheck, StopRequested, raise_if_stopping
 
@@ -19,7 +21,8 @@ def out_of_memory(error: BaseException) -> bool:
 @torch.no_grad()
 def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.device,
                    names: list[str] | None = None, write: bool = True, stop: StopCheck | None = None) -> list[Path]:
-    """One PNG per prompt, `step<step>-<name>.png`; a name is the prompt's index in
+    """One PNG per prompt, `step<step>-<name>.png` (a prompt with `frames` > 1 on a video family:
+    the poster of `step<step>-<name>.mp4` beside it); a name is the prompt's index in
     sampling.prompts by default (the GUI's gallery reads the prompt back from it). `write` False:
     the images are made and dropped (a rank other than 0 joining a sharded part's forward passes).
     `stop` is asked before each pass of the denoiser (every sampler step, whatever the family's
@@ -32,11 +35,15 @@ def sample_prompts(family, prompts, out_dir: Path, step: int, device: torch.devi
     hook = family.parts[family.denoiser_part].register_forward_pre_hook(lambda *_: raise_if_stopping(stop))
     try:
         for index, prompt in enumerate(prompts):
-            image = family.sample(prompt, device)
+            video = prompt.frames > 1 and family.temporal_quantum is not None
+            image = family.sample_video(prompt, device) if video else family.sample(prompt, device)
             if not write:
                 continue
             path = Path(out_dir) / f"step{step:07d}-{names[index] if names else index}.png"
-            write_with(path, lambda temp, image=image: image.save(temp, format="PNG"))
+            if video:  # the .mp4 (or .webp) beside its poster, which is what the run reports
+                write_sample_video(path, image, family.video_fps)
+            else:
+                write_with(path, lambda temp, image=image: image.save(temp, format="PNG"))
             paths.append(path)
     except StopRequested:
         pass  # the samples already written stay; the run stops at this boundary

@@ -55,7 +55,7 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch, captions = _concept_problems(config)
     problems = (device_problems + place_problems + model_problems + _init_from_problems(config) + caption_problems
-                + _loss_problems(config))
+                + _loss_problems(config) + _frame_problems(config))
     if config.embeddings:
         from modules.methods.embedding_files import embedding_problems
 
@@ -66,6 +66,19 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
         refused = {str(problem).split(":")[0] for problem in place_problems}
         problems += _disk_space_problems(config, family, images_per_epoch, refused)
     return problems
+
+
+def _frame_problems(config: TrainConfig) -> list[str]:
+    """Frame counts (video concepts, sample prompts) the family cannot take: a still-image family, or
+    not 1 + n x its VAE's temporal step (modules/data/video.py)."""
+    from modules.config.families import get_family_class
+    from modules.data.video import frame_count_problem
+
+    family = get_family_class(config.model.family)
+    asked = [(f"concepts[{i}].video.frames", c.video.frames) for i, c in enumerate(config.concepts) if c.enabled]
+    asked += [(f"sampling.prompts[{i}].frames", p.frames) for i, p in enumerate(config.sampling.prompts) if p.enabled]
+    problems = [(where, frame_count_problem(frames, family.temporal_quantum, family.label)) for where, frames in asked]
+    return [f"{where}: {problem}" for where, problem in problems if problem]
 
 
 # --- devices -----------------------------------------------------------------------------------
