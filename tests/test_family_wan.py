@@ -371,3 +371,21 @@ def test_the_preflight_refuses_a_frame_count_the_family_cannot_take(tmp_path, sh
     config = train_config(tmp_path, shape_images, tmp_path, {"model": {"family": family_name}, "sampling": {
         "prompts": [{"prompt": "a", "frames": frames}]}})
     assert any(re.match(message, problem) for problem in preflight_problems(config)), preflight_problems(config)
+
+
+def test_a_full_fine_tune_saves_a_transformer_diffusers_loads(tmp_path, tiny_wan, one_image):
+    from diffusers import WanTransformer3DModel
+
+    config = train_config(tiny_wan, one_image, tmp_path, {
+        "model": {"family": "wan"}, "method": {"type": "fine_tune", "save_format": "diffusers"},
+        "optimizer": {"lr": 1e-3}, "schedule": {"max_steps": 2, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    trainer.end()
+    trained = {k: v.float() for k, v in trainer.family.transformer.state_dict().items()}
+    loaded = WanTransformer3DModel.from_pretrained(str(tmp_path / "out" / "lora" / "transformer")).state_dict()
+    original = WanTransformer3DModel.from_pretrained(str(tiny_wan / "transformer")).state_dict()
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[k].float(), trained[k]) for k in trained)
+    assert any(not torch.equal(loaded[k], original[k]) for k in original)  # it trained
