@@ -10,6 +10,7 @@ from collections import Counter
 
 import customtkinter as ctk
 
+from modules.config.control_config import ControlConfig
 from modules.config.train_config import CaptionConfig, ConceptConfig
 from ui.components import show_picture, subsection
 from ui.tabs import Tab
@@ -116,13 +117,14 @@ class ConceptsTab(Tab):
         ctk.CTkButton(head, text="Captions…", width=90,
                       command=lambda: self.open_dataset_tool(index)).pack(side="right", padx=4, pady=4)
         self.form(box, ConceptConfig, at, HEAD)
-        placed = set(HEAD) | {"captions"}
+        placed = set(HEAD) | {"captions", "controls"}
         for title, names in GROUPS:
             group = subsection(box, title)
             self.form(group, ConceptConfig, at, names)
             if title == "Captions":
                 self.form(group, CaptionConfig, f"{at}.captions")
             placed |= set(names)
+        self.form(subsection(box, "Control images (edit models)"), ControlConfig, f"{at}.controls")
         rest = [n for n in ConceptConfig.model_fields if n not in placed]
         if rest:
             self.form(subsection(box, "More"), ConceptConfig, at, rest)
