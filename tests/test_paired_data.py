@@ -146,3 +146,22 @@ def test_control_latents_are_cached_and_reused(kontext, tmp_path):
     assert again.cache_stats["latents"][1] == 0
     batch, replay = first.collate([0, 1], torch.device("cpu")), again.collate([0, 1], torch.device("cpu"))
     assert torch.equal(batch.controls, replay.controls) and torch.equal(batch.latents, replay.latents)
+
+
+def test_preflight_names_control_problems_before_the_model_loads(kontext, tmp_path):
+    from modules.trainer.preflight import preflight_problems
+
+    model, _ = kontext
+    write_edit_pairs(tmp_path / "pairs", count=1)
+    _manifest(tmp_path / "pairs", ['{"target": "target/000.png"}'])
+    prompts = [{"prompt": "x", "control_images": [str(tmp_path / "a.png"), str(tmp_path / "b.png")]}]
+    kontext_run = train_config(model, tmp_path, tmp_path, {
+        "model": {"family": "flux_kontext"}, "sampling": {"prompts": prompts},
+        "concepts": [{"path": str(tmp_path / "pairs"), "controls": {"source": "manifest"}}]})
+    problems = preflight_problems(kontext_run)
+    assert any("pairs.jsonl line 1: \"control\" must be" in p for p in problems)
+    assert "sampling.prompts[0].control_images: 2 given; FLUX.1 Kontext takes 1" in problems
+    assert any(p.startswith("sampling.prompts[0].control_images: ") and "a.png not found" in p for p in problems)
+    flux_run = kontext_run.model_copy(update={"model": kontext_run.model.model_copy(update={"family": "flux"})})
+    assert any(p.startswith("concepts[0].controls.source: FLUX.1 takes no control images")
+               for p in preflight_problems(flux_run))
