@@ -165,3 +165,16 @@ def test_preflight_names_control_problems_before_the_model_loads(kontext, tmp_pa
     flux_run = kontext_run.model_copy(update={"model": kontext_run.model.model_copy(update={"family": "flux"})})
     assert any(p.startswith("concepts[0].controls.source: FLUX.1 takes no control images")
                for p in preflight_problems(flux_run))
+
+
+def test_crop_and_colour_jitter_move_the_controls_with_their_target(kontext, tmp_path):
+    """Uncached latents: with a control that is a copy of its target, every jittered draw (crop,
+    mirror, colour) gives the control exactly the target's latents."""
+    write_edit_pairs(tmp_path / "pairs", count=1, width=96, height=64)
+    shutil.copy(tmp_path / "pairs" / "target" / "000.png", tmp_path / "pairs" / "control" / "000.png")
+    dataset, _ = _dataset(kontext, tmp_path / "pairs", tmp_path, cache_latents=False, crop_jitter=True,
+                          color_jitter=0.3, flip=True, aspect_buckets=False)
+    draws = [dataset.collate([0], torch.device("cpu"), batch_index=i) for i in range(4)]
+    for batch in draws:
+        torch.testing.assert_close(batch.controls[:, 0], batch.latents, atol=1e-5, rtol=0)
+    assert (draws[0].latents - draws[1].latents).abs().max() > 1e-3  # the draws do differ
