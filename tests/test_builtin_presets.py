@@ -118,8 +118,8 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         return  # a fine-tune saves a model, an embedding run its embedding file: no LoRA to load
     if config.adapter.type not in DIFFUSERS_LOADS:
         return  # no diffusers loader for this adapter type (see DIFFUSERS_LOADS)
-    if config.model.family in ("flux", "chroma") and config.output.format in ("kohya", "comfy"):
-        # diffusers' kohya-FLUX converter (Chroma's too) splits the fused qkv/linear1 LoRAs at FLUX's
+    if config.model.family in ("flux", "flux_kontext", "chroma") and config.output.format in ("kohya", "comfy"):
+        # diffusers' kohya-FLUX converter (Kontext's and Chroma's too) splits the fused qkv/linear1 LoRAs at FLUX's
         # real widths (3072/12288, hard-coded), so a tiny model's file cannot be split there; the
         # same layer sets load exactly at real width in tests/test_flux_kohya_files.py.
         return

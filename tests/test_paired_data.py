@@ -146,3 +146,35 @@ def test_control_latents_are_cached_and_reused(kontext, tmp_path):
     assert again.cache_stats["latents"][1] == 0
     batch, replay = first.collate([0, 1], torch.device("cpu")), again.collate([0, 1], torch.device("cpu"))
     assert torch.equal(batch.controls, replay.controls) and torch.equal(batch.latents, replay.latents)
+
+
+def test_preflight_names_control_problems_before_the_model_loads(kontext, tmp_path):
+    from modules.trainer.preflight import preflight_problems
+
+    model, _ = kontext
+    write_edit_pairs(tmp_path / "pairs", count=1)
+    _manifest(tmp_path / "pairs", ['{"target": "target/000.png"}'])
+    prompts = [{"prompt": "x", "control_images": [str(tmp_path / "a.png"), str(tmp_path / "b.png")]}]
+    kontext_run = train_config(model, tmp_path, tmp_path, {
+        "model": {"family": "flux_kontext"}, "sampling": {"prompts": prompts},
+        "concepts": [{"path": str(tmp_path / "pairs"), "controls": {"source": "manifest"}}]})
+    problems = preflight_problems(kontext_run)
+    assert any("pairs.jsonl line 1: \"control\" must be" in p for p in problems)
+    assert "sampling.prompts[0].control_images: 2 given; FLUX.1 Kontext takes 1" in problems
+    assert any(p.startswith("sampling.prompts[0].control_images: ") and "a.png not found" in p for p in problems)
+    flux_run = kontext_run.model_copy(update={"model": kontext_run.model.model_copy(update={"family": "flux"})})
+    assert any(p.startswith("concepts[0].controls.source: FLUX.1 takes no control images")
+               for p in preflight_problems(flux_run))
+
+
+def test_crop_and_colour_jitter_move_the_controls_with_their_target(kontext, tmp_path):
+    """Uncached latents: with a control that is a copy of its target, every jittered draw (crop,
+    mirror, colour) gives the control exactly the target's latents."""
+    write_edit_pairs(tmp_path / "pairs", count=1, width=96, height=64)
+    shutil.copy(tmp_path / "pairs" / "target" / "000.png", tmp_path / "pairs" / "control" / "000.png")
+    dataset, _ = _dataset(kontext, tmp_path / "pairs", tmp_path, cache_latents=False, crop_jitter=True,
+                          color_jitter=0.3, flip=True, aspect_buckets=False)
+    draws = [dataset.collate([0], torch.device("cpu"), batch_index=i) for i in range(4)]
+    for batch in draws:
+        torch.testing.assert_close(batch.controls[:, 0], batch.latents, atol=1e-5, rtol=0)
+    assert (draws[0].latents - draws[1].latents).abs().max() > 1e-3  # the draws do differ

@@ -14,6 +14,7 @@ import random
 
 import customtkinter as ctk
 
+from modules.config.control_config import ControlConfig
 from modules.config.train_config import CaptionConfig, ConceptConfig
 from ui.augment_preview import DRAWS, settings_text
 from ui.background import THUMBNAILS
@@ -61,13 +62,14 @@ class ConceptWindow(ctk.CTkToplevel):
         ctk.CTkButton(head, text="Captions…", width=90,
                       command=lambda: self.tab.open_dataset_tool(self.index)).pack(side="right", padx=4, pady=4)
         self.tab.form(self.body, ConceptConfig, at, HEAD)
-        placed = set(HEAD) | {"captions"}
+        placed = set(HEAD) | {"captions", "controls"}
         for title, names in GROUPS:
             group = subsection(self.body, title)
             self.tab.form(group, ConceptConfig, at, names)
             if title == "Captions":
                 self.tab.form(group, CaptionConfig, f"{at}.captions")
             placed |= set(names)
+        self.tab.form(subsection(self.body, "Control images (edit models)"), ControlConfig, f"{at}.controls")
         rest = [n for n in ConceptConfig.model_fields if n not in placed]
         if rest:  # a field added to ConceptConfig shows up here without a GUI change
             self.tab.form(subsection(self.body, "More"), ConceptConfig, at, rest)

@@ -31,7 +31,7 @@ from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
-from modules.data.pairs import attach_controls, check_controls, drop_unready, scan_items
+from modules.data.pairs import attach_controls, check_controls, drop_unready, fresh_controls, scan_items
 from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
@@ -109,7 +109,7 @@ class FreshLatents:
     color_jitter: float
 
     def load(self, entries: list[Entry], flipped: list[bool], rngs: list):
-        pixels, masks, positions = [], [], []
+        pixels, masks, positions, controls = [], [], [], []
         for entry, flip, rng in zip(entries, flipped, rngs):
             width, height = entry.bucket
             position = crop_position(rng, self.crop_jitter)
@@ -119,15 +119,26 @@ class FreshLatents:
             if flip:
                 image = image.flip(-1)
                 mask = mask.flip(-1) if mask is not None else None
+            state = rng.getstate()  # the controls replay the target's colour draws
             pixels.append(color_jitter(image, self.color_jitter, rng))
             masks.append(mask)
-        return torch.stack(pixels), masks, positions
+            controls.append(fresh_controls(entry.item.controls, width, height, position, flip, self.color_jitter,
+                                           rng, state))
+        stacked = torch.stack(controls) if controls[0] is not None else None
+        return torch.stack(pixels), masks, positions, stacked
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, masks: list, device: torch.device):
         latents = self.family.encode_images(pixels.to(device, non_blocking=True)).float()
         grid = latents.shape[-2:]
         return latents, [latent_mask(m, *grid) if m is not None else None for m in masks]
+
+    @torch.no_grad()
+    def encode_controls(self, controls: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """(B, N, 3, H, W) control pixels -> (B, N, C, h, w) latents."""
+        b, n = controls.shape[:2]
+        latents = self.family.encode_images(controls.flatten(0, 1).to(device, non_blocking=True)).float()
+        return latents.unflatten(0, (b, n))
 
 
 @dataclass
@@ -228,8 +239,9 @@ class TrainDataset:
                             for e, flip in zip(entries, flipped)]
                 control_latents = _pinned(torch.stack(controls), pin)
         else:
-            pixels, sample_masks, positions = self.fresh.load(entries, flipped, rngs)
+            pixels, sample_masks, positions, control_latents = self.fresh.load(entries, flipped, rngs)
             pixels = _pinned(pixels, pin)
+            control_latents = None if control_latents is None else _pinned(control_latents, pin)  # pixels, here
         image_info = torch.tensor([_image_info(e, p) for e, p in zip(entries, positions)], dtype=torch.float32)
         text = None
         if entries[0].text_key is not None:
@@ -257,6 +269,8 @@ class TrainDataset:
             floor = torch.tensor([w if m is not None else 1.0 for w, m in zip(host.unmasked_weights, sample_masks)])
             masks = mask_loss_weights(raw, floor.to(device))
         controls = None if host.controls is None else host.controls.to(device, non_blocking=True)
+        if controls is not None and host.latents is None:
+            controls = self.fresh.encode_controls(controls, device)
         return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device), controls)
 
 

@@ -21,11 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+import torch
+
 from modules.config.control_config import ControlConfig
 from modules.config.train_config import ConceptConfig
 from modules.data.cache import cache_key
 from modules.data.concepts import IMAGE_SUFFIXES, ConceptItem, DataError, scan_concept
-from modules.data.images import image_size
+from modules.data.augment import color_jitter
+from modules.data.images import image_size, load_cropped
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -135,7 +138,7 @@ def _readable(where: str, target: Path, controls, warn: Callable[[str], None]) -
 
 
 def check_controls(config: TrainConfig, family: ModelFamily, concepts) -> None:
-    """Before scanning: paired concepts need a family that takes control images, and cached latents."""
+    """Before scanning: paired concepts need a family that takes control images."""
     paired = [(i, c) for i, c in concepts if c.controls.source != "none"]
     if not paired:
         return
@@ -143,9 +146,6 @@ def check_controls(config: TrainConfig, family: ModelFamily, concepts) -> None:
     if family.control_images == 0:
         raise DataError(f"concepts[{index}].controls.source: {family.label} takes no control images "
                         "(model.family: choose an edit model, such as flux_kontext)")
-    if not config.data.cache_latents:
-        raise DataError(f"concepts[{index}].controls: samples with control images need data.cache_latents "
-                        "(crop_jitter and color_jitter are not applied to control images)")
 
 
 def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: str, where) -> list[Entry]:
@@ -195,3 +195,19 @@ def drop_unready(entries: list[Entry], ready: set[str], warn: Callable[[str], No
             continue
         kept.append(entry)
     return [e for e in kept if e.latent_key in ready]
+
+
+def fresh_controls(paths, width: int, height: int, position, flip: bool, strength: float, rng, state):
+    """(N, 3, height, width) control pixels augmented as their target was (data.cache_latents off):
+    the same crop position and mirror, and the same colour draws (`rng` replayed from `state`, the
+    stream before the target's colour jitter, and left where the target's jitter left it); None
+    for a plain image."""
+    if not paths:
+        return None
+    after, controls = rng.getstate(), []
+    for path in paths:
+        rng.setstate(state)
+        image = load_cropped(path, width, height, position)
+        controls.append(color_jitter(image.flip(-1) if flip else image, strength, rng))
+    rng.setstate(after)
+    return torch.stack(controls)

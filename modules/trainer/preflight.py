@@ -55,7 +55,7 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch, captions = _concept_problems(config)
     problems = (device_problems + place_problems + model_problems + _init_from_problems(config) + caption_problems
-                + _loss_problems(config) + _frame_problems(config))
+                + _loss_problems(config) + _frame_problems(config) + _control_problems(config))
     if config.embeddings:
         from modules.methods.embedding_files import embedding_problems
 
@@ -265,13 +265,36 @@ def _loss_problems(config: TrainConfig) -> list[str]:
     return []
 
 
+def _control_problems(config: TrainConfig) -> list[str | UserError]:
+    """Control images where the family takes none (or more than it takes), and sample prompts'
+    control images that are not there."""
+    from modules.config.families import get_family_declaration
+    from modules.data.concepts import DataError
+    from modules.data.pairs import check_controls
+
+    family = get_family_declaration(config.model.family)
+    problems: list[str | UserError] = []
+    try:
+        check_controls(config, family, [(i, c) for i, c in enumerate(config.concepts) if c.enabled])
+    except DataError as error:
+        problems.append(error)
+    for index, prompt in enumerate(config.sampling.prompts):
+        where = f"sampling.prompts[{index}].control_images"
+        if len(prompt.control_images) > family.control_images:
+            problems.append(f"{where}: {len(prompt.control_images)} given; {family.label} takes "
+                            f"{family.control_images or 'none'}")
+        problems += [f"{where}: {path} not found" for path in prompt.control_images if not Path(path).is_file()]
+    return problems
+
+
 # --- the data ----------------------------------------------------------------------------------
 
 def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int, list[str]]:
     """Each enabled concept scanned as training will scan it (captions read and decoded);
     also how many images an epoch trains, for the disk estimate, and the captions it trains on
     (with their prefix and suffix)."""
-    from modules.data.concepts import DataError, check_concepts, scan_concept
+    from modules.data.concepts import DataError, check_concepts
+    from modules.data.pairs import scan_items
 
     try:
         check_concepts(config.concepts)
@@ -282,7 +305,7 @@ def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int, list[s
         if not concept.enabled:
             continue
         try:
-            items = scan_concept(index, concept, _ignore)
+            items = scan_items(index, concept, _ignore)
         except DataError as error:
             problems.append(error)
             continue
