@@ -114,6 +114,9 @@ class PlanPanel(ctk.CTkFrame):
                                   font=ctk.CTkFont(family="monospace", size=11))
         self.fixes.pack(fill="x", padx=8, pady=(0, 6))
         self.cfg.validate_listeners.append(self.config_changed)
+        # built when its tab is first shown or used (ui/lazy_tabs.py), after the window's first
+        # validation: plan the config as it stands now, not only after the next edit
+        self.after_idle(self.config_changed)
         # (on the plain canvas: a CTkFrame binds events to an inner canvas of its own)
         self.canvas.bind("<Destroy>", self._destroyed, add="+")
 
