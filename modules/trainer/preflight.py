@@ -5,7 +5,8 @@ A run that would fail only after minutes of loading (or, worse, at its final sav
 a second instead: an output path that is a folder or on a read-only disk, a workspace that cannot
 be written or cannot hold the planned backups, a train device this torch does not have, a model
 folder of another family than `model.family`, damaged weight files, captions that are not UTF-8,
-dtypes and weight modes that do not run here. Nothing is written (a write test creates and removes
+dtypes and weight modes that do not run here, a run whose planned peak is over the train device's
+free memory (fit_check.py: the plan of modules/plan/, where the device says what is free). Nothing is written (a write test creates and removes
 one temp file); nothing is loaded but file headers and JSON.
 """
 
@@ -61,7 +62,14 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
 
         problems += embedding_problems(config.embeddings, captions)
     if device is not None:
-        problems += _dtype_problems(config, device)
+        dtype_problems = _dtype_problems(config, device)
+        problems += dtype_problems
+        if family is not None and not dtype_problems:  # a config that loads: does it fit its device?
+            from modules.trainer.fit_check import fit_problem
+
+            problem = fit_problem(config, device)
+            if problem:
+                problems.append(problem)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
         refused = {str(problem).split(":")[0] for problem in place_problems}
         problems += _disk_space_problems(config, family, images_per_epoch, refused)
