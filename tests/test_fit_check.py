@@ -28,6 +28,17 @@ def test_a_run_over_the_fake_devices_free_memory_is_refused(fake_device, tiny_mo
     run_preflight(config)  # no capacity: the same config passes
 
 
+def test_a_device_with_room_for_many_times_the_model_is_not_planned(monkeypatch, tiny_model, shape_images, tmp_path):
+    import modules.plan.run_plan as run_plan
+    from modules.trainer import fit_check
+
+    config = train_config(tiny_model, shape_images, tmp_path, {"train_device": "fakegpu"})
+    monkeypatch.setattr(fit_check, "free_device_memory", lambda device: 2**40)  # the fake device unbounded
+    monkeypatch.setattr(run_plan, "plan_run", lambda *a, **k: pytest.fail("planned a run that surely fits"))
+    assert fit_check.fit_problem(config, torch.device("cpu")) is None
+    assert not fit_check.surely_fits(config, 2**30)  # 1 GiB is not 8x SD1.5's 4.3 GB of float32 weights
+
+
 def test_the_cpu_has_no_free_figure_so_nothing_is_refused():
     from modules.trainer.fit_check import free_device_memory
 

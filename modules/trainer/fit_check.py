@@ -3,7 +3,8 @@ preflight refuses a config whose planned peak is over the device's free memory, 
 and the `--set` lines that make it fit, instead of an out-of-memory error minutes later.
 
 Only where the device says how much is free (its torch module's `mem_get_info`: CUDA, the tests'
-fake device); on the CPU nothing is refused (its "device" memory is the host's, which the plan
+fake device with a capacity), and not where that is far more than the model can need (SURELY_FITS:
+an H200 training SDXL is not planned); on the CPU nothing is refused (its "device" memory is the host's, which the plan
 cannot bound without knowing what else the machine runs).
 """
 
@@ -31,10 +32,25 @@ def available_ram() -> int | None:
     return int(psutil.virtual_memory().available)
 
 
+# a device with this many times the family's released float32 weights free is not planned: planning a
+# real-width model costs up to a minute of CPU (modules/plan/: a fake training step), and no built-in
+# setting needs that much room (activations at 1024 px, batch 4, stay well under 4x the weights)
+SURELY_FITS = 8
+
+
+def surely_fits(config: TrainConfig, free: int) -> bool:
+    """Whether `free` bytes hold SURELY_FITS x the family's released weights in float32 (its
+    nominal parameter counts): a run that cannot need planning."""
+    from modules.config.families import get_family_class
+
+    counts = getattr(get_family_class(config.model.family), "nominal_part_parameters", None) or {}
+    return bool(counts) and free >= SURELY_FITS * 4 * sum(counts.values())
+
+
 def fit_problem(config: TrainConfig, device: torch.device) -> str | None:
     """One problem line (and its fixes below it) when the plan says the run does not fit, else None."""
     free = free_device_memory(device)
-    if free is None:
+    if free is None or surely_fits(config, free):
         return None
     from modules.plan.run_plan import plan_run
 
