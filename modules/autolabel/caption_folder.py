@@ -70,15 +70,14 @@ def new_caption(existing: str, generated: str, mode: str) -> str:
     return generated
 
 
-def caption_images(images: list[Path], captioner, template: str, mode: str = "overwrite", batch_size: int = 4,
-                   max_new_tokens: int = 60, on_progress: Callable[[LabelReport, Path], None] = lambda r, p: None,
-                   on_warning: Callable[[str], None] = lambda message: None,
-                   stop_requested: Callable[[], bool] = lambda: False) -> LabelReport:
-    check_mode(mode), check_batch_size(batch_size)
-    report = LabelReport(total=len(images))
+def readable_batches(images: list[Path], batch_size: int, skip: Callable[[Path], bool], report: LabelReport,
+                     on_progress: Callable, on_warning: Callable[[str], None], stop_requested: Callable[[], bool]):
+    """Batches of (image, RGB picture) to label, for the caption and mask commands alike: images
+    `skip` says are done and unreadable ones are recorded in `report` (and reported) on the way;
+    a stop ends it between batches (`report.stopped`)."""
     todo = []
     for image in images:
-        if mode == "skip-existing" and read_caption(image):
+        if skip(image):
             report.skipped.append(image)
             on_progress(report, image)
         else:
@@ -86,7 +85,7 @@ def caption_images(images: list[Path], captioner, template: str, mode: str = "ov
     for start in range(0, len(todo), batch_size):
         if stop_requested():
             report.stopped = True
-            break
+            return
         batch = []
         for image in todo[start:start + batch_size]:
             pixels = open_rgb(image)
@@ -95,9 +94,20 @@ def caption_images(images: list[Path], captioner, template: str, mode: str = "ov
                 on_warning(f"{image}: not a readable image, skipped")
                 on_progress(report, image)
             else:
-                batch.append((image, pixels, read_caption(image)))
-        if not batch:
-            continue
+                batch.append((image, pixels))
+        if batch:
+            yield batch
+
+
+def caption_images(images: list[Path], captioner, template: str, mode: str = "overwrite", batch_size: int = 4,
+                   max_new_tokens: int = 60, on_progress: Callable[[LabelReport, Path], None] = lambda r, p: None,
+                   on_warning: Callable[[str], None] = lambda message: None,
+                   stop_requested: Callable[[], bool] = lambda: False) -> LabelReport:
+    check_mode(mode), check_batch_size(batch_size)
+    report = LabelReport(total=len(images))
+    skip = (lambda image: bool(read_caption(image))) if mode == "skip-existing" else (lambda image: False)
+    for pairs in readable_batches(images, batch_size, skip, report, on_progress, on_warning, stop_requested):
+        batch = [(image, pixels, read_caption(image)) for image, pixels in pairs]
         prompts = [fill(template, image, existing) for image, _, existing in batch]
         captions = captioner.caption([pixels for _, pixels, _ in batch], prompts, max_new_tokens)
         for (image, _, existing), caption in zip(batch, captions):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from modules.autolabel.caption_folder import LabelReport, check_batch_size, check_mode, open_rgb
+from modules.autolabel.caption_folder import LabelReport, check_batch_size, check_mode, readable_batches
 from modules.autolabel.images import mask_file
 from modules.autolabel.model_folder import LabelModelError, model_config
 from modules.autolabel.transformers_models import load_model, load_pretrained, model_inputs
@@ -99,28 +99,8 @@ def mask_images(images: list[Path], masker, prompt: str, threshold: float = 0.4,
     if not prompt.strip():
         raise UserError("say what to mask (e.g. 'a person')", field="--prompt")
     report = LabelReport(total=len(images))
-    todo = []
-    for image in images:
-        if mode == "skip-existing" and mask_path(image) is not None:
-            report.skipped.append(image)
-            on_progress(report, image)
-        else:
-            todo.append(image)
-    for start in range(0, len(todo), batch_size):
-        if stop_requested():
-            report.stopped = True
-            break
-        batch = []
-        for image in todo[start:start + batch_size]:
-            pixels = open_rgb(image)
-            if pixels is None:
-                report.failed.append(image)
-                on_warning(f"{image}: not a readable image, skipped")
-                on_progress(report, image)
-            else:
-                batch.append((image, pixels))
-        if not batch:
-            continue
+    skip = (lambda image: mask_path(image) is not None) if mode == "skip-existing" else (lambda image: False)
+    for batch in readable_batches(images, batch_size, skip, report, on_progress, on_warning, stop_requested):
         for (image, pixels), probability in zip(batch, masker.probabilities([p for _, p in batch], prompt)):
             existing = _existing_mask(image, pixels.size) if mode == "add" else None
             mask = binary_mask(probability, threshold, expand, existing)
