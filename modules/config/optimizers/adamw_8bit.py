@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-
 from modules.config.optimizer_configs import register_optimizer_config
 from modules.config.optimizers.adamw import AdamWConfig
 
