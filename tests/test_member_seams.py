@@ -209,6 +209,22 @@ def test_a_runtime_algorithm_is_a_config_type_with_its_own_options(toy_algorithm
         build_config([{"adapter": {"type": ADAPTER, "initial": -2}}])
 
 
+def test_the_gui_menu_lists_each_algorithm_under_the_label_it_declares(toy_algorithm):
+    """The top bar's training-method menu comes from the declarations (label, dora_label), never a
+    name table in ui: a runtime algorithm shows under its `type`, a declared label replaces it."""
+    from modules.adapters.registry import register_adapter, unregister_adapter
+    from ui.app import training_methods
+
+    methods = training_methods()
+    assert methods["LoRA"] == ("lora", False) and methods["DoRA"] == ("lora", True)
+    assert methods["LoHa"] == ("loha", False) and methods[ADAPTER] == (ADAPTER, False)
+    unregister_adapter(ADAPTER)
+    register_adapter(ToyIA3Module, label="Toy (IA3)", dora_label="Toy + DoRA")
+    methods = training_methods()
+    assert methods["Toy (IA3)"] == (ADAPTER, False) and methods["Toy + DoRA"] == (ADAPTER, True)
+    assert ADAPTER not in methods
+
+
 def test_a_runtime_algorithm_trains_saves_and_loads_back(toy_algorithm, tmp_path, tiny_model, shape_images):
     from modules.adapters.formats.files import load_adapter_file
 

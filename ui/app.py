@@ -46,19 +46,16 @@ TABS = [("General", GeneralTab), ("Model", ModelTab), ("Concepts", ConceptsTab),
         ("Backup", BackupTab), ("Run", RunTab)]
 
 # training method -> (adapter.type, adapter.dora)
-METHOD_NAMES = {"lora": "LoRA", "loha": "LoHa", "lokr": "LoKr", "oft": "OFT"}  # display names only
-
-
 def training_methods() -> dict[str, tuple[str, bool]]:
-    """Menu entry -> (adapter.type, adapter.dora): each registered algorithm, and DoRA after LoRA.
-    Asked when the window is built, not at import (the algorithms' registry imports torch)."""
-    from modules.config.adapter_configs import adapter_config_classes
+    """Menu entry -> (adapter.type, adapter.dora): each registered algorithm under the label it
+    declares, followed by its DoRA entry where it declares one. Asked when the window is built."""
+    from modules.config.adapter_configs import ADAPTERS
 
     methods = {}
-    for kind in adapter_config_classes():
-        methods[METHOD_NAMES.get(kind, kind)] = (kind, False)
-        if kind == "lora":
-            methods["DoRA"] = ("lora", True)
+    for kind, member in ADAPTERS.members().items():
+        methods[member.traits.label or kind] = (kind, False)
+        if member.traits.dora_label:
+            methods[member.traits.dora_label] = (kind, True)
     return methods
 
 

@@ -132,6 +132,10 @@ class DecompositionOptions(StrictModel):
 class AdapterTraits:
     """What an adapter algorithm declares beside its config (register(..., trait=value))."""
 
+    label: str = ""  # its name in menus ("LoHa"); empty: its `type`
+    # its name in menus with `dora: true` ("DoRA"); empty: the algorithm has no DoRA entry of its own
+    dora_label: str = ""
+
 
 ADAPTERS = TaggedUnion("adapter", base=AdapterConfigBase, default=DEFAULT_ADAPTER_TYPE, traits=AdapterTraits,
                        package="modules.config.adapters")

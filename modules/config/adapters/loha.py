@@ -13,4 +13,4 @@ class LoHaConfig(LowRankOptions, AdapterConfigBase):
     type: Literal["loha"] = Field("loha", description="loha: a Hadamard product of two low-rank products.")
 
 
-register_adapter_config(LoHaConfig, "modules.adapters.loha:LoHaModule")
+register_adapter_config(LoHaConfig, "modules.adapters.loha:LoHaModule", label="LoHa")

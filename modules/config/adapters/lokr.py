@@ -27,4 +27,4 @@ class LoKrConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
         return value
 
 
-register_adapter_config(LoKrConfig, "modules.adapters.lokr:LoKrModule")
+register_adapter_config(LoKrConfig, "modules.adapters.lokr:LoKrModule", label="LoKr")

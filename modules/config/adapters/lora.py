@@ -14,4 +14,4 @@ class LoRAConfig(DecompositionOptions, LowRankOptions, AdapterConfigBase):
     type: Literal["lora"] = Field("lora", description="lora: low-rank up(down(x)) (with dora: DoRA).")
 
 
-register_adapter_config(LoRAConfig, "modules.adapters.lora:LoRAModule")
+register_adapter_config(LoRAConfig, "modules.adapters.lora:LoRAModule", label="LoRA", dora_label="DoRA")

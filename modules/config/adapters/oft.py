@@ -23,4 +23,4 @@ class OFTConfig(AdapterConfigBase):
                               "ComfyUI clips to the value itself (differs once it binds).")
 
 
-register_adapter_config(OFTConfig, "modules.adapters.oft:OFTModule")
+register_adapter_config(OFTConfig, "modules.adapters.oft:OFTModule", label="OFT")
