@@ -74,7 +74,7 @@ def _run_on_cpu(op, args, kwargs, outs_to_temp: bool):
         if isinstance(value, torch.device) and value.type == NAME:
             return _CPU
         if isinstance(value, (list, tuple)):
-            return type(value)(convert(v, arg_name) for v in value)
+            return type(value)(convert(v, arg_name) for v in value)  # noqa: F821 (itself; deleted after use to break the cycle)
         if isinstance(value, torch.Generator) and value.device.type != NAME:
             raise RuntimeError(f"Expected a '{NAME}' device type for generator but found '{value.device.type}'")
         return value
@@ -122,7 +122,7 @@ def _run_on_cpu(op, args, kwargs, outs_to_temp: bool):
                 return _new_fake(value.dtype, st, value.storage_offset(), value.size(), value.stride())
             return _wrap(value)
         if isinstance(value, (list, tuple)):
-            return type(value)(back(v) for v in value)
+            return type(value)(back(v) for v in value)  # noqa: F821 (itself; deleted after use to break the cycle)
         return value
 
     try:

@@ -5,7 +5,6 @@ their optimizer state travels with them. The train device is the fake second dev
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

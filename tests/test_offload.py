@@ -21,7 +21,7 @@ from modules.quantization.replace import quantize_model_
 from modules.trainer.callbacks import TrainCallbacks
 from modules.trainer.generic_trainer import GenericTrainer
 
-F, B, O = Pass.FORWARD_THEN_BACKWARD, Pass.BACKWARD, Pass.FORWARD_ONLY
+F, B, O = Pass.FORWARD_THEN_BACKWARD, Pass.BACKWARD, Pass.FORWARD_ONLY  # noqa: E741 (the schedule tables read as letters)
 
 
 # --- the schedule, as tables ---------------------------------------------------------------------

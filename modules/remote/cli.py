@@ -116,7 +116,10 @@ def cmd_remote(args) -> int:
     from modules.config.errors import ConfigError
 
     out = _Output(args.protocol)
-    log = (lambda text: print(f"[remote] {text}", file=sys.stderr, flush=True))
+
+    def log(text):
+        print(f"[remote] {text}", file=sys.stderr, flush=True)
+
     try:
         if args.attach:
             run = RemoteRun.from_session(_workspace_from_args(args), log)

@@ -209,7 +209,9 @@ def supervise(run: str, argv: list[str]) -> int:
     fifo = os.open(os.path.join(run, "commands.fifo"), os.O_RDWR)
     with open(os.path.join(run, "events.jsonl"), "ab") as events, open(os.path.join(run, "train.log"), "ab") as log:
         process = subprocess.Popen(argv, stdin=fifo, stdout=events, stderr=log, close_fds=True)
-        forward = lambda signum, _frame: process.send_signal(signum)
+        def forward(signum, _frame):
+            process.send_signal(signum)
+
         signal.signal(signal.SIGTERM, forward)
         signal.signal(signal.SIGINT, forward)
         code = process.wait()
