@@ -29,7 +29,7 @@ def test_every_adapter_type_trains_on_every_quantized_mode_with_offloading(adapt
     config = train_config(tiny_model, one_image, tmp_path, {
         "model": {"parts": {"unet": {"weight_dtype": mode, "gradient_checkpointing": True, "offload_fraction": 0.5}}},
         "adapter": {**ADAPTERS[adapter], "layer_preset": "attn"},
-        "schedule": {"epochs": 2, "batch_size": 1},
+        "schedule": {"epochs": 1, "batch_size": 1},  # one step: the first-step guard checks every adapter learns
         "optimizer": {"lr": 1e-3},
         "train_device": str(fake_device),
     })
@@ -39,6 +39,6 @@ def test_every_adapter_type_trains_on_every_quantized_mode_with_offloading(adapt
     initial = {k: v.cpu().clone() for k, v in trainer.adapters.state_dict().items()}
     assert all(p.device.type == fake_device.type for p in trainer.adapters.parameters())
     trainer.train()  # the first-step guard raises if any adapter parameter did not learn
-    assert trainer.step == 2 and torch.isfinite(torch.tensor(trainer.last_loss))
+    assert trainer.step == 1 and torch.isfinite(torch.tensor(trainer.last_loss))
     changed = [k for k, v in trainer.adapters.state_dict().items() if not torch.equal(v.cpu(), initial[k])]
     assert changed
