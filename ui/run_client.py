@@ -39,13 +39,15 @@ def local_train_argv(config_file: str | os.PathLike) -> list[str]:
     return [sys.executable, "-u", str(ROOT / "launch.py"), "train", "--config", str(config_file), "--protocol", "jsonl"]
 
 
-def record_process(run_dir: Path, pid: int) -> None:
-    """Written by the window that starts the run: who to look for after a reopen."""
+def record_process(run_dir: Path, pid: int, remote: bool = False) -> None:
+    """Written by the window that starts the run: who to look for after a reopen, and whether the
+    child relays a run on another machine (`launch.py remote`), which outlives the child itself."""
     try:
         created = psutil.Process(pid).create_time()
     except psutil.Error:
         return
-    (run_dir / PROCESS_FILE).write_text(json.dumps({"pid": pid, "created": created}), encoding="utf-8")
+    record = {"pid": pid, "created": created, **({"remote": True} if remote else {})}
+    (run_dir / PROCESS_FILE).write_text(json.dumps(record), encoding="utf-8")
 
 
 class EventFollower:
@@ -73,8 +75,9 @@ class EventFollower:
 
 class RunClient(EventFollower):
     def __init__(self, argv: list[str], cwd: str | os.PathLike | None = None, run_dir: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None, poll_s: float = 0.05):
+                 env: dict[str, str] | None = None, poll_s: float = 0.05, remote: bool = False):
         self.argv = list(argv)
+        self.remote = remote  # the child relays a run on another machine (recorded for a later window)
         self.cwd = str(cwd or ROOT)
         self.run_dir = Path(run_dir) if run_dir else None
         self.env = env
@@ -104,7 +107,7 @@ class RunClient(EventFollower):
             # and the run outlives the window when the user chooses to leave it running
             self.process = subprocess.Popen(self.argv, cwd=self.cwd, env=env, stdin=subprocess.PIPE,
                                             stdout=out, stderr=err, start_new_session=True)
-        record_process(self.run_dir, self.process.pid)  # so a window opened later finds the run again
+        record_process(self.run_dir, self.process.pid, self.remote)  # so a window opened later finds the run again
         self._thread = threading.Thread(target=self._read, name="run-reader", daemon=True)
         self._thread.start()
 

@@ -42,6 +42,17 @@ def format_seconds(seconds) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def new_run_dir() -> Path:
+    """A new folder for a run's config, events and log: <user dir>/runs/<date-time>[.N]."""
+    run_dir = user_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
+    suffix = 1
+    while run_dir.exists():
+        run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
+        suffix += 1
+    run_dir.mkdir(parents=True)
+    return run_dir
+
+
 class RunControl:
     @property
     def running(self) -> bool:
@@ -64,12 +75,7 @@ class RunControl:
             self._refuse(REFUSED_STATUS, problems)
             return False
         self.refused = []
-        run_dir = user_dir() / "runs" / time.strftime("%Y%m%d-%H%M%S")
-        suffix = 1
-        while run_dir.exists():
-            run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{suffix}")
-            suffix += 1
-        run_dir.mkdir(parents=True)
+        run_dir = new_run_dir()
         config_file = run_dir / "config.json"
         write_text(config_file, self.cfg.config_json() + "\n")
         self.save_last_config()
@@ -83,19 +89,24 @@ class RunControl:
             run_tab.load_history(history(run_dir))
         target = self.remote_target()
         run_tab.append_log(f"[run folder: {run_dir}]" + (f" [remote: {target.label}]" if target else ""))
-        self.client = RunClient(self.run_argv(config_file), cwd=ROOT, run_dir=run_dir)
+        self.client = RunClient(self.run_argv(config_file), cwd=ROOT, run_dir=run_dir, remote=target is not None)
         self.client.start()
+        self.progress.set(0)
+        self.epoch_progress.set(0)
+        self._following("starting")
+        self.set_status("Starting…")
+        return True
+
+    def _following(self, stage: str) -> None:
+        """The run bar of a run being followed (started here or found again): Stop and the commands
+        live, the step bar waiting for the first step, the events polled."""
         self.tabview.set("Run")
         self.start_button.configure(text="Stop", fg_color="#b23b3b", hover_color="#8e2b2b")
         for button in self.command_buttons.values():
             button.configure(state="normal")
-        self.progress.set(0)
-        self.epoch_progress.set(0)
-        self._stage = ("starting", time.monotonic())
+        self._stage = (stage, time.monotonic())
         self._waiting_bar(True)
-        self.set_status("Starting…")
         self.after(100, self._poll)
-        return True
 
     def _waiting_bar(self, waiting: bool) -> None:
         """Before the first step the step bar moves back and forth: the run is alive, its length unknown."""
@@ -128,7 +139,7 @@ class RunControl:
         samples and log from the start, then live; Stop and the commands reach it through its inbox."""
         found = find_live_run(user_dir() / "runs")
         if found is None:
-            return False
+            return self.reattach_remote()
         run_dir, pid = found
         self.run_events, self.total_steps, self._stop_requested = [], 0, False
         self.run_config = read_config(run_dir)
@@ -138,15 +149,9 @@ class RunControl:
             run_tab.load_history(history(run_dir, include_own=False))
         run_tab.append_log(f"[reattached to the run in {run_dir} (pid {pid}), started by an earlier window: "
                            "Stop, Sample now, Backup now and Save now reach it through its command inbox]")
-        self.client = AttachedRun(run_dir, pid)
+        self.client = AttachedRun(run_dir, pid)  # commands go through the run's inbox (ui/attached_run.py)
         self.client.start()
-        self.tabview.set("Run")
-        self.start_button.configure(text="Stop", fg_color="#b23b3b", hover_color="#8e2b2b")
-        for button in self.command_buttons.values():
-            button.configure(state="normal")  # through the run's inbox (ui/attached_run.py)
-        self._stage = ("following the run an earlier window started", time.monotonic())
-        self._waiting_bar(True)
-        self.after(100, self._poll)
+        self._following("following the run an earlier window started")
         return True
 
     def stop(self) -> None:
