@@ -1,5 +1,5 @@
 """Tiny random labelling models, built offline from transformers configs (for tests and trying the
-tools without a download): BLIP and BLIP-2 captioners, a LLaVA chat captioner and a CLIPSeg masker, each a
+tools without a download): BLIP, BLIP-2 and Florence-2 captioners, a LLaVA chat captioner and a CLIPSeg masker, each a
 folder from_pretrained reads, with a tokenizer built from a word list.
 
 A random model's first choice is often a special token, which decodes to an empty caption; the
@@ -153,5 +153,38 @@ def make_tiny_clipseg(out: str | Path) -> Path:
         decoder_intermediate_size=32)
     _seeded()
     CLIPSegForImageSegmentation(config).save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def make_tiny_florence2(out: str | Path) -> Path:
+    """A Florence-2 of two DaViT stages and one BART layer each way, at 32 px: 17 image tokens (the
+    4x4 patches of the last stage and their pooled token), which the processor's image_seq_length
+    must equal."""
+    from transformers import CLIPImageProcessorPil, Florence2Config, Florence2ForConditionalGeneration, Florence2Processor
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    special = ["<pad>", "<s>", "</s>", "<image>"]
+    prompt_words = "what does image describe? describe in detail is shown with paragraph .".split()
+    tokenizer, vocab = _word_tokenizer(special, list(dict.fromkeys(prompt_words + WORDS)), bos_token="<s>",
+                                       eos_token="</s>", pad_token="<pad>", extra_special_tokens={"image_token": "<image>"})
+    image_processor = CLIPImageProcessorPil(size={"height": 32, "width": 32}, do_center_crop=False)
+    image_processor.image_seq_length = 17
+    processor = Florence2Processor(image_processor=image_processor, tokenizer=tokenizer)
+    config = Florence2Config(
+        vision_config=dict(depths=[1, 1], patch_size=[7, 3], patch_stride=[4, 2], patch_padding=[3, 1],
+                           patch_prenorm=[False, True], embed_dim=[8, 16], num_heads=[1, 2], num_groups=[1, 2],
+                           window_size=2, projection_dim=16, drop_path_rate=0.0, max_temporal_embeddings=1,
+                           max_position_embeddings=8),
+        text_config=dict(vocab_size=len(vocab), d_model=16, encoder_layers=1, decoder_layers=1,
+                         encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                         max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         decoder_start_token_id=2, forced_bos_token_id=1),
+        image_token_id=vocab["<image>"])
+    _seeded()
+    model = Florence2ForConditionalGeneration(config)
+    _no_special_starts(model, [vocab[token] for token in special + ["[UNK]"]], eos=vocab["</s>"])
+    model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
