@@ -90,26 +90,62 @@ def _file_family(path, tiny_wan, shape_images, tmp_path, parts=None, **transform
     return family
 
 
+@pytest.fixture(scope="module")
+def folder_family(tiny_wan, shape_images, tmp_path_factory):
+    from modules.model.wan import WanFamily
+
+    family = WanFamily(train_config(tiny_wan, shape_images, tmp_path_factory.mktemp("wan"), {"model": {"family": "wan"}}))
+    family.load()
+    return family
+
+
+def _same_tensors(loaded, folder_family, what):
+    for part, module in folder_family.parts.items():
+        ours, theirs = loaded.parts[part].state_dict(), module.state_dict()
+        assert set(ours) == set(theirs), (what, part)
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), (what, part)
+
+
 def test_the_comfyui_and_wan_ai_transformer_files_load_the_folders_tensors(tmp_path, tiny_wan, shape_images,
-                                                                             comfy_transformer):
+                                                                             comfy_transformer, folder_family):
     from safetensors.torch import save_file
 
     from modules.model.detect import detect_family
-    from modules.model.wan import WanFamily
 
     bare = tmp_path / "diffusion_pytorch_model.safetensors"  # Wan-AI's original release: bare keys
     save_file({k: v.contiguous() for k, v in transformer_to_original(_folder_state(tiny_wan, "transformer")).items()},
               str(bare))
-    folder = WanFamily(train_config(tiny_wan, shape_images, tmp_path, {"model": {"family": "wan"}}))
-    folder.load()
     for path in (comfy_transformer, bare):
         assert detect_family(path) == "wan", path.name
         from_file = _file_family(path, tiny_wan, shape_images, tmp_path)
         from_file.load()
-        for part, module in folder.parts.items():
-            ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
-            assert set(ours) == set(theirs), (path.name, part)
-            assert all(torch.equal(ours[k], theirs[k]) for k in ours), (path.name, part)
+        _same_tensors(from_file, folder_family, path.name)
+
+
+def test_comfyuis_three_files_load_and_a_file_of_another_part_is_named(tmp_path, tiny_wan, shape_images,
+                                                                        comfy_transformer, folder_family):
+    """ComfyUI ships Wan as three files: the transformer (model.base), the VAE in its original layout
+    and UMT5 under transformers' names (model.parts.<part>.path); each loads the folder's tensors.
+    A file given for the wrong part is named, from its keys, before any weight loads."""
+    from diffusers import AutoencoderKLWan
+    from safetensors.torch import save_file
+
+    from modules.loading.diffusers_folder import ModelLoadError
+
+    vae_model = AutoencoderKLWan.from_pretrained(str(tiny_wan / "vae"))
+    vae_file, umt5_file = tmp_path / "wan_2.1_vae.safetensors", tmp_path / "umt5_xxl_tiny.safetensors"
+    vae = vae_to_original(_folder_state(tiny_wan, "vae"), len(vae_model.decoder.up_blocks[0].resnets) + 1)
+    assert "decoder.upsamples.3.shortcut.weight" in vae and "conv1.weight" in vae  # the original names
+    save_file(vae, str(vae_file))
+    save_file(_folder_state(tiny_wan, "text_encoder"), str(umt5_file))
+    parts = {"text_encoder": {"path": str(umt5_file)}, "vae": {"path": str(vae_file)}}
+    from_files = _file_family(comfy_transformer, tiny_wan, shape_images, tmp_path, parts)
+    from_files.load()
+    _same_tensors(from_files, folder_family, "three files")
+    swapped = {"text_encoder": {"path": str(vae_file)}, "vae": {"path": str(umt5_file)}}
+    with pytest.raises(ModelLoadError, match=r"model\.parts\.text_encoder\.path: wan_2\.1_vae\.safetensors holds no "
+                                             r"text_encoder weights"):
+        _file_family(comfy_transformer, tiny_wan, shape_images, tmp_path, swapped).load()
 
 
 def test_a_single_file_goes_through_the_weight_mode_and_the_keep_in_fp32_list(tmp_path, tiny_wan, shape_images,

@@ -82,7 +82,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
             return folder
         from modules.model import wan_single_file
 
-        stream = self.single_file_stream()
+        stream = self.single_file_stream(part)
         return wan_single_file.transformer_config_folder(
             folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape))
 
