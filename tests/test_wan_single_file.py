@@ -131,6 +131,7 @@ def test_comfyuis_three_files_load_and_a_file_of_another_part_is_named(tmp_path,
     from safetensors.torch import save_file
 
     from modules.loading.diffusers_folder import ModelLoadError
+    from modules.model.detect import detect_model, family_mismatch
 
     vae_model = AutoencoderKLWan.from_pretrained(str(tiny_wan / "vae"))
     vae_file, umt5_file = tmp_path / "wan_2.1_vae.safetensors", tmp_path / "umt5_xxl_tiny.safetensors"
@@ -142,6 +143,10 @@ def test_comfyuis_three_files_load_and_a_file_of_another_part_is_named(tmp_path,
     from_files = _file_family(comfy_transformer, tiny_wan, shape_images, tmp_path, parts)
     from_files.load()
     _same_tensors(from_files, folder_family, "three files")
+    for path, part in ((vae_file, "vae"), (umt5_file, "text_encoder"), (comfy_transformer, None)):
+        assert detect_model(path).part == part, path.name
+    assert "give this file as model.parts.vae.path" in family_mismatch(vae_file, "wan")
+    assert family_mismatch(umt5_file, "wan").endswith("model.parts.text_encoder.path")
     swapped = {"text_encoder": {"path": str(vae_file)}, "vae": {"path": str(umt5_file)}}
     with pytest.raises(ModelLoadError, match=r"model\.parts\.text_encoder\.path: wan_2\.1_vae\.safetensors holds no "
                                              r"text_encoder weights"):

@@ -28,7 +28,7 @@ from modules.config.families.wan import DECLARATION
 from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.wan import DIFFUSERS_READS_BLOCK_LAYER, WAN_KEYS
-from modules.model.wan_single_file import SIGNATURE
+from modules.model.wan_single_file import PART_SIGNATURES, SIGNATURE
 from modules.util.torch_utils import make_generator
 
 # WanPipeline's default `max_sequence_length`
@@ -48,6 +48,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     pipeline_classes = ("WanPipeline",)
     denoiser_config = {"_class_name": "WanTransformer3DModel"}
     single_file_signature = SIGNATURE
+    single_file_part_signatures = PART_SIGNATURES
     temporal_quantum = 4  # the VAE's 4x in time: 1 + 4n frames
     kohya_base_version = "wan_2.1_t2v"
     modelspec_architecture = "wan-2.1-t2v/lora"

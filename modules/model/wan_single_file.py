@@ -25,6 +25,10 @@ from pathlib import Path
 
 # a key only a Wan transformer file has: its blocks' self/cross attention under the original names
 SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", None)
+# the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
+# blocks past the first (T5 has it in block 0 only)
+PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",
+                   "text_encoder": r"^encoder\.block\.[1-9]\d*\.layer\.0\.SelfAttention\.relative_attention_bias\."}
 
 TRANSFORMER_PREFIXES = ("model.diffusion_model.", "blocks.", "head.", "patch_embedding.", "text_embedding.",
                         "time_embedding.", "time_projection.", "img_emb.")
