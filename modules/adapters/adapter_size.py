@@ -63,7 +63,7 @@ def _weight_shapes(family, part: str) -> dict[str, tuple[int, ...]] | None:
     if family.from_single_file(part):
         from modules.loading.single_file import part_keys
 
-        stream = family.single_file_stream()
+        stream = family.single_file_stream(part)
         streams, keys = [stream], {stream: part_keys(stream, family.single_file_part(part))}
     else:
         files = checkpoint_files(family.part_folder(part), f"model.parts.{part}")

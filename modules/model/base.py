@@ -71,6 +71,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
+    # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex
+    # only that part's keys match (detect.py names such a file given as model.base)
+    single_file_part_signatures: ClassVar[dict[str, str]] = {}
     # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
     # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file (ComfyUI's
     # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b, qwen3_8b, qwen25_7b); empty: none taken. A family

@@ -3,8 +3,8 @@
 A diffusers folder says it in model_index.json (the pipeline class) or, without one, in its
 denoiser's config.json; a component folder (config.json at its top) in that config. An
 original-layout .safetensors file says it in its key names (the header). Each family declares
-its own signs (`pipeline_classes`, `denoiser_config`, `single_file_signature` in its file), so
-nothing here names a family. Where no family matches, diffusers' own single-file classifier
+its own signs (`pipeline_classes`, `denoiser_config`, `single_file_signature` in its file; a file of
+one part alone, such as ComfyUI's Wan VAE: `single_file_part_signatures`), so nothing here names a family. Where no family matches, diffusers' own single-file classifier
 (`infer_diffusers_model_type`) or the pipeline class still names what the model is, so a caller
 can say "this is an SD3 model" rather than fail later on a missing folder.
 
@@ -25,6 +25,7 @@ from modules.config.families import family_names, get_family_class
 class DetectedModel:
     family: str | None  # a family name of modules/config/families.py; None: none of ours
     kind: str  # what the files call it: a pipeline or model class, or diffusers' model type
+    part: str | None = None  # a single file holding only this part of the family's model (its VAE, ...)
 
 
 def detect_family(path: str | Path) -> str | None:
@@ -92,6 +93,10 @@ def _detect_single_file(path: Path) -> DetectedModel | None:
         present, absent = (re.compile(p) if p else None for p in family.single_file_signature)
         if any(present.search(k) for k in keys) and not (absent and any(absent.search(k) for k in keys)):
             return DetectedModel(family.name, f"{family.label} checkpoint")
+    for family in _families():  # before diffusers' classifier, which calls a Wan VAE a Wan model
+        for part, signature in family.single_file_part_signatures.items():
+            if any(re.search(signature, k) for k in keys):
+                return DetectedModel(family.name, f"{family.label} {part} file", part)
     return _diffusers_model_type(stream)
 
 
@@ -117,6 +122,10 @@ def family_mismatch(path: str | Path, family: str) -> str | None:
     is, or when its files say nothing (the loader then names the problem). The trainer's preflight
     and the GUI (as soon as a model is chosen) show the same line."""
     detected = detect_model(path)
+    if detected is not None and detected.part and detected.family == family:
+        return (f"model.base: {path} holds only a {detected.kind.removesuffix(' file')}; model.base is the file "
+                f"of the {get_family_class(family).denoiser_part} (or a diffusers folder): give this file as "
+                f"model.parts.{detected.part}.path")
     if detected is None or detected.family == family:
         return None
     if detected.family is None:

@@ -158,7 +158,7 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         if part != "transformer" or not self.from_single_file(part):
             return folder
         try:
-            keys = self.single_file_stream().keys()
+            keys = self.single_file_stream(part).keys()
         except ModelLoadError:  # an unreadable file: the load itself says so, naming it
             return folder
 

@@ -65,8 +65,19 @@ class PartLoading:
 
         return Path(self.config.model.base) if is_single_file(self.config.model.base) else None
 
+    def part_file(self, part: str) -> Path | None:
+        """The single file `part` is read from: its own `path` when that is a file (a VAE or text
+        encoder shipped alone, as ComfyUI ships them), else the base file when the part has no path;
+        None: a diffusers folder."""
+        from modules.loading.single_file import is_single_file
+
+        own = self.config.model.parts[part].path
+        if own:
+            return Path(own) if is_single_file(own) else None
+        return self.single_file
+
     def from_single_file(self, part: str) -> bool:
-        return self.single_file is not None and not self.config.model.parts[part].path
+        return self.part_file(part) is not None
 
     def model_config_folder(self) -> Path:
         """The diffusers-layout configs (and tokenizers/scheduler where shipped) a single file's
@@ -75,13 +86,34 @@ class PartLoading:
             return Path(self.model_configs_dir)
         return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / self.name
 
-    def single_file_stream(self):
+    def single_file_stream(self, part: str | None = None):
+        """The open base file; with `part`, the file that part is read from (its own or the base)."""
         from modules.loading.single_file import open_single_file
 
+        if part is not None and self.part_file(part) != self.single_file:
+            return self._own_part_stream(part)
         if self._single_file_stream is None:
             self._single_file_stream = open_single_file(self.single_file)
             self._check_single_file_parts()
         return self._single_file_stream
+
+    def _own_part_stream(self, part: str):
+        """A part's own single file, opened once, checked to hold that part's weights."""
+        from modules.loading.single_file import open_single_file, part_keys
+
+        streams = self.__dict__.setdefault("_part_streams", {})
+        if part not in streams:
+            where, path = f"model.parts.{part}.path", self.part_file(part)
+            stream = open_single_file(path, where)
+            layout = self.single_file_part(part)
+            if layout is None:
+                raise ModelLoadError(f"{where}: {path.name} is a file; {self.label} reads its {part} from a "
+                                     f"diffusers {self.spec(part).subfolder}/ folder only")
+            if not part_keys(stream, layout):
+                raise ModelLoadError(f"{where}: {path.name} holds no {part} weights (its keys are not a {self.label} "
+                                     f"{part}'s); name the {part}'s single file or its diffusers folder here")
+            streams[part] = stream
+        return streams[part]
 
     def _check_single_file_parts(self) -> None:
         """Before any weights load: every part the file lacks must have its own `path`."""
@@ -93,9 +125,11 @@ class PartLoading:
                                  "diffusers folder only")
         for spec in self.part_specs:
             layout = self.single_file_part(spec.name)
-            if self.from_single_file(spec.name) and (layout is None or not part_keys(stream, layout)):
+            from_base = not self.config.model.parts[spec.name].path
+            if from_base and (layout is None or not part_keys(stream, layout)):
                 missing.append(f"model.parts.{spec.name}.path: {stream.path.name} holds no {spec.name} weights; "
-                               f"name a diffusers {spec.subfolder}/ folder (config.json and weights) here")
+                               f"name a diffusers {spec.subfolder}/ folder (config.json and weights)"
+                               + (f" or a single {spec.name} file" if layout else "") + " here")
         if missing:
             raise ModelLoadError("; ".join(missing))
 
@@ -117,7 +151,7 @@ class PartLoading:
                 from modules.loading.single_file import part_parameter_count
 
                 layout = self.single_file_part(spec.name)
-                counts[spec.name] = (part_parameter_count(self.single_file_stream(), layout) if layout
+                counts[spec.name] = (part_parameter_count(self.single_file_stream(spec.name), layout) if layout
                                      else self.nominal_part_parameters[spec.name])
                 continue
             files = checkpoint_files(self.part_folder(spec.name), f"model.parts.{spec.name}")
@@ -149,7 +183,7 @@ class PartLoading:
         if self.from_single_file(part):  # original-layout keys, converted to diffusers names
             from modules.loading.single_file import convert_part
 
-            stream = self.single_file_stream()
+            stream = self.single_file_stream(part)
             sources = [convert_part(stream, self.single_file_part(part), model, where)]
             folder = stream.path
         model, report = load_streamed(
@@ -178,7 +212,7 @@ class PartLoading:
         facts = []
         for part in parts:
             if self.from_single_file(part):
-                file = self.single_file
+                file = self.part_file(part)
                 facts.append([part, str(file.resolve()), self.weight_mode(part),
                               [file.stat().st_size, file.stat().st_mtime_ns]])
                 continue

@@ -79,7 +79,7 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         if part != "transformer" or not self.from_single_file(part):
             return folder
         try:
-            keys = self.single_file_stream().keys()
+            keys = self.single_file_stream(part).keys()
         except ModelLoadError:  # an unreadable file: the load itself says so, naming it
             return folder
         blocks = {int(m.group(1)) for k in keys if (m := re.search(r"joint_blocks\.(\d+)\.", k))}

@@ -17,6 +17,7 @@ compression: 1 + 4n frames become 1 + n latent frames). Every fact below is WanP
   negative prompt (empty if none) when cfg > 1.
 
 Adapter key names (ComfyUI's and musubi-tuner's original Wan names): modules/model/keys/wan.py.
+Single files (Wan-AI's and ComfyUI's transformer, VAE and UMT5 files): modules/model/wan_single_file.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from modules.config.families.wan import DECLARATION
 from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.wan import DIFFUSERS_READS_BLOCK_LAYER, WAN_KEYS
+from modules.model.wan_single_file import PART_SIGNATURES, SIGNATURE
 from modules.util.torch_utils import make_generator
 
 # WanPipeline's default `max_sequence_length`
@@ -45,6 +47,8 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan.py
     pipeline_classes = ("WanPipeline",)
     denoiser_config = {"_class_name": "WanTransformer3DModel"}
+    single_file_signature = SIGNATURE
+    single_file_part_signatures = PART_SIGNATURES
     temporal_quantum = 4  # the VAE's 4x in time: 1 + 4n frames
     kohya_base_version = "wan_2.1_t2v"
     modelspec_architecture = "wan-2.1-t2v/lora"
@@ -66,6 +70,22 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         # the released Wan 2.1 folders ship UniPC with flow sigmas; its flow_shift is the training shift too
         self.noise_scheduler = UniPCMultistepScheduler.from_pretrained(
             str(self.support_folder("scheduler")), local_files_only=True)
+
+    def single_file_part(self, part: str):
+        from modules.model import wan_single_file
+
+        return wan_single_file.single_file_part(part)
+
+    def part_folder(self, part: str):
+        # a single transformer file is built from the shipped config of the size it holds (1.3B, 14B)
+        folder = super().part_folder(part)
+        if part != "transformer" or not self.from_single_file(part):
+            return folder
+        from modules.model import wan_single_file
+
+        stream = self.single_file_stream(part)
+        return wan_single_file.transformer_config_folder(
+            folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape))
 
     @property
     def transformer(self):

@@ -49,7 +49,7 @@ def write_single_file(path: Path, family, dtype: torch.dtype, metadata: dict[str
             module = family.parts[spec.name]
             tensors.update(part_to_ldm(module, _cast(module.state_dict(), dtype), layout.prefixes[0]))
         else:  # the base file's own tensors of the part, as they are (uncopyable_parts refused the rest)
-            stream = family.single_file_stream()
+            stream = family.single_file_stream(spec.name)
             tensors.update({key: stream.read(key) for key in part_keys(stream, layout)})
     write_with(path, lambda temp: save_file(tensors, str(temp), metadata=metadata))
     return path
@@ -95,8 +95,7 @@ def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype:
             temp.mkdir()
             written = set()
             for spec in family.part_specs:
-                own_path = family.config.model.parts[spec.name].path
-                if spec.name in trained_parts or (single_file_base and not own_path and _dense(family, spec.name)):
+                if spec.name in trained_parts or (family.from_single_file(spec.name) and _dense(family, spec.name)):
                     _write_part(family.parts[spec.name], temp / spec.subfolder, dtype)
                 else:
                     _copy(family.part_folder(spec.name), temp / spec.subfolder)

@@ -47,7 +47,7 @@ from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.preflight import run_preflight
-from modules.trainer.scalar_log import ScalarLog
+from modules.trainer.tensorboard_log import TensorBoardLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sample_now import sample_requested
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
@@ -78,7 +78,7 @@ class GenericTrainer:
         self.steps_at_start = 0  # of them, those done before this process (a resume)
         self.lock = WorkspaceLock(self.workspace, self.callbacks.on_warning)
         self.output_path = config.output_path  # settled in start(): output.if_exists may version it
-        self.scalars: ScalarLog | None = None
+        self.tensorboard: TensorBoardLog | None = None
         self.backup_config: dict | None = None  # the config a resumed backup was written with
         self.resume_folder: Path | None = None  # the backup resumed from
         self.epoch = 0
@@ -153,7 +153,7 @@ class GenericTrainer:
         self.backup_action = TimedAction(config.schedule.backup_every)
         self.save_action = TimedAction(config.schedule.save_every)
         self.validate_action = TimedAction(config.schedule.validate_every)
-        self.scalars = ScalarLog(self.workspace / "tensorboard", config.tensorboard and self.ranks.main)
+        self.tensorboard = TensorBoardLog(self.workspace / "tensorboard", config.tensorboard and self.ranks.main)
 
     def _stopped_while_loading(self) -> None:
         """A stop (Ctrl-C, the GUI) before training: nothing more is loaded; train() and end() then do
@@ -391,7 +391,7 @@ class GenericTrainer:
             loss=self.last_loss, lr=lr, it_per_s=rate,
             eta_s=(self.total_steps - self.step) / rate if rate > 0 else float("inf"),
         ))
-        self.scalars.add(self.step, loss=self.last_loss, lr=lr)
+        self.tensorboard.add(self.step, loss=self.last_loss, lr=lr)
 
     @property
     def stopping(self) -> bool:
@@ -428,10 +428,13 @@ class GenericTrainer:
         with self.offload_paused(), self.evaluation_weights():
             # (several processes: `stopping` is what they agreed at the boundary, so none stops alone)
             paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names,
-                                   write=self.ranks.main, stop=lambda: self.stopping)
+                                   write=self.ranks.main, stop=lambda: self.stopping, on_made=self._log_sample)
         for path in paths:
             self.callbacks.on_sample(str(path))
         return paths
+
+    def _log_sample(self, name: str, made) -> None:
+        self.tensorboard.add_sample(self.step, f"samples/{name}", made, self.family.video_fps)
 
     def validate(self) -> float | None:
         """The validation loss (validation.py), logged and reported as a `validation` event."""
@@ -444,7 +447,7 @@ class GenericTrainer:
         loss = validation_loss(self)
         if not self.ranks.main:
             return None
-        self.scalars.add(self.step, validation_loss=loss)
+        self.tensorboard.add(self.step, validation_loss=loss)
         self.callbacks.on_validation(self.step, loss)
         return loss
 
@@ -509,8 +512,8 @@ class GenericTrainer:
         elif self.step == 0:
             self.callbacks.on_warning(f"output.path: no training step ran, so nothing was saved "
                                       f"({self.output_path} is left as it was)")
-        if self.scalars is not None:
-            self.scalars.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
         self.release()
         self.callbacks.on_finished()
         return path

@@ -251,7 +251,7 @@ def _check_weight_files(family, part: str) -> None:
     from modules.loading.streamed_load import checkpoint_files
 
     if family.from_single_file(part):
-        family.single_file_stream()  # opens the file and checks its header and which parts it holds
+        family.single_file_stream(part)  # opens the file and checks its header and which parts it holds
         return
     where = f"model.parts.{part}"
     for path in checkpoint_files(family.part_folder(part), where):

@@ -1,0 +1,102 @@
+"""Wan 2.1 single files as people download them: the transformer in the original Wan-AI layout
+(`blocks.N.self_attn.q`, `head.modulation`, ...; ComfyUI's repackaged files are the same keys, bare
+or under `model.diffusion_model.`, fp16/bf16 or "scaled fp8"), the VAE in its original layout
+(`encoder.downsamples.N`, `decoder.upsamples.N`, `conv1`/`conv2`: ComfyUI's wan_2.1_vae) and the
+UMT5-XXL encoder in transformers' names (ComfyUI's umt5_xxl_*: `shared.`, `encoder.block.N`).
+
+The transformer is converted by diffusers' own `convert_wan_transformer_to_diffusers` (what
+`WanTransformer3DModel.from_single_file` runs; its renames hold at any width). diffusers' VAE
+converter spells out the released VAE's decoder indices (three resnets and an upsampler per
+stage), so the VAE conversion here reads the stage length from the model it loads into and agrees
+with diffusers' on the released VAE (tests/test_wan_single_file.py). The UMT5 file needs no
+renames. Every part then streams through the family's weight mode like a folder does
+(ModelFamily.load_part), keep-in-fp32 and skip lists included.
+
+Which released transformer a file holds (1.3B or 14B) is read from its header (the width of
+`patch_embedding` and the block count) before any weight loads; the part is built from the
+matching config of resources/model_configs/wan/.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+# a key only a Wan transformer file has: its blocks' self/cross attention under the original names
+SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", None)
+# the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
+# blocks past the first (T5 has it in block 0 only)
+PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",
+                   "text_encoder": r"^encoder\.block\.[1-9]\d*\.layer\.0\.SelfAttention\.relative_attention_bias\."}
+
+TRANSFORMER_PREFIXES = ("model.diffusion_model.", "blocks.", "head.", "patch_embedding.", "text_embedding.",
+                        "time_embedding.", "time_projection.", "img_emb.")
+VAE_PREFIXES = ("encoder.conv1.", "encoder.downsamples.", "encoder.middle.", "encoder.head.", "decoder.", "conv1.",
+                "conv2.")
+TEXT_ENCODER_PREFIXES = ("shared.", "encoder.block.", "encoder.final_layer_norm.", "encoder.embed_tokens.")
+
+# the original VAE's residual blocks are Sequentials (norm, act, conv, norm, act, dropout, conv)
+_RESIDUAL = ((".residual.0.", ".norm1."), (".residual.2.", ".conv1."), (".residual.3.", ".norm2."),
+             (".residual.6.", ".conv2."), (".shortcut.", ".conv_shortcut."))
+_VAE_NAMES = ((r"^(encoder|decoder)\.conv1\.", r"\1.conv_in."), (r"^(encoder|decoder)\.head\.0\.", r"\1.norm_out."),
+              (r"^(encoder|decoder)\.head\.2\.", r"\1.conv_out."), (r"^(encoder|decoder)\.middle\.0\.", r"\1.mid_block.resnets.0."),
+              (r"^(encoder|decoder)\.middle\.1\.", r"\1.mid_block.attentions.0."),
+              (r"^(encoder|decoder)\.middle\.2\.", r"\1.mid_block.resnets.1."),
+              (r"^encoder\.downsamples\.", "encoder.down_blocks."), (r"^conv1\.", "quant_conv."),
+              (r"^conv2\.", "post_quant_conv."))
+
+
+def wan_vae_to_diffusers(state: dict, model) -> dict:
+    """Original-layout Wan 2.1 VAE keys -> AutoencoderKLWan's. The decoder's flat `upsamples` list
+    holds, per stage, its resnets and then its upsampler; diffusers groups them per up block."""
+    per_stage = len(model.decoder.up_blocks[0].resnets) + 1
+    out = {}
+    for key, tensor in state.items():
+        new = key
+        for pattern, replacement in _VAE_NAMES:
+            new = re.sub(pattern, replacement, new)
+        if match := re.match(r"^decoder\.upsamples\.(\d+)\.(.*)$", new):
+            stage, index = divmod(int(match.group(1)), per_stage)
+            inner = f"resnets.{index}" if index < per_stage - 1 else "upsamplers.0"
+            new = f"decoder.up_blocks.{stage}.{inner}.{match.group(2)}"
+        for old, renamed in _RESIDUAL:
+            new = new.replace(old, renamed)
+        out[new] = tensor
+    return out
+
+
+def single_file_part(part: str):
+    """Where `part` sits in a Wan single file (the transformer's, the VAE's or the UMT5 file)."""
+    from diffusers.loaders import single_file_utils as convert
+
+    from modules.loading.single_file import SingleFilePart
+
+    return {
+        "transformer": SingleFilePart(
+            TRANSFORMER_PREFIXES, lambda sd, model: convert.convert_wan_transformer_to_diffusers(sd)),
+        "vae": SingleFilePart(VAE_PREFIXES, wan_vae_to_diffusers),
+        "text_encoder": SingleFilePart(TEXT_ENCODER_PREFIXES, lambda sd, model: sd),
+    }.get(part)
+
+
+def transformer_shape(keys, shape_of) -> tuple[int, int]:
+    """(width, block count) of the transformer in a file, from its header."""
+    width_key = next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?patch_embedding\.weight$", k)), None)
+    blocks = {int(m.group(1)) for k in keys if (m := re.match(r"^(?:model\.diffusion_model\.)?blocks\.(\d+)\.", k))}
+    return (shape_of(width_key)[0] if width_key else 0), max(blocks, default=-1) + 1
+
+
+def transformer_config_folder(folder: Path, width: int, blocks: int) -> Path:
+    """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
+    has this width and block count; `folder` itself when none does (the load then names the
+    mismatch)."""
+    for candidate in [folder, *sorted(folder.parent.glob("transformer*/"))]:
+        config_path = candidate / "config.json"
+        if not config_path.is_file():
+            continue
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        if (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers")) == (
+                width, blocks):
+            return candidate
+    return folder
