@@ -26,6 +26,11 @@ FLUX.2 [dev] (black-forest-labs/FLUX.2-dev), as diffusers' Flux2Pipeline runs it
 - guidance: the transformer's guidance embedding gets `guidance_scale` while sampling (no
   negative prompt: guidance-distilled) and FLUX.1's training value (flux.TRAINING_GUIDANCE) while
   training.
+Reference images (multi-reference editing, both variants): a concept with `controls` gives each
+sample up to 4; their latents are encoded like the target's, packed and appended to its tokens at
+time coordinates 10, 20, ... (the pipelines' `_prepare_image_ids`), and only the target's tokens
+are predicted. `sampling.prompts[].control_images` go to the pipeline's `image=`.
+
 The variant is the transformer's `guidance_embeds` (a single file: its guidance_in layers); the
 text encoder class is its folder's config (`mistral3` or Qwen3). Adapter key names:
 modules/model/keys/flux2.py.
@@ -47,6 +52,7 @@ from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components import mistral3_text
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
+from modules.sampling.control_images import fitted_control_images
 from modules.util.torch_utils import make_generator
 
 
@@ -282,7 +288,11 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return math.exp(mu) / (math.exp(mu) + (1 / unit - 1))
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The transformer's velocity prediction for (B, 128, h, w) latents at `sigmas`."""
+        """The transformer's velocity prediction for (B, 128, h, w) latents at `sigmas`. Reference
+        images (`text["control_latents"]`, (B, N, 128, h', w'), when the samples have controls) join
+        the sequence after the target's tokens as the pipelines put them: packed the same way, at
+        time coordinate 10 + 10 i for the i-th (`_prepare_image_ids`); the output is cut back to the
+        target's tokens, so the loss is on the target alone."""
         pipeline = _pipeline_class()
         dtype = self.compute_dtype("transformer")
         batch, channels, height, width = noisy.shape
@@ -290,11 +300,18 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         guidance = None
         if self.transformer.config.guidance_embeds:  # [dev]: FLUX.1's training value, float32 as the pipeline's
             guidance = torch.full((batch,), flux.TRAINING_GUIDANCE, device=noisy.device, dtype=torch.float32)
+        tokens, ids = pipeline._pack_latents(noisy).to(dtype), pipeline._prepare_latent_ids(noisy).to(noisy.device)
+        target_length = tokens.shape[1]
+        controls = text.get("control_latents")
+        if controls is not None:
+            references = [controls[:, index].to(noisy.device, dtype) for index in range(controls.shape[1])]
+            reference_ids = pipeline._prepare_image_ids([reference[:1] for reference in references])
+            tokens = torch.cat([tokens, *(pipeline._pack_latents(reference) for reference in references)], dim=1)
+            ids = torch.cat([ids, reference_ids.to(noisy.device).expand(batch, -1, -1)], dim=1)
         out = self.transformer(
-            hidden_states=pipeline._pack_latents(noisy).to(dtype), encoder_hidden_states=hidden,
-            timestep=sigmas.to(noisy.device, dtype), img_ids=pipeline._prepare_latent_ids(noisy).to(noisy.device),
+            hidden_states=tokens, encoder_hidden_states=hidden, timestep=sigmas.to(noisy.device, dtype), img_ids=ids,
             txt_ids=pipeline._prepare_text_ids(hidden).to(noisy.device), guidance=guidance, return_dict=False,
-        )[0]
+        )[0][:, :target_length]
         return out.permute(0, 2, 1).reshape(batch, channels, height, width)  # _pack_latents undone
 
     # --- sampling ----------------------------------------------------------------------------
@@ -319,17 +336,24 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         return self.encode_text(self.tokenize([self.written_out_prompt(prompt)]))["hidden_states"].to(device)
 
     def run_sampling_pipeline(self, prompt, device):
+        # reference images at the sample's size, as training brings controls to the target's bucket
+        # (the pipeline keeps an image's own size up to 1 MP, cropped to multiples of 16)
+        references = {}
+        if prompt.control_images:
+            references = {"image": fitted_control_images(prompt.control_images, prompt.width, prompt.height,
+                                                         self.control_images, self.label)}
         if getattr(self, "is_dev", False):  # guidance-distilled: cfg is the guidance embedding's input, no negative
             return self.pipeline()(
                 prompt_embeds=self._prompt_embeds(prompt.prompt, device), num_inference_steps=prompt.steps,
                 guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
                 generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length,
+                **references,
             ).images[0]
         return self.pipeline()(
             prompt_embeds=self._prompt_embeds(prompt.prompt, device),
             negative_prompt_embeds=self._prompt_embeds(prompt.negative_prompt or "", device),
             num_inference_steps=prompt.steps, guidance_scale=prompt.cfg, width=prompt.width, height=prompt.height,
-            generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length,
+            generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length, **references,
         ).images[0]
 
     # --- adapters: what other tools do with the files (the key layout itself: keys/flux2.py) -----

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from modules.config.families.flux_kontext import DECLARATION
-from modules.errors import UserError
 from modules.model.flux import FluxFamily, image_ids, pack_latents, unpack_latents
+from modules.sampling.control_images import fitted_control_images
 from modules.util.torch_utils import make_generator
 
 REFERENCE_AXIS = 1.0  # the first position id of every reference token (FluxKontextPipeline.prepare_latents)
@@ -81,25 +81,10 @@ class FluxKontextFamily(FluxFamily):
     def run_sampling_pipeline(self, prompt, device):
         references = {}
         if prompt.control_images:
-            references = {"image": sample_control(prompt.control_images, prompt.width, prompt.height,
-                                                  self.control_images), "_auto_resize": False}
+            references = {"image": fitted_control_images(prompt.control_images, prompt.width, prompt.height,
+                                                         self.control_images, self.label)[0], "_auto_resize": False}
         return self.pipeline()(
             prompt=prompt.prompt, num_inference_steps=prompt.steps, guidance_scale=prompt.cfg,
             width=prompt.width, height=prompt.height, generator=make_generator(device, prompt.seed),
             max_sequence_length=self.max_sequence_length, max_area=prompt.width * prompt.height, **references,
         ).images[0]
-
-
-def sample_control(paths: list[str], width: int, height: int, most: int):
-    """The sample's control image as a PIL image of width x height (covered and centre-cropped)."""
-    from PIL import Image, ImageOps
-
-    if len(paths) > most:
-        raise UserError(f"sampling: {len(paths)} control images given ({', '.join(paths)}); FLUX.1 Kontext takes {most}")
-    path = Path(paths[0])
-    try:
-        with Image.open(path) as opened:
-            image = ImageOps.exif_transpose(opened).convert("RGB")
-    except (OSError, ValueError) as error:
-        raise UserError(f"sampling: control image {path} cannot be read ({error})") from None
-    return ImageOps.fit(image, (width, height), Image.Resampling.LANCZOS)

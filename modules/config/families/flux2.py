@@ -30,5 +30,8 @@ DECLARATION = FamilyDeclaration(
     },
     denoiser_part="transformer",
     flow_matching=True,
+    # reference images (multi-reference editing, as Flux2KleinPipeline / Flux2Pipeline take `image=`):
+    # optional per concept; this bound keeps a sample's sequence at most 5x the target's
+    control_images=4,
     implementation="modules.model.flux2:Flux2Family",
 )
