@@ -305,7 +305,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         for item in items:
             item = dataclasses.replace(item, caption=fixed_caption(item.caption, concept.captions))
             if video:
-                clips = _clip_entries(item, concept, config, family, image_identity, text_identity, warn)
+                clips = clip_entries(item, concept, config, family, image_identity, text_identity, warn)
                 if clips is not None:  # None: a still image, made below as in any concept
                     entries += clips
                     usable += bool(clips)
@@ -370,7 +370,7 @@ def _check_video_concept(index: int, concept, family: ModelFamily) -> None:
                         f"{concept.video.frames})")
 
 
-def _clip_entries(item: ConceptItem, concept, config: TrainConfig, family: ModelFamily, image_identity: str,
+def clip_entries(item: ConceptItem, concept, config: TrainConfig, family: ModelFamily, image_identity: str,
                   text_identity: str | None, warn: Callable[[str], None]) -> list[Entry] | None:
     """A video concept's entries for one item: one per window and resolution; [] for a clip that
     cannot be read (named in a warning); None for a still image."""
