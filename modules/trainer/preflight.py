@@ -6,8 +6,11 @@ a second instead: an output path that is a folder or on a read-only disk, a work
 be written or cannot hold the planned backups, a train device this torch does not have, a model
 folder of another family than `model.family`, damaged weight files, captions that are not UTF-8,
 dtypes and weight modes that do not run here, a run whose planned peak is over the train device's
-free memory (fit_check.py: the plan of modules/plan/, where the device says what is free). Nothing is written (a write test creates and removes
-one temp file); nothing is loaded but file headers and JSON.
+free memory (fit_check.py: the plan of modules/plan/, where the device says what is free), video
+concepts whose new latent cache entries the cache folder's disk cannot hold (video_preflight.py, whose
+estimate of clips, windows, decode time and cache size the run also says). Nothing is written (a write
+test creates and removes one temp file); nothing is loaded but file headers, JSON and the first one or
+two video windows the estimate times.
 """
 
 from __future__ import annotations

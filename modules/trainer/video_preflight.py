@@ -5,7 +5,8 @@ grid from the VAE's compression, as cache_layout.py lays an entry out). prefligh
 to what the disk of the cache folder must hold, and says the estimate before the model loads.
 
 The windows, buckets and cache keys are the dataset's own (modules/data/dataset.py clip_entries),
-so entries already in the cache (a restarted run) are neither timed nor counted as new.
+so entries already in the cache (a restarted run) are neither timed nor counted as new. Where the
+cache folder holds nothing yet, the clips are not hashed for keys (a first run reads them once).
 """
 
 from __future__ import annotations
@@ -98,12 +99,14 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
     concepts = [(i, c) for i, c in enumerate(config.concepts) if c.enabled and is_video_concept(c)]
     if not concepts or family.temporal_quantum is None:
         return None
-    try:
-        identity = family.fingerprint(*family.image_parts)
-    except (ValueError, OSError):  # a weight mode still "auto", a part not there: no entry counts as cached
-        identity = None
     folder, field = cache_folder(config)
     cache = TensorCache(folder / "latents")
+    identity = None  # no cache yet: no entry can be there, and no clip is hashed to look for one
+    if cache.folder.is_dir():
+        try:
+            identity = family.fingerprint(*family.image_parts)
+        except (ValueError, OSError):  # a weight mode still "auto", a part not there: none counts as cached
+            identity = None
     geometry = family.latent_geometry()
     grid = LatentGrid(*geometry) if geometry else None
     clips = unreadable = windows = cached = frames = new_bytes = 0
@@ -114,7 +117,7 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
         except DataError:
             continue  # the concept scan names it
         for item in items:
-            entries = clip_entries(item, concept, config, family, identity or "", None, _ignore)
+            entries = clip_entries(item, concept, config, family, identity, None, _ignore)
             if entries is None:
                 continue  # a still image
             clips += 1
