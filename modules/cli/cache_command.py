@@ -79,6 +79,7 @@ def _fill(config: TrainConfig, callbacks: TrainCallbacks, trainer) -> CacheRepor
     # every other part (the denoiser, and the text encoders when text is not cached) is built on
     # meta without reading its weights: encoding never runs it
     family.skeleton_parts = frozenset(spec.name for spec in family.part_specs if spec.name not in encoders)
+    _say_video_estimate(config, family, callbacks)
     callbacks.on_status("loading model")
     family.load()
     for part in encoders:
@@ -95,3 +96,16 @@ def _fill(config: TrainConfig, callbacks: TrainCallbacks, trainer) -> CacheRepor
     return CacheReport(images, sum(s["latents"][1] for s in stats), sum(s["text"][1] for s in stats),
                        sum(s["latents"][0] + s["text"][0] for s in stats), time.monotonic() - started,
                        trainer.cache_dir)
+
+
+def _say_video_estimate(config: TrainConfig, family, callbacks: TrainCallbacks) -> None:
+    """Before any clip is decoded: what the video concepts give, and whether their cache fits."""
+    from modules.trainer.video_preflight import cache_space_problem, estimate_video_cache
+
+    estimate = estimate_video_cache(config, family)
+    if estimate is None:
+        return
+    callbacks.on_status(estimate.summary())
+    problem = cache_space_problem(estimate)
+    if problem:
+        raise UserError(problem)

@@ -305,7 +305,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         for item in items:
             item = dataclasses.replace(item, caption=fixed_caption(item.caption, concept.captions))
             if video:
-                clips = _clip_entries(item, concept, config, family, image_identity, text_identity, warn)
+                clips = clip_entries(item, concept, config, family, image_identity, text_identity, warn)
                 if clips is not None:  # None: a still image, made below as in any concept
                     entries += clips
                     usable += bool(clips)
@@ -370,15 +370,17 @@ def _check_video_concept(index: int, concept, family: ModelFamily) -> None:
                         f"{concept.video.frames})")
 
 
-def _clip_entries(item: ConceptItem, concept, config: TrainConfig, family: ModelFamily, image_identity: str,
-                  text_identity: str | None, warn: Callable[[str], None]) -> list[Entry] | None:
+def clip_entries(item: ConceptItem, concept, config: TrainConfig, family: ModelFamily, image_identity: str | None,
+                 text_identity: str | None, warn: Callable[[str], None]) -> list[Entry] | None:
     """A video concept's entries for one item: one per window and resolution; [] for a clip that
-    cannot be read (named in a warning); None for a still image."""
+    cannot be read (named in a warning); None for a still image. `image_identity` None: entries
+    without a latent key, and the clip's bytes are not hashed (the preflight's estimate of a cache
+    that holds nothing yet)."""
     try:
         info = probe(item.image)
         if info is None:
             return None
-        content = content_hash(item.image)
+        content = content_hash(item.image) if image_identity is not None else None
     except Exception as error:  # PyAV and PIL raise many kinds for a broken file
         warn(f"skipping unreadable clip {item.image}: {error}")
         return []
@@ -387,7 +389,7 @@ def _clip_entries(item: ConceptItem, concept, config: TrainConfig, family: Model
         for resolution in config.data.resolutions:
             bucket = bucket_for(*info.size, resolution, family.bucket_quantum, config.data.aspect_buckets)
             latent_key = cache_key("latent", content, bucket, image_identity, "center-crop", "",
-                                   "flip" if config.data.flip else "", "frames", window.indices)
+                                   "flip" if config.data.flip else "", "frames", window.indices) if content else ""
             text_key = cache_key("text", item.caption, text_identity) if text_identity is not None else None
             made.append(Entry(item, bucket, latent_key, text_key, concept.repeats, concept.loss_weight,
                               concept.captions if concept.captions.varies else None, None, 1.0,

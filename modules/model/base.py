@@ -167,6 +167,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         except AttributeError:  # no tokenizer: planning a model folder without one
             return released
 
+    def latent_geometry(self) -> tuple[int, int] | None:
+        """(latent channels, pixels per latent cell along a side) of the image part, from its config
+        alone (no weight read): what the preflight sizes a video cache by before the VAE loads.
+        None: not known without encoding (the cache is then sized once it is built)."""
+        return None
+
     def caption_windows(self) -> list[tuple[object, int]]:
         """(tokenizer, token count) of each window the family cuts every caption to, when the cut loses
         text the model sees nowhere else (the data warns of captions longer than it); loaded tokenizers.

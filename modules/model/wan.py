@@ -129,6 +129,12 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         # as WanPipeline._get_t5_prompt_embeds: the real tokens' states, zeros after them
         return {"hidden_states": hidden * mask.unsqueeze(-1).to(hidden.dtype)}
 
+    def latent_geometry(self) -> tuple[int, int]:
+        import json
+
+        config = json.loads((self.part_folder("vae") / "config.json").read_text(encoding="utf-8"))
+        return config.get("z_dim", 16), config.get("scale_factor_spatial") or 8  # AutoencoderKLWan's defaults
+
     def caption_windows(self) -> list[tuple[object, int]]:
         return [(self.tokenizer, self.max_sequence_length)]
 

@@ -98,7 +98,8 @@ class GenericTrainer:
 
     def start(self) -> None:
         config = self.config
-        run_preflight(config)  # every problem the config alone shows, together, before the slow model load
+        # every problem the config alone shows, together, before the slow model load (and its estimates)
+        run_preflight(config, self.callbacks.on_status)
         adopt_init_from(config, self.callbacks.on_warning)  # the start file's layout (adapters/formats/adopt.py)
         check_concepts(config.concepts)  # before the slow model load
         if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)

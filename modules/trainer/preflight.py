@@ -6,8 +6,11 @@ a second instead: an output path that is a folder or on a read-only disk, a work
 be written or cannot hold the planned backups, a train device this torch does not have, a model
 folder of another family than `model.family`, damaged weight files, captions that are not UTF-8,
 dtypes and weight modes that do not run here, a run whose planned peak is over the train device's
-free memory (fit_check.py: the plan of modules/plan/, where the device says what is free). Nothing is written (a write test creates and removes
-one temp file); nothing is loaded but file headers and JSON.
+free memory (fit_check.py: the plan of modules/plan/, where the device says what is free), video
+concepts whose new latent cache entries the cache folder's disk cannot hold (video_preflight.py, whose
+estimate of clips, windows, decode time and cache size the run also says). Nothing is written (a write
+test creates and removes one temp file); nothing is loaded but file headers, JSON and the first one or
+two video windows the estimate times.
 """
 
 from __future__ import annotations
@@ -36,20 +39,26 @@ class PreflightError(ConfigError):
                            f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def run_preflight(config: TrainConfig) -> None:
-    problems = _collect(config)
+def run_preflight(config: TrainConfig, say=None) -> None:
+    """Raise on the config's problems; `say(line)` is given what the preflight found out on the way
+    (the video concepts' decode and cache estimate)."""
+    notes: list[str] = []
+    problems = _collect(config, notes)
+    for note in notes if say else ():
+        say(note)
     if len(problems) == 1 and isinstance(problems[0], UserError):
         raise problems[0]  # one problem keeps its own class (DataError, ModelLoadError, ...)
     if problems:
         raise PreflightError([str(problem) for problem in problems])
 
 
-def preflight_problems(config: TrainConfig) -> list[str]:
-    """One line per problem, each starting with the dotted field it is about."""
-    return [str(problem) for problem in _collect(config)]
+def preflight_problems(config: TrainConfig, notes: list[str] | None = None) -> list[str]:
+    """One line per problem, each starting with the dotted field it is about (`notes` gets the
+    estimates said on the way)."""
+    return [str(problem) for problem in _collect(config, notes)]
 
 
-def _collect(config: TrainConfig) -> list[str | UserError]:
+def _collect(config: TrainConfig, notes: list[str] | None = None) -> list[str | UserError]:
     """Each problem as its line, or as the error a check raised (which names its field)."""
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
@@ -71,8 +80,13 @@ def _collect(config: TrainConfig) -> list[str | UserError]:
             if problem:
                 problems.append(problem)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
+        from modules.trainer.video_preflight import estimate_video_cache
+
+        video = estimate_video_cache(config, family) if not caption_problems else None
+        if video is not None and notes is not None:
+            notes.append(video.summary())
         refused = {str(problem).split(":")[0] for problem in place_problems}
-        problems += _disk_space_problems(config, family, images_per_epoch, refused)
+        problems += _disk_space_problems(config, family, images_per_epoch, refused, video)
     return problems
 
 
@@ -329,20 +343,26 @@ def _ignore(_message: str) -> None:
 
 # --- disk space --------------------------------------------------------------------------------
 
-def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, refused: set[str]) -> list[str]:
+def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, refused: set[str],
+                         video=None) -> list[str]:
+    """Each disk must hold what the run writes there: backups and saves, the output file, and a
+    video concept's new latent cache entries (`video`: video_preflight.py's estimate)."""
     from modules.methods.base import method_class
     from modules.trainer.backup_size import describe, planned_bytes, planned_steps
 
+    needs = []
+    if video is not None and video.cache_bytes:
+        needs.append((video.cache_field, video.cache_dir, video.cache_bytes,
+                      f"the latent cache of {video.windows - video.cached} new video window(s)"))
     size = method_class(config.method.type).planned_size(config, family)
-    if size is None:
-        return []  # pickled weights: no header to size the trained weights from
-    planned = planned_bytes(config, size, planned_steps(config, images_per_epoch))
-    workspace_need = planned.backups + planned.saves
-    workspace_detail = f"{planned.backup_count} backup(s) of ~{describe(planned.backups / planned.backup_count)}"
-    if planned.save_count:
-        workspace_detail += f", {planned.save_count} save(s) of ~{describe(planned.saves / planned.save_count)}"
-    needs = [("workspace_dir", Path(config.workspace_dir), workspace_need, workspace_detail),
-             ("output.path", config.output_path.parent, planned.output, "the output file")]
+    if size is not None:  # None: pickled weights, no header to size the trained weights from
+        planned = planned_bytes(config, size, planned_steps(config, images_per_epoch))
+        workspace_need = planned.backups + planned.saves
+        workspace_detail = f"{planned.backup_count} backup(s) of ~{describe(planned.backups / planned.backup_count)}"
+        if planned.save_count:
+            workspace_detail += f", {planned.save_count} save(s) of ~{describe(planned.saves / planned.save_count)}"
+        needs += [("workspace_dir", Path(config.workspace_dir), workspace_need, workspace_detail),
+                  ("output.path", config.output_path.parent, planned.output, "the output file")]
     by_disk: dict[int, list] = {}
     for field, folder, need, detail in needs:
         if field in refused:
@@ -354,10 +374,16 @@ def _disk_space_problems(config: TrainConfig, family, images_per_epoch: int, ref
         free = shutil.disk_usage(entries[0][1]).free
         need = sum(entry[2] for entry in entries)
         if need > free:
-            fields = " and ".join(entry[0] for entry in entries)
+            fields = " and ".join(dict.fromkeys(entry[0] for entry in entries))
             details = "; ".join(entry[3] for entry in entries)
             problems.append(f"{fields}: not enough free disk space in {entries[0][1]}: {describe(free)} free, the run "
                             f"writes about {describe(need)} ({details}); free some space, lower "
-                            "backup.rolling_count, or choose a folder on another disk")
+                            f"backup.rolling_count{_video_hint(entries)}, or choose a folder on another disk")
     return problems
 
+
+
+def _video_hint(entries) -> str:
+    if any(detail.startswith("the latent cache") for *_, detail in entries):
+        return ", the video windows (concepts[i].video.windows or .frames, data.resolution)"
+    return ""
