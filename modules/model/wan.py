@@ -66,10 +66,11 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         self.parts["text_encoder"] = self.load_part("text_encoder", UMT5EncoderModel)
         self.parts["transformer"] = self.load_part("transformer", WanTransformer3DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLWan)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         # the released Wan 2.1 folders ship UniPC with flow sigmas; its flow_shift is the training shift too
+        # (read before the tokenizer, which resources/model_configs/wan lacks: the planner needs the shift)
         self.noise_scheduler = UniPCMultistepScheduler.from_pretrained(
             str(self.support_folder("scheduler")), local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
     def single_file_part(self, part: str):
         from modules.model import wan_single_file
