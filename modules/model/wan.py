@@ -82,9 +82,13 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         folder = super().part_folder(part)
         if part != "transformer" or not self.from_single_file(part):
             return folder
+        from modules.loading.diffusers_folder import ModelLoadError
         from modules.model import wan_single_file
 
-        stream = self.single_file_stream(part)
+        try:
+            stream = self.single_file_stream(part)
+        except ModelLoadError:  # an unreadable file: the load itself says so, naming it
+            return folder
         return wan_single_file.transformer_config_folder(
             folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape))
 
