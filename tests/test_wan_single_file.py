@@ -176,6 +176,30 @@ def test_a_single_file_goes_through_the_weight_mode_and_the_keep_in_fp32_list(tm
     assert state["condition_embedder.text_embedder.linear_1.weight"].dtype == torch.bfloat16
 
 
+def test_a_comfyui_scaled_fp8_file_keeps_its_scales(tmp_path, tiny_wan, shape_images):
+    """ComfyUI's wan2.1_*_fp8_scaled files: e4m3 codes in X.weight, the scale in X.scale_weight, a
+    `scaled_fp8` marker. Loaded as float8, the weights the blocks' layers stand for are the file's
+    codes times its scales (a scale is never dropped)."""
+    from safetensors.torch import save_file
+
+    tensors, expected = {"scaled_fp8": torch.zeros(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, tensor in transformer_to_original(_folder_state(tiny_wan, "transformer")).items():
+        if key.startswith("blocks.") and key.endswith(".weight") and tensor.dim() == 2:
+            scale = tensor.abs().max() / 448
+            tensors["model.diffusion_model." + key] = codes = (tensor / scale).to(torch.float8_e4m3fn)
+            tensors["model.diffusion_model." + key[: -len("weight")] + "scale_weight"] = scale.reshape(1)
+            expected[key] = codes.float() * scale
+        else:
+            tensors["model.diffusion_model." + key] = tensor.contiguous()
+    save_file(tensors, str(tmp_path / "wan2.1_t2v_tiny_fp8_scaled.safetensors"))
+    family = _file_family(tmp_path / "wan2.1_t2v_tiny_fp8_scaled.safetensors", tiny_wan, shape_images, tmp_path,
+                          weight_dtype="float8")
+    family.load()
+    for ours, theirs in (("blocks.0.attn1.to_q", "blocks.0.self_attn.q"), ("blocks.1.ffn.net.2", "blocks.1.ffn.2")):
+        layer = family.transformer.get_submodule(ours)
+        assert torch.allclose(layer.unquantized_weight(torch.float32, torch.device("cpu")), expected[theirs + ".weight"])
+
+
 def test_the_released_size_a_file_holds_picks_its_config(tmp_path, shape_images):
     """A 14B file (5120 wide, 40 blocks: only its header is read) is built from transformer_14b/,
     a 1.3B one (1536, 30) from transformer/."""

@@ -66,10 +66,11 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         self.parts["text_encoder"] = self.load_part("text_encoder", UMT5EncoderModel)
         self.parts["transformer"] = self.load_part("transformer", WanTransformer3DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLWan)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         # the released Wan 2.1 folders ship UniPC with flow sigmas; its flow_shift is the training shift too
+        # (read before the tokenizer, which resources/model_configs/wan lacks: the planner needs the shift)
         self.noise_scheduler = UniPCMultistepScheduler.from_pretrained(
             str(self.support_folder("scheduler")), local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
     def single_file_part(self, part: str):
         from modules.model import wan_single_file
@@ -81,9 +82,13 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         folder = super().part_folder(part)
         if part != "transformer" or not self.from_single_file(part):
             return folder
+        from modules.loading.diffusers_folder import ModelLoadError
         from modules.model import wan_single_file
 
-        stream = self.single_file_stream(part)
+        try:
+            stream = self.single_file_stream(part)
+        except ModelLoadError:  # an unreadable file: the load itself says so, naming it
+            return folder
         return wan_single_file.transformer_config_folder(
             folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape))
 

@@ -37,13 +37,23 @@ class StepFigures:
     flops: int  # forward + backward (+ recomputation) of the step
 
 
-def image_latents(family, batch: int, resolution: int, mode: FakeTensorMode) -> torch.Tensor:
-    """The latents of `batch` images at `resolution` (fake), from the family's own encode_images."""
+def planned_frames(config, family) -> int:
+    """The most frames one sample holds: the longest video concept's `video.frames` on a video
+    family (its clips' windows), else 1 (still images)."""
+    if family.temporal_quantum is None:
+        return 1
+    return max([c.video.frames for c in config.concepts if c.enabled] or [1])
+
+
+def image_latents(family, batch: int, resolution: int, mode: FakeTensorMode, frames: int = 1) -> torch.Tensor:
+    """The latents of `batch` images (or clips of `frames` frames) at `resolution` (fake), from the
+    family's own encode_images."""
     vae_parts = family.image_parts
     for part in vae_parts:
         _make_fake(family.parts[part], mode)
     with mode, torch.no_grad():
-        pixels = torch.empty(batch, 3, resolution, resolution, device=TRAIN)
+        frame_axis = (frames,) if frames > 1 else ()
+        pixels = torch.empty(batch, 3, *frame_axis, resolution, resolution, device=TRAIN)
         return family.encode_images(pixels)
 
 
@@ -65,7 +75,7 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     denoiser = family.denoiser_part
-    latents = image_latents(family, batch, resolution, mode)
+    latents = image_latents(family, batch, resolution, mode, planned_frames(config, family))
     for part in {denoiser, *trained}:
         _make_fake(family.parts[part], mode)
         if checkpointing.get(part) and family.checkpoint_blocks(part):

@@ -183,7 +183,7 @@ class Planner:
 
         computes = tuple(sorted((n, DENSE_DTYPES.get(m) and m or config.train_dtype) for n, m in modes.items()))
         key = (computes, tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
-               largest_resolution(config),
+               largest_resolution(config), tuple(c.video.frames for c in config.concepts if c.enabled),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
         if key not in self._steps:
@@ -283,6 +283,13 @@ class Planner:
                     if fraction else "everything fits without parking"}
         if sized["released"]:
             plan.notes.append(f"planned on the released architecture (resources/model_configs/{config.model.family})")
+        from modules.plan.fake_pass import planned_frames
+
+        frames = planned_frames(config, family)
+        if frames > 1:
+            side = largest_resolution(config)
+            plan.notes.append(f"the step is planned on clips of {frames} frames at {side}x{side} (the longest video "
+                              "concept's video.frames)")
         if any(kind != "adapter" and name in family.text_parts for name, kind in trained.items()) or any(
                 name in family.text_parts for name in trained):
             plan.notes.append("a trained text encoder's activations are not counted (its tokens need its tokenizer)")

@@ -80,7 +80,8 @@ def cache_folder(config: TrainConfig) -> tuple[Path, str]:
     return Path(config.workspace_dir) / "cache", "workspace_dir"
 
 
-def _entry_bytes(entry, grid) -> int:
+def entry_bytes(entry, grid) -> int:
+    """What one latent cache entry takes on disk (`grid`: cache_layout.LatentGrid)."""
     from modules.data.cache_layout import expected_latent_layout
 
     elements = sum(math.prod(shape) for _, shape in expected_latent_layout(entry, grid).values())
@@ -128,7 +129,7 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
                     cached += 1
                     continue
                 frames += entry.clip.frames
-                new_bytes += _entry_bytes(entry, grid) if grid else 0
+                new_bytes += entry_bytes(entry, grid) if grid else 0
                 if len(to_time) < TIMED_WINDOWS:
                     to_time.append(entry)
     decode = None
