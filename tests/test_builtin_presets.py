@@ -129,6 +129,8 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         return
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True)
+    # Qwen-Image-Edit's Qwen2VLProcessor needs torchvision (not installed here); its LoRA loader does not
+    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus") else {}
+    pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
     pipe.load_lora_weights(str(saved))
     assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"

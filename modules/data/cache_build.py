@@ -21,6 +21,7 @@ from modules.data.cache import TensorCache
 from modules.data.cache_layout import expected_latent_layout, fits, measure_grid, measure_text_layout
 from modules.data.video import load_entry_pixels
 from modules.data.masks import latent_mask, load_mask
+from modules.data.pairs import text_controls
 from modules.util.stopping import StopCheck, raise_if_stopping
 
 if TYPE_CHECKING:
@@ -162,33 +163,47 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
 def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
                warn: Callable[[str], None], stop: StopCheck | None = None) -> set[str]:
     """Encode and write the conditioning of every caption the cache lacks; the text keys present
-    (`stop`: as in fill_latents)."""
+    (`stop`: as in fill_latents). For a family whose text encoder sees the control images, each
+    sample's caption is encoded with its controls (and, where it is mirrored, again with them
+    mirrored: its flipped_text_key), those of one bucket and control count together."""
     ready: set[str] = set()
-    todo: dict[str, str] = {}
-    reference, stale = None, 0
+    todo: dict[tuple, dict[str, tuple[Entry, bool]]] = defaultdict(dict)  # by what encodes together
+    references: dict[tuple, dict] = {}
+    stale = 0
     for entry in entries:
-        if entry.text_key in ready or entry.text_key in todo:
-            continue
-        layout = cache.layout(entry.text_key)
-        if layout:  # an empty entry is as good as none
-            reference = reference or measure_text_layout(family, entry.item.caption)  # (once)
-            if fits(layout, reference):
-                ready.add(entry.text_key)
+        with_controls = bool(entry.item.controls) and family.text_sees_controls
+        group = (entry.bucket, len(entry.item.controls)) if with_controls else ()
+        for key, mirrored in ((entry.text_key, False), (entry.flipped_text_key, True)):
+            if key is None or key in ready or key in todo[group]:
                 continue
-            cache.count_stale()
-            stale += 1
-        todo[entry.text_key] = entry.item.caption
+            layout = cache.layout(key)
+            if layout:  # an empty entry is as good as none
+                if group not in references:  # (once per group: the shapes a fresh encoding has)
+                    references[group] = measure_text_layout(
+                        family, entry.item.caption, text_controls(entry, False) if with_controls else None)
+                if fits(layout, references[group]):
+                    ready.add(key)
+                    continue
+                cache.count_stale()
+                stale += 1
+            todo[group][key] = (entry, mirrored)
     if stale:
         warn(f"{stale} text cache entr{'y' if stale == 1 else 'ies'} in {cache.folder} held tensors of other shapes "
              "or dtypes than the text encoders give (damaged, or written by another program?); encoding them again")
-    keys = list(todo)
-    bar = caching_progress(len(keys), "encoding captions", "caption")
+    chunks = [(group, keys[start:start + ENCODE_BATCH]) for group, jobs in todo.items() for keys in [list(jobs)]
+              for start in range(0, len(keys), ENCODE_BATCH)]
+    bar = caching_progress(sum(len(jobs) for jobs in todo.values()), "encoding captions", "caption")
     writer = _Writer(cache)
     try:
-        for start in range(0, len(keys), ENCODE_BATCH):
-            chunk = keys[start:start + ENCODE_BATCH]
+        for group, chunk in chunks:
             raise_if_stopping(stop)
-            encoded = family.encode_text(family.tokenize([todo[k] for k in chunk]))
+            jobs = [todo[group][k] for k in chunk]
+            captions = [entry.item.caption for entry, _ in jobs]
+            if group:
+                tokens = family.tokenize(captions, controls=[text_controls(e, mirrored) for e, mirrored in jobs])
+            else:
+                tokens = family.tokenize(captions)
+            encoded = family.encode_text(tokens)
             for row, key in enumerate(chunk):
                 writer.put(key, {name: t[row].float().cpu().clone() for name, t in encoded.items()})
                 ready.add(key)

@@ -64,7 +64,9 @@ def fits(found: Layout, expected: Layout) -> bool:
 
 
 @torch.no_grad()
-def measure_text_layout(family: ModelFamily, caption: str) -> Layout:
-    """The layout cache_build writes for a caption: each conditioning tensor's row, as float32."""
-    encoded = family.encode_text(family.tokenize([caption]))
+def measure_text_layout(family: ModelFamily, caption: str, controls: list | None = None) -> Layout:
+    """The layout cache_build writes for a caption (with its control images, for a family whose text
+    encoder sees them): each conditioning tensor's row, as float32."""
+    tokens = family.tokenize([caption], controls=[controls]) if controls else family.tokenize([caption])
+    encoded = family.encode_text(tokens)
     return {name: (STORED_DTYPE, tuple(tensor.shape[1:])) for name, tensor in encoded.items()}

@@ -31,7 +31,8 @@ from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
-from modules.data.pairs import attach_controls, check_controls, drop_unready, fresh_controls, scan_items
+from modules.data.pairs import (attach_controls, check_control_text, check_controls, drop_unready, fresh_controls,
+                                scan_items)
 from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
@@ -73,6 +74,8 @@ class Entry:
     original_size: tuple[int, int] | None = None  # (width, height) of the image file, EXIF applied
     clip: ClipWindow | None = None  # a video concept's window of frames (modules/data/video.py); None: an image
     control_keys: tuple[str, ...] = ()  # latent keys of its control images (pairs.py), mirrored with it
+    # the text key of its mirrored draw, for a family whose text sees the (mirrored) controls (pairs.py)
+    flipped_text_key: str | None = None
 
     @property
     def group(self) -> tuple[tuple[int, int], int]:
@@ -245,7 +248,8 @@ class TrainDataset:
         image_info = torch.tensor([_image_info(e, p) for e, p in zip(entries, positions)], dtype=torch.float32)
         text = None
         if entries[0].text_key is not None:
-            rows = [self.texts[e.text_key] for e in entries]
+            rows = [self.texts[e.flipped_text_key if flip and e.flipped_text_key else e.text_key]
+                    for e, flip in zip(entries, flipped)]
             text = {k: _pinned(torch.stack([row[k] for row in rows]), pin) for k in rows[0]}
         captions = [varied_caption(e.item.caption, e.captions, rng) if e.captions is not None else e.item.caption
                     for e, rng in zip(entries, rngs)]
@@ -336,6 +340,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
     _warn_of_surprises(config, family, entries, validation, warn)
     controls = attach_controls(entries, family, image_identity, lambda index: f"concepts[{index}]")
+    check_control_text(family, entries, cache_text, lambda index: f"concepts[{index}]")
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
@@ -353,7 +358,8 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     texts: Mapping = {}
     if cache_text:
         fill_texts(entries, family, text_cache, warn, stop)
-        texts = CachedTensors(reader, text_cache, {e.text_key: (e.text_key, None) for e in entries})
+        texts = CachedTensors(reader, text_cache, {k: (k, None) for e in entries
+                                                   for k in (e.text_key, e.flipped_text_key) if k})
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}

@@ -28,7 +28,7 @@ from modules.config.train_config import ConceptConfig
 from modules.data.cache import cache_key
 from modules.data.concepts import IMAGE_SUFFIXES, ConceptItem, DataError, scan_concept
 from modules.data.augment import color_jitter
-from modules.data.images import image_size, load_cropped
+from modules.data.images import image_size, load_cropped, open_covering
 
 if TYPE_CHECKING:
     from modules.config.train_config import TrainConfig
@@ -183,7 +183,34 @@ def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: s
             controls.setdefault(key, replace(entry, item=ConceptItem(path, "", entry.item.concept), latent_key=key,
                                              mask=None, control_keys=()))
         entry.control_keys = tuple(keys)
+        if family.text_sees_controls and entry.text_key is not None:
+            # the conditioning of this caption with these controls at this bucket (mirrored: its own entry)
+            seen = [digests[path] for path in entry.item.controls]
+            entry.text_key = cache_key("text", entry.text_key, entry.bucket, *seen)
+            entry.flipped_text_key = cache_key("text", entry.text_key, "flip") if entry.flip else None
     return list(controls.values())
+
+
+def check_control_text(family: ModelFamily, entries: list[Entry], cache_text: bool, where) -> None:
+    """A family whose text encoder sees the control images encodes each sample's conditioning once,
+    into the text cache, from the control files: it cannot re-encode per step from captions alone."""
+    paired = next((e for e in entries if e.item.controls), None)
+    if paired is None or not family.text_sees_controls or cache_text:
+        return
+    raise DataError(f"{where(paired.item.concept)}.controls: {family.label}'s text encoder sees each sample's "
+                    "control images, so its conditioning is encoded once into the text cache; that needs "
+                    "model.parts.text_encoder.train false, no embeddings and fixed captions (concepts[].captions)")
+
+
+def text_controls(entry: Entry, mirrored: bool) -> list:
+    """The control images of `entry` as a text encoder that sees them is shown them: PIL images at
+    the entry's bucket, covered and centre-cropped as their latents are, mirrored with the target."""
+    from PIL import Image, ImageOps
+
+    width, height = entry.bucket
+    images = [open_covering(path, "RGB", width, height, (0.5, 0.5), Image.Resampling.LANCZOS)
+              for path in entry.item.controls]
+    return [ImageOps.mirror(image) for image in images] if mirrored else images
 
 
 def drop_unready(entries: list[Entry], ready: set[str], warn: Callable[[str], None]) -> list[Entry]:

@@ -58,6 +58,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # the most control (reference) images one sample may carry (an edit model: they reach the
     # denoiser as conditioning["control_latents"], (B, N, C, h, w)); 0: none taken
     control_images: ClassVar[int] = 0
+    # whether its text conditioning depends on the control images too (a VL text encoder that sees
+    # them): then `tokenize(captions, controls=...)` takes each caption's control images (PIL, at
+    # the sample's bucket) and the text cache keys on them (modules/data/pairs.py)
+    text_sees_controls: ClassVar[bool] = False
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)
