@@ -44,6 +44,11 @@ class AdapterKeyNames:
         (stacked: written on an original layer, fused.py), or None."""
         return None
 
+    def diffusers_refuses_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        """Why diffusers' `load_lora_weights` refuses a whole `fmt` file that holds this module's
+        adapter (its converter raises on a key it has no rule for), or None."""
+        return None
+
     def diffusers_refuses(self, fmt: str) -> str | None:
         """Why diffusers' `load_lora_weights` refuses a whole `fmt` file of this family, or None."""
         return self.key_layout.diffusers_refuses.get(fmt)

@@ -187,13 +187,13 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
 
     # --- adapters: what other tools do with the files (the key layout itself: keys/chroma.py) ----
 
-    def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+    def diffusers_refuses_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
         if part == "text_encoder":
             # diffusers 0.42: its text-encoder LoRA loader converts CLIP's layer names only and raises
             # ("Could not automatically infer state dict type") on T5's, kohya or diffusers names alike
-            return ("ChromaPipeline.load_lora_weights reads CLIP text-encoder adapters only and refuses a file "
-                    "with T5 ones (model.parts.text_encoder.train)")
+            return ("ChromaPipeline.load_lora_weights reads CLIP text-encoder adapters only and raises on T5 ones "
+                    "(model.parts.text_encoder.train false for a file diffusers loads)")
         if stacked and module_name.startswith("distilled_guidance_layer."):
-            return ("its kohya-FLUX converter knows no distilled guidance layer and refuses the file "
+            return ("its kohya-FLUX converter knows no distilled guidance layer and raises "
                     "(adapter.layer_preset 'attn' or 'attn-mlp' avoids it; output.format 'diffusers' keeps it)")
         return None

@@ -204,12 +204,19 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     # --- adapters: what other tools do with the files (the key layout itself: keys/wan.py) ---
 
     def diffusers_skips_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
-        if part == "text_encoder":
+        if part == "text_encoder" and fmt == "diffusers":
             return "WanPipeline.load_lora_weights loads the transformer's adapters only (model.parts.text_encoder.train)"
+        return None
+
+    def diffusers_refuses_key(self, fmt: str, part: str, module_name: str, stacked: bool) -> str | None:
+        # its non-diffusers converter must consume every key of the file ("state_dict should be empty")
+        if part == "text_encoder" and fmt != "diffusers":
+            return ("WanPipeline's kohya/ComfyUI converter must read every key and has no rule for UMT5 text-encoder "
+                    "adapters (model.parts.text_encoder.train false, or output.format 'diffusers', which drops them)")
         if fmt == "kohya" and not DIFFUSERS_READS_BLOCK_LAYER.match(module_name):
-            return ("its musubi-tuner Wan converter reads only the blocks' attention and FFN layers (all of them) and "
-                    "refuses a file with any other (adapter.layer_preset 'attn-mlp')")
+            return ("its musubi-tuner Wan converter reads only the blocks' attention and FFN layers, all of them, "
+                    "and raises on any other (adapter.layer_preset 'attn-mlp')")
         if fmt == "comfy" and not DIFFUSERS_READS_BLOCK_LAYER.match(module_name):
-            return ("its Wan converter takes an `alpha` only for the blocks' layers and refuses a file with one "
-                    "elsewhere (adapter.layer_preset 'attn' or 'attn-mlp')")
+            return ("its Wan converter takes an `alpha` only for the blocks' layers and raises on one elsewhere "
+                    "(adapter.layer_preset 'attn' or 'attn-mlp')")
         return None

@@ -167,6 +167,7 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
     stacked = fused.fused_names(adapters, family) if family.file_layout(fmt) == "kohya" else set()
     comfyui: dict[str, list[str]] = {}
     diffusers: dict[str, list[str]] = {}
+    refusing: dict[str, list[str]] = {}
     sd_scripts: dict[str, list[str]] = {}
     for name in adapters.modules:
         part, module_name = adapters.part_of[name], adapters.module_name_of[name]
@@ -177,6 +178,9 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
         why = family.diffusers_skips_key(fmt, part, module_name, name in stacked)
         if why:
             diffusers.setdefault(why, []).append(shown)
+        why = family.diffusers_refuses_key(fmt, part, module_name, name in stacked)
+        if why:
+            refusing.setdefault(why, []).append(shown)
         why = family.sd_scripts_skips_key(part, module_name) if fmt == "kohya" else None
         if why:
             sd_scripts.setdefault(why, []).append(shown)
@@ -184,6 +188,8 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
                 f"{why}; use 'kohya' or 'comfy' for ComfyUI" for why, names in comfyui.items()]
     warnings += [f"output.format: {fmt!r}: diffusers' load_lora_weights will not load {len(names)} of these adapters "
                  f"(e.g. {names[0]}): {why}" for why, names in diffusers.items()]
+    warnings += [f"output.format: {fmt!r}: diffusers' load_lora_weights refuses the whole file: {len(names)} of these "
+                 f"adapters (e.g. {names[0]}): {why}" for why, names in refusing.items()]
     refused = family.diffusers_refuses(fmt)
     if refused:
         warnings.append(f"output.format: {fmt!r}: diffusers' {refused}")
@@ -196,16 +202,17 @@ def format_warnings(fmt: str, adapters: AdapterSet, family: ModelFamily) -> list
 def diffusers_report(fmt: str, adapters: AdapterSet, family: ModelFamily) -> dict:
     """The save check's diffusers entry ({"applied", "total", "dropped"}, counted in adapters): what
     `load_lora_weights` loads from a file of `fmt`, by the facts the project keeps (each family's
-    `diffusers_skips_key` and `diffusers_refuses`, rebuilt from diffusers' converters). Not
+    `diffusers_skips_key`, `diffusers_refuses_key` and `diffusers_refuses`, rebuilt from diffusers'
+    converters). Not
     diffusers run on the file: tests/test_diffusers_load_lora.py holds these facts
     against the real loader for every family and format."""
     stacked = fused.fused_names(adapters, family) if family.file_layout(fmt) == "kohya" else set()
-    refused = family.diffusers_refuses(fmt) is not None
-    dropped = []
-    for name in adapters.modules:
-        part, module_name = adapters.part_of[name], adapters.module_name_of[name]
-        if refused or family.diffusers_skips_key(fmt, part, module_name, name in stacked):
-            dropped.append(f"{part}.{family.canonical_module_name(part, module_name)}")
+    names = [(name, adapters.part_of[name], adapters.module_name_of[name]) for name in adapters.modules]
+    # a refused file loads nothing: one adapter on a layer its converter has no rule for is enough
+    refused = family.diffusers_refuses(fmt) is not None or any(
+        family.diffusers_refuses_key(fmt, part, module_name, name in stacked) for name, part, module_name in names)
+    dropped = [f"{part}.{family.canonical_module_name(part, module_name)}" for name, part, module_name in names
+               if refused or family.diffusers_skips_key(fmt, part, module_name, name in stacked)]
     return {"applied": len(adapters) - len(dropped), "total": len(adapters), "dropped": sorted(dropped)}
 
 

@@ -15,7 +15,7 @@
   `lora_te{1 + clip_g + clip_l}`, 1 for Chroma's lone T5.
 - comfy: ComfyUI reads the kohya layout above for every layer (ChromaFamily.file_layout).
 - diffusers: `transformer.<module>`, `text_encoder.<module>`: ChromaPipeline's FluxLoraLoaderMixin
-  loads the transformer's (its T5 adapters it refuses: ChromaFamily.diffusers_skips_key). ComfyUI
+  loads the transformer's (its T5 adapters it refuses: ChromaFamily.diffusers_refuses_key). ComfyUI
   reads a diffusers file's transformer keys through `flux_to_diffusers`, which has no distilled
   guidance layer, and T5 keys only under `lora_te1_` (comfyui_skips below).
 """

@@ -6,7 +6,7 @@ WanTransformer3DModel renamed (`blocks.0.attn1.to_q`, `blocks.0.ffn.net.0.proj`,
   names; ComfyUI's comfy/lora.py `model_lora_keys_unet` maps `lora_unet_<weight with _>` for every
   weight of any diffusion model, and diffusers reads them back with
   `_convert_musubi_wan_lora_to_diffusers` (loaders/lora_conversion_utils.py), which takes only the
-  blocks' attention and FFN layers and refuses a file with any other key (WanFamily.diffusers_skips_key).
+  blocks' attention and FFN layers and refuses a file with any other key (WanFamily.diffusers_refuses_key).
 - comfy: `diffusion_model.<original module>`: ComfyUI's generic name for every weight; diffusers
   reads them with `_convert_non_diffusers_wan_lora_to_diffusers`, the blocks' layers and the
   text/time embedders, time projection and head.
