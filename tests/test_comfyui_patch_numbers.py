@@ -1,6 +1,7 @@
 """ComfyUI's weight patch of a saved file equals the trainer's merge (max abs diff <= 1e-5), for
-Chroma, SD3, Qwen-Image and FLUX.2 (klein), LoRA / LoHa / LoKr / DoRA (kohya files, the transformer's every
-linear layer, tiny models).
+Chroma, SD3, Qwen-Image and FLUX.2 (klein and dev), LoRA / LoHa / LoKr / DoRA (kohya files, the
+transformer's every linear layer, tiny models), and for the text encoders' adapters (T5, CLIP,
+Qwen2.5-VL, Qwen3, Mistral-3: each key one ComfyUI maps, patching the one weight it names).
 
 ComfyUI's side is rebuilt from its source (Comfy-Org a125cd84 and pollockjj 618b803d): which
 weight of its model a key patches and at which row offset (comfy/lora.py model_lora_keys_unet,
@@ -127,13 +128,14 @@ def _patch(weight: torch.Tensor, local: dict[str, torch.Tensor], swapped: bool) 
     return calc * (dora / (norm + torch.finfo(weight.dtype).eps))
 
 
-@pytest.fixture(scope="module", params=["chroma", "sd3", "qwen_image", "flux2"])
+@pytest.fixture(scope="module", params=["chroma", "sd3", "qwen_image", "flux2", "flux2-dev"])
 def family(request, tiny_family_model, tmp_path_factory, shape_images):
     from modules.config.families import get_family_class
 
-    name = request.param
+    name, _, variant = request.param.partition("-")
     cls = get_family_class(name)
-    loaded = cls(train_config(tiny_family_model(name), shape_images, tmp_path_factory.mktemp(name),
+    model = tiny_family_model(name, **({"variant": variant} if variant else {}))
+    loaded = cls(train_config(model, shape_images, tmp_path_factory.mktemp(request.param),
                               {"model": {"family": name}}))
     loaded.load()
     return loaded
@@ -190,6 +192,39 @@ def test_comfyui_patches_the_weights_the_trainer_merges(family, algorithm):
         worst = max(worst, (patched[own] - expected).abs().max().item())
     assert worst <= 1e-5, worst
     assert any(not torch.equal(merged[m], base[m]) for m in merged)  # the adapters change something
+
+
+@pytest.mark.parametrize("algorithm", ["lora", "dora", "lokr"])
+def test_comfyui_patches_the_text_encoders_as_the_trainer_merges(family, algorithm):
+    from modules.adapters.formats.files import stems as file_stems
+
+    parts = [spec.name for spec in family.part_specs if spec.adapter_prefix and spec.name != family.denoiser_part]
+    adapters = build_adapter_set(family, AdapterConfig(layer_preset="attn-mlp", **ALGORITHMS[algorithm]), parts,
+                                 torch.device("cpu"))
+    try:
+        generator = torch.Generator().manual_seed(12)
+        with torch.no_grad():
+            for name, parameter in adapters.named_parameters():
+                if "dora" in name or "magnitude" in name:
+                    parameter.mul_(1 + 0.1 * torch.rand(parameter.shape, generator=generator))
+                else:
+                    parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.1)
+        named = file_stems(adapters, family, "kohya")
+        expected = {named[a.name]: a.merged_weight().detach().clone() for a in adapters}
+        base = {named[a.name]: a.base_weight().detach().clone() for a in adapters}
+        state = file_state(adapters, family, "kohya")
+    finally:
+        adapters.unhook()
+    assert expected, "no text-encoder adapters"
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        stem = next(s for s in expected if key.startswith(s + "."))
+        grouped.setdefault(stem, {})[key[len(stem) + 1:]] = tensor.float()
+    assert set(grouped) == set(expected) and not set(grouped) - comfyui.stems(family)  # every key ComfyUI maps
+    worst = max((_patch(base[stem].float(), local, False) - expected[stem].float()).abs().max().item()
+                for stem, local in grouped.items())
+    assert worst <= 1e-5, worst
+    assert any(not torch.equal(expected[s], base[s]) for s in expected)
 
 
 def _rows(local: dict[str, torch.Tensor], first: torch.Tensor) -> int:
