@@ -14,6 +14,7 @@ from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import file_state, format_warnings, load_adapter_file
 from modules.config.train_config import AdapterConfig
 from modules.saving.consumers import comfyui, forge
+from modules.saving.consumers.check import check
 from modules.saving.consumers.check import module_stems as _stems
 
 CLIP_LAYERS = comfyui.CLIP_LAYERS
@@ -413,3 +414,23 @@ def test_every_chroma_and_sd3_stem_is_one_comfyui_maps(dit_family, adapter):
             assert unread and sum(counts) == len(unread), (sorted(unread)[:5], warned)
     finally:
         adapters.unhook()
+
+
+@pytest.mark.parametrize("adapter", [{"type": "lora"}, {"type": "loha"}], ids=["lora", "loha"])
+def test_forge_loads_chroma_and_sd3_kohya_files_by_their_own_weight_names(dit_family, adapter):
+    """Forge (dfdcbab6) maps Chroma's and SD3's denoiser only by the weights' own names: a kohya LoRA,
+    stacked onto those layers, loads whole (text encoders too); a LoHa's per-module q/k/v keys
+    (`lora_transformer_...`) are the only ones it drops, and the save check says so."""
+    known = forge.stems(dit_family)
+    adapters = _adapters(dit_family, layer_preset="all-linear", **adapter)
+    try:
+        stems = _stems(file_state(adapters, dit_family, "kohya"))
+    finally:
+        adapters.unhook()
+    dropped = stems - known
+    assert any(s.startswith("lora_te") for s in stems - dropped)  # the text encoders load
+    if adapter["type"] == "lora":
+        assert not dropped, sorted(dropped)[:5]
+    else:
+        assert dropped and all(s.startswith("lora_transformer_") for s in dropped), sorted(dropped)[:5]
+        assert check(stems, dit_family)["Forge"]["dropped"] == sorted(dropped)

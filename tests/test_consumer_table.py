@@ -23,7 +23,7 @@ def test_readme_consumer_table_is_the_generated_one(tiny_family_model, shape_ima
         family.load()
         families.append(family)
     generated = table(families)
-    assert "ComfyUI 0.8.0" in generated and "Forge classic" in generated  # the versions it reflects
+    assert "ComfyUI 0.8.0" in generated and "Forge commit dfdcbab6" in generated  # the versions it reflects
     assert readme_block((ROOT / "README.md").read_text(encoding="utf-8")) == generated, \
         "README's consumer table is stale: run python -m tools.consumer_table --write"
 
