@@ -82,7 +82,9 @@ def table(families) -> str:
         lines += rows_of(family, label)
     lines += ["", "Key maps: " + "; ".join(f"{c.NAME} {c.VERSION}" for c in CONSUMERS) + ". A LoRA on every "
               "linear layer (`all-linear`); counts are layer kinds (block numbers taken out), applied/in the file; "
-              "\"-\": the tool has no such model (or its map is not kept).", END]
+              "\"-\": the tool has no such model (or its map is not kept). At the released architectures' real "
+              "widths and depths, every key of a kohya or comfy LoRA file (attention and MLP, text encoders included) "
+              "is one these maps apply (tests/test_consumer_keys_real_width.py).", END]
     return "\n".join(lines)
 
 
