@@ -183,13 +183,14 @@ class LoKrModule(WeightDecomposed, AdapterModule):
         if self.use_w1 and self.use_w2:
             alpha = float(rank)  # no low-rank factor, no scaling: stored as LyCORIS stores it
         self.register_buffer("alpha", torch.tensor(float(alpha), device=device), persistent=True)
-        self._refresh_scale()
+        self._refresh_scale(float(alpha))  # from the number: the buffer may be on meta (a planned model)
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_scale())
         if weight_decompose:
             self.setup_decomposition(dora_axis, device, dtype)
 
-    def _refresh_scale(self) -> None:
-        self.scale = 1.0 if self.use_w1 and self.use_w2 else float(self.alpha) / self.rank
+    def _refresh_scale(self, alpha: float | None = None) -> None:
+        alpha = float(self.alpha) if alpha is None else alpha
+        self.scale = 1.0 if self.use_w1 and self.use_w2 else alpha / self.rank
 
     def delta_weight(self, training: bool = False) -> torch.Tensor:
         w1 = self.lokr_w1 if self.use_w1 else self.lokr_w1_a @ self.lokr_w1_b
