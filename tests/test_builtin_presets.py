@@ -101,7 +101,16 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         if part_config.weight_dtype not in (*cpu_modes, "auto"):
             pytest.skip(f"model.parts.{part}.weight_dtype {part_config.weight_dtype!r} does not run on this CPU")
 
-    trainer = GenericTrainer(config)
+    from modules.trainer.callbacks import TrainCallbacks
+
+    class SaveReports(TrainCallbacks):  # what each save's check says of the file (modules/saving/consumers)
+        reports: list[dict] = []
+
+        def on_save(self, path, consumers=None):
+            self.reports.append(consumers or {})
+
+    saves = SaveReports()
+    trainer = GenericTrainer(config, saves)
     trainer.start()
     trainer.train()
     assert trainer.step == 2 and math.isfinite(trainer.last_loss)
@@ -116,6 +125,9 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
 
     if config.method.type != "adapter":
         return  # a fine-tune saves a model, an embedding run its embedding file: no LoRA to load
+    comfyui = saves.reports[-1].get("ComfyUI")  # the run's own check of its adapter file
+    if comfyui is not None:  # every key of every preset's file is one ComfyUI applies (issue 27)
+        assert comfyui["applied"] == comfyui["total"] > 0, comfyui["dropped"][:5]
     if config.adapter.type not in DIFFUSERS_LOADS:
         return  # no diffusers loader for this adapter type (see DIFFUSERS_LOADS)
     if config.model.family in ("flux", "flux_kontext", "chroma") and config.output.format in ("kohya", "comfy"):

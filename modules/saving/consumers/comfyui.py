@@ -26,14 +26,18 @@ import re
 
 import torch
 
+from modules.quantization.base import is_linear
+
 NAME = "ComfyUI"
 VERSION = "0.8.0 (pollockjj/ComfyUI 618b803d, upstream of 2026-01-07; same maps in Comfy-Org 0.3.64)"
 
 CLIP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj", "mlp.fc1", "mlp.fc2")
 
 
-def _layers(module, kinds=(torch.nn.Linear, torch.nn.Conv2d)) -> list[str]:
-    return [n for n, m in module.named_modules() if isinstance(m, kinds)]
+def _layers(module, convs: bool = True) -> list[str]:
+    """The weights' module names: Linear layers, dense or quantized (a fp8/nf4 run checks its file
+    against the same model), and Conv2d ones."""
+    return [n for n, m in module.named_modules() if is_linear(m) or (convs and isinstance(m, torch.nn.Conv2d))]
 
 
 def flux_original_keys(transformer) -> list[str]:
@@ -100,7 +104,7 @@ def sd_flux_stems(family) -> set[str]:
     stems = set()
     if family.name == "flux":
         denoiser = flux_original_keys(family.transformer)
-        for name in _layers(family.transformer, torch.nn.Linear):
+        for name in _layers(family.transformer, convs=False):
             stems |= {f"transformer.{name}", f"lycoris_{name.replace('.', '_')}",
                       f"lora_transformer_{name.replace('.', '_')}"}
     else:
