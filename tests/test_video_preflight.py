@@ -16,6 +16,7 @@ from test_video_data import _frame, write_clip
 
 
 def _folder(tmp_path):
+    """walk.mp4's windows decode 5 and 10 frames (from its start), the frame folder's 5 files."""
     folder = tmp_path / "clips"
     folder.mkdir()
     write_clip(folder / "walk.mp4", 13, fps=8)  # two windows of 5 (clip_windows several)
@@ -47,7 +48,7 @@ def test_the_estimate_counts_times_and_sizes_the_video_cache_and_refuses_a_full_
     notes = []
     assert preflight.preflight_problems(config, notes) == []
     (note,) = notes
-    assert re.match(r"video concepts: 3 clip\(s\), 3 window\(s\), 1 unreadable clip\(s\) skipped; decoding 15 frames "
+    assert re.match(r"video concepts: 3 clip\(s\), 3 window\(s\), 1 unreadable clip\(s\) skipped; decoding 20 frames "
                     r"takes ~\d+(\.\d)? m?s \(timed on the first 2 window\(s\)\); the latent cache grows by ~[\d.]+ KiB "
                     r"in " + re.escape(str(cache_dir)) + "$", note), note
     estimate = estimate_video_cache(config, WanFamily(config))

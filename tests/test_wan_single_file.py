@@ -202,19 +202,26 @@ def test_a_comfyui_scaled_fp8_file_keeps_its_scales(tmp_path, tiny_wan, shape_im
 
 def test_the_released_size_a_file_holds_picks_its_config(tmp_path, shape_images):
     """A 14B file (5120 wide, 40 blocks: only its header is read) is built from transformer_14b/,
-    a 1.3B one (1536, 30) from transformer/."""
+    a 1.3B one (1536, 30) from transformer/; an image-to-video 14B file (36 input channels), which
+    no shipped config builds, is named for what it holds before any weight loads."""
     from safetensors.torch import save_file
 
+    from modules.loading.diffusers_folder import ModelLoadError
     from modules.model.wan import WanFamily
 
-    for width, blocks, folder in ((5120, 40, "transformer_14b"), (1536, 30, "transformer")):
-        tensors = {"patch_embedding.weight": torch.zeros(width, 16, 1, 2, 2, dtype=torch.float8_e4m3fn)}
+    def family_of(width, blocks, channels):
+        tensors = {"patch_embedding.weight": torch.zeros(width, channels, 1, 2, 2, dtype=torch.float8_e4m3fn)}
         tensors.update({f"blocks.{i}.self_attn.norm_q.weight": torch.zeros(1) for i in range(blocks)})
-        path = tmp_path / f"wan_{width}.safetensors"
+        path = tmp_path / f"wan_{width}_{channels}.safetensors"
         save_file(tensors, str(path))
-        family = WanFamily(train_config(path, shape_images, tmp_path, {"model": {"family": "wan", "parts": {
+        return WanFamily(train_config(path, shape_images, tmp_path, {"model": {"family": "wan", "parts": {
             "text_encoder": {"path": str(tmp_path)}, "vae": {"path": str(tmp_path)}}}}))
-        assert family.part_folder("transformer").name == folder
+
+    for width, blocks, folder in ((5120, 40, "transformer_14b"), (1536, 30, "transformer")):
+        assert family_of(width, blocks, 16).part_folder("transformer").name == folder
+    with pytest.raises(ModelLoadError, match=r"a Wan transformer 5120 wide with 40 blocks \(image-to-video\); no "
+                                             r"config in .*transformer\*/ has that architecture"):
+        family_of(5120, 40, 36).part_folder("transformer")
 
 
 def test_the_vae_conversion_agrees_with_diffusers_on_the_released_vae():

@@ -80,23 +80,34 @@ def single_file_part(part: str):
     }.get(part)
 
 
-def transformer_shape(keys, shape_of) -> tuple[int, int]:
-    """(width, block count) of the transformer in a file, from its header."""
-    width_key = next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?patch_embedding\.weight$", k)), None)
+def transformer_shape(keys, shape_of) -> tuple[int, int, int]:
+    """(width, block count, input channels) of the transformer in a file, from its header (the
+    patch embedding is (width, channels, 1, 2, 2): 16 for text-to-video, 36 for image-to-video)."""
+    patch = next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?patch_embedding\.weight$", k)), None)
     blocks = {int(m.group(1)) for k in keys if (m := re.match(r"^(?:model\.diffusion_model\.)?blocks\.(\d+)\.", k))}
-    return (shape_of(width_key)[0] if width_key else 0), max(blocks, default=-1) + 1
+    width, channels = shape_of(patch)[:2] if patch else (0, 0)
+    return width, max(blocks, default=-1) + 1, channels
 
 
-def transformer_config_folder(folder: Path, width: int, blocks: int) -> Path:
+def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int) -> Path:
     """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
-    has this width and block count; `folder` itself when none does (the load then names the
-    mismatch)."""
-    for candidate in [folder, *sorted(folder.parent.glob("transformer*/"))]:
+    has this width, block count and input channels; ModelLoadError naming what the file holds when
+    none has (a file without a patch embedding: `folder`, and the load names what is missing)."""
+    from modules.loading.diffusers_folder import ModelLoadError
+
+    if not width:
+        return folder
+    candidates = [folder, *sorted(folder.parent.glob("transformer*/"))]
+    for candidate in candidates:
         config_path = candidate / "config.json"
         if not config_path.is_file():
             continue
         config = json.loads(config_path.read_text(encoding="utf-8"))
-        if (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers")) == (
-                width, blocks):
+        shape = (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers"),
+                 config.get("in_channels"))
+        if shape == (width, blocks, channels):
             return candidate
-    return folder
+    kind = {16: "text-to-video", 36: "image-to-video"}.get(channels, f"{channels} input channels")
+    raise ModelLoadError(f"model.base: the file holds a Wan transformer {width} wide with {blocks} blocks "
+                         f"({kind}); no config in {folder.parent}/transformer*/ has that architecture: set "
+                         "model.parts.transformer.path to a diffusers transformer/ folder of the model")

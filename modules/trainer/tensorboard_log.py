@@ -18,10 +18,13 @@ from PIL import Image
 
 
 def gif_bytes(frames: list[Image.Image], fps: float) -> bytes:
-    """The frames as a looping GIF (each frame quantized to its own 256-colour palette; Pillow
-    merges a frame identical to the one before into that one's duration)."""
+    """The frames as a looping GIF, each quantized to its own 256-colour palette by fast octree
+    (Pillow's default median cut takes ~0.5 s a frame at 832x480: 40 s for an 81-frame sample; this,
+    ~1 s). Pillow merges a frame identical to the one before into that one's duration."""
+    paletted = [frame.convert("RGB").quantize(256, method=Image.Quantize.FASTOCTREE) for frame in frames]
     buffer = io.BytesIO()
-    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0)
+    paletted[0].save(buffer, format="GIF", save_all=True, append_images=paletted[1:], duration=round(1000 / fps),
+                     loop=0)
     return buffer.getvalue()
 
 

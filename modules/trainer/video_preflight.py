@@ -1,6 +1,7 @@
 """The preflight's estimate for video concepts, before anything is cached: how many clips and
 windows the concepts give, how long decoding them takes (timed on the first one or two windows
-that are not cached yet), and how much the latent cache will add on disk (each window's latent
+that are not cached yet, per frame decoded: a clip file is decoded from its start to a window's
+last frame), and how much the latent cache will add on disk (each window's latent
 grid from the VAE's compression, as cache_layout.py lays an entry out). preflight.py adds the cache
 to what the disk of the cache folder must hold, and says the estimate before the model loads.
 
@@ -30,7 +31,7 @@ class VideoEstimate:
     windows: int  # cache entries of clips: one per window and resolution
     unreadable: int  # clips the run will name and skip
     cached: int  # windows whose entry is in the cache already
-    frames: int  # frames to decode for the windows not cached yet
+    frames: int  # frames decoded for the windows not cached yet (read_frames' count, _frames_read)
     decode_seconds: float | None  # None: nothing to decode
     cache_bytes: int | None  # what the new entries take on disk; None: the family's latent grid is not known unloaded
     cache_dir: Path
@@ -78,6 +79,12 @@ def cache_folder(config: TrainConfig) -> tuple[Path, str]:
     if config.cache_dir:
         return Path(config.cache_dir), "cache_dir"
     return Path(config.workspace_dir) / "cache", "workspace_dir"
+
+
+def _frames_read(window) -> int:
+    """Frames read_frames decodes for a window: a video file or an animated image from its start to
+    the window's last frame (decoders go forward), a frame folder only the window's own files."""
+    return len(set(window.indices)) if window.source.is_dir() else max(window.indices) + 1
 
 
 def entry_bytes(entry, grid) -> int:
@@ -128,7 +135,7 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
                 if identity is not None and cache.path(entry.latent_key).is_file():
                     cached += 1
                     continue
-                frames += entry.clip.frames
+                frames += _frames_read(entry.clip)
                 new_bytes += entry_bytes(entry, grid) if grid else 0
                 if len(to_time) < TIMED_WINDOWS:
                     to_time.append(entry)
@@ -138,7 +145,7 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
         for entry in to_time:
             try:
                 load_window(entry.clip, *entry.bucket)
-                timed += entry.clip.frames
+                timed += _frames_read(entry.clip)
             except Exception:  # damaged after its first frames: the run names and skips it
                 continue
         decode = (time.perf_counter() - started) / timed * frames if timed else None
