@@ -121,6 +121,11 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
             assert np.asarray(image).std() > 0, f"{path.name} is one flat colour (a NaN decode)"
     assert trainer.backup().is_dir()
     saved = trainer.end()
+    if saved.is_dir():  # a fine-tune of a family without a single-file writer saves a pipeline folder
+        from diffusers import DiffusionPipeline
+
+        DiffusionPipeline.from_pretrained(str(saved), local_files_only=True)  # loads whole, or raises
+        return
     assert saved.is_file()
 
     if config.method.type != "adapter":
