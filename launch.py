@@ -296,7 +296,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model of a family, offline")
     tiny.add_argument("--family", default="sd15")
     tiny.add_argument("--out", required=True)
-    tiny.add_argument("--variant", help="a model of a family of several: flux2's 'klein' (default) or 'dev'")
+    tiny.add_argument("--variant", help="a model of a family of several: flux2's 'klein' (default) or "
+                      "'dev'; qwen_image_edit_plus's '2509' (default) or '2511'")
     tiny.set_defaults(run=cmd_make_tiny_model)
 
     info = sub.add_parser("info", help="families, presets, devices, and the weight dtypes that work here")

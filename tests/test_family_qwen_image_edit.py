@@ -34,7 +34,7 @@ def tiny_edit(tiny_family_model):
 
 @pytest.fixture(scope="session")
 def tiny_plus(tiny_family_model):
-    return tiny_family_model("qwen_image_edit_plus", zero_cond_t=True)  # 2511's transformer
+    return tiny_family_model("qwen_image_edit_plus", variant="2511")  # zero_cond_t
 
 
 @pytest.fixture(scope="module")

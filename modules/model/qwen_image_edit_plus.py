@@ -32,6 +32,7 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
     declaration = DECLARATION
     pipeline_classes = ("QwenImageEditPlusPipeline",)
     modelspec_architecture = "qwen-image-edit-plus/lora"
+    tiny_model_variants = ("2509", "2511")  # 2511: the transformer's zero_cond_t
 
     def image_prompt(self, count: int) -> str:
         return "".join(f"Picture {index}: {IMAGE_BLOCK}" for index in range(1, count + 1))
