@@ -76,3 +76,30 @@ def test_weight_dtype_auto_is_the_densest_storage_that_fits(tiny_model):
     choice = tight.auto["model.parts.unet.weight_dtype"]
     assert choice["value"] != "bfloat16" and tight.parts["unet"].weight_dtype == choice["value"]
     assert tight.fits is True
+
+
+def test_a_family_that_selects_caption_tokens_by_mask_plans(tiny_family_model):
+    """Z-Image picks each caption's real tokens with a boolean mask, an op fake tensors cannot size:
+    its planning conditioning has every token real (it crashed on aten.nonzero)."""
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import plan_run
+
+    config = build_config([{"model": {"family": "z_image", "base": str(tiny_family_model("z_image"))},
+                            "data": {"resolution": 64}}])
+    plan = plan_run(config, None, None)
+    assert plan.parts["transformer"].device["activations"] > 0 and plan.flops > 0
+
+
+@pytest.mark.parametrize(("family", "shared"), [("flux_kontext", "flux"), ("qwen_image_edit", "qwen_image"),
+                                                ("qwen_image_edit_plus", "qwen_image")])
+def test_an_edit_family_plans_on_the_released_parts_it_shares(family, shared):
+    """FLUX.1 Kontext and Qwen-Image-Edit(-Plus) are planned (model.base empty: their presets) on the
+    parts of the model they share them with; there is no resources/model_configs/<family>."""
+    from modules.config.families import get_family_class
+    from modules.config.loading import build_config
+    from modules.plan.architecture import released_config
+
+    folder = get_family_class(family).released_config_folder()
+    assert folder.name == shared and (folder / "transformer" / "config.json").is_file()
+    config = released_config(build_config([{"model": {"family": family}}]))
+    assert config.model.base == str(folder)

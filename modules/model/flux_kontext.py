@@ -43,9 +43,8 @@ class FluxKontextFamily(FluxFamily):
     single_file_signature = None  # a Kontext file holds FLUX.1's tensors: name the family (model.family)
     modelspec_architecture = "flux-1-kontext-dev/lora"
 
-    def model_config_folder(self) -> Path:
-        if self.model_configs_dir is not None:
-            return Path(self.model_configs_dir)
+    @classmethod
+    def released_config_folder(cls) -> Path:
         return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / "flux"  # FLUX.1's parts
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:

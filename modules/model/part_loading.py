@@ -84,7 +84,12 @@ class PartLoading:
         parts are built from: resources/model_configs/<family>/ unless model_configs_dir says."""
         if self.model_configs_dir is not None:
             return Path(self.model_configs_dir)
-        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / self.name
+        return self.released_config_folder()
+
+    @classmethod
+    def released_config_folder(cls) -> Path:
+        """The configs of the family's released model (no weights): resources/model_configs/<family>/."""
+        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / cls.name
 
     def single_file_stream(self, part: str | None = None):
         """The open base file; with `part`, the file that part is read from (its own or the base)."""

@@ -108,14 +108,15 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
         length = self.planning_length(512)
         return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.hidden_size,
                                              dtype=self.compute_dtype("text_encoder"), device=device),
-                "attention_mask": torch.empty(batch, length, dtype=torch.long, device=device)}
+                "attention_mask": None}  # every token real: a boolean mask's selection has no fake shape
 
     # --- training ----------------------------------------------------------------------------
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The flow velocity (noise - clean) the transformer predicts for (B, C, H, W) latents."""
         dtype = self.compute_dtype("transformer")
-        captions = [h[m.bool()].to(dtype) for h, m in zip(text["hidden_states"], text["attention_mask"])]
+        masks = text["attention_mask"]
+        captions = [(h if masks is None else h[masks[i].bool()]).to(dtype) for i, h in enumerate(text["hidden_states"])]
         out = self.transformer(list(noisy.to(dtype).unsqueeze(2).unbind(0)), (1 - sigmas).to(dtype), captions,
                                return_dict=False)[0]
         return -torch.stack(out).squeeze(2)

@@ -7,15 +7,15 @@ is what loads: the same classes, folders, single-file configs and skip lists. Fa
 part before any tokenizer or scheduler, so a folder without those (resources/model_configs) still
 yields every part; what fails after the parts is not needed here.
 
-`model.base` empty: the family's released architecture from resources/model_configs/<family>/
-(what the presets are sized for). `variant` (a family of several models, e.g. FLUX.2 "dev") picks
+`model.base` empty: the family's released architecture from its `released_config_folder()`
+(resources/model_configs/<family>/, or the folder of the model it shares its parts with: FLUX.1's for
+Kontext; what the presets are sized for). `variant` (a family of several models, e.g. FLUX.2 "dev") picks
 the config folders `<subfolder>_<variant>` where they exist there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +27,6 @@ from modules.quantization.replace import is_quantized_mode, new_quantized_layer,
 from modules.quantization.skip_rules import FAMILY_SKIP_ATTRIBUTE, keeps_float32
 from modules.quantization.weight_modes import DENSE_DTYPES
 
-MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "resources" / "model_configs"
 META = torch.device("meta")
 
 
@@ -41,8 +40,8 @@ class PlannedModel:
 def released_config(config: TrainConfig, variant: str | None = None) -> TrainConfig:
     """`config` with model.base pointing at the family's shipped configs (and a variant's folders
     as part paths), for planning a family's released architecture without its weights."""
-    folder = MODEL_CONFIGS / config.model.family
     family_class = get_family_class(config.model.family)
+    folder = family_class.released_config_folder()
     parts = {}
     for spec in family_class.part_specs:
         candidate = folder / f"{spec.subfolder}_{variant}" if variant else None

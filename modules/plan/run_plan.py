@@ -282,7 +282,10 @@ class Planner:
                     "value": fraction, "why": "the smallest share of the blocks that fits the budget"
                     if fraction else "everything fits without parking"}
         if sized["released"]:
-            plan.notes.append(f"planned on the released architecture (resources/model_configs/{config.model.family})")
+            from modules.config.families import get_family_class
+
+            folder = get_family_class(config.model.family).released_config_folder()
+            plan.notes.append(f"planned on the released architecture (resources/model_configs/{folder.name})")
         from modules.plan.fake_pass import planned_frames
 
         frames = planned_frames(config, family)
