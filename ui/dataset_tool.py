@@ -157,8 +157,8 @@ class DatasetTool(ctk.CTkToplevel):
         box = ctk.CTkTextbox(right, height=56, wrap="word")
         box.insert("1.0", self.captions[image])
         box.pack(fill="x")
-        box.bind("<FocusOut>", lambda _event: self.save(image))
-        box.bind("<Control-s>", lambda _event: self.save(image) or "break")
+        box.bind("<FocusOut>", lambda _event=None: self.save(image))  # Tk may call it without an event while the row goes
+        box.bind("<Control-s>", lambda _event=None: self.save(image) or "break")
         self.rows[image] = {"box": box, "selected": var, "name": name, "paint": paint}
 
     def _toggle(self, image: Path, on: bool) -> None:
