@@ -18,7 +18,6 @@ at that size (`_auto_resize` off: the pipeline would otherwise pick one of Konte
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -43,9 +42,7 @@ class FluxKontextFamily(FluxFamily):
     single_file_signature = None  # a Kontext file holds FLUX.1's tensors: name the family (model.family)
     modelspec_architecture = "flux-1-kontext-dev/lora"
 
-    @classmethod
-    def released_config_folder(cls) -> Path:
-        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / "flux"  # FLUX.1's parts
+    released_configs_of = "flux"  # FLUX.1's parts
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity for (B, C, H, W) latents; `text["control_latents"]` (B, N, C, h, w), when the

@@ -26,6 +26,8 @@ class PartLoading:
     """The loading part of ModelFamily (it reads `config`, `part_specs`, `spec`, `name`, `label`,
     `nominal_part_parameters` and `quantize_skip_patterns` from the family)."""
 
+    released_configs_of: str | None = None  # a family whose released part configs are this one's too
+
     # parts built from their config on the meta device, no weight read: the parts a job never runs
     # (the denoiser while `launch.py cache` encodes), so load() still runs unchanged and code that
     # reads such a part's `.config` keeps working, while a 24 GB transformer costs nothing
@@ -88,8 +90,9 @@ class PartLoading:
 
     @classmethod
     def released_config_folder(cls) -> Path:
-        """The configs of the family's released model (no weights): resources/model_configs/<family>/."""
-        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / cls.name
+        """The configs of the family's released model (no weights): resources/model_configs/<family>/,
+        or those of the family whose parts it shares (`released_configs_of`)."""
+        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / (cls.released_configs_of or cls.name)
 
     def single_file_stream(self, part: str | None = None):
         """The open base file; with `part`, the file that part is read from (its own or the base)."""

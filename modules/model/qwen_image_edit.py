@@ -96,9 +96,7 @@ class QwenImageEditFamily(QwenImageFamily):
     # Qwen2.5-VL-7B less its lm_head (8.29 B - 0.55 B): the vision tower is loaded too
     nominal_part_parameters = {**QwenImageFamily.nominal_part_parameters, "text_encoder": 7_747_103_744}
 
-    @classmethod
-    def released_config_folder(cls) -> Path:
-        return Path(__file__).resolve().parents[2] / "resources" / "model_configs" / "qwen_image"  # the same parts
+    released_configs_of = "qwen_image"  # the same parts
 
     def load(self) -> None:
         from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
