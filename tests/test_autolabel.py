@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_launch import launch_popen, launch_run
 
 from modules.autolabel.caption_folder import caption_images
 from modules.autolabel.captioners import kind_for
@@ -134,8 +134,7 @@ def test_prompt_template_placeholders():
 
 
 def launch(*args: str, stdin: str = "", timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], input=stdin, capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    return launch_run(args, input=stdin, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
 def events_of(stdout: str) -> list[dict]:
@@ -147,9 +146,9 @@ def test_the_caption_command_speaks_jsonl_and_stops_on_the_stop_command(tiny_lab
     model = str(tiny_labellers("blip"))
     # a stop sent once the run has started arrives before its first batch or while the model loads for it
     # (which comes first is the machine's): one batch is captioned at most
-    process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "caption", "--folder", str(tmp_path / "images"),
-                                "--model", model, "--batch-size", "1", "--max-new-tokens", "4", "--protocol", "jsonl"],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    process = launch_popen(["caption", "--folder", str(tmp_path / "images"), "--model", model, "--batch-size", "1",
+                            "--max-new-tokens", "4", "--protocol", "jsonl"],
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         first = process.stdout.readline()
         assert json.loads(first)["event"] == "started"

@@ -6,16 +6,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 from conftest import ROOT, train_config
+from forked_launch import launch_popen, launch_run
 
 
 def launch(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
-                          timeout=600, cwd=kwargs.pop("cwd", ROOT), **kwargs)
+    return launch_run(args, capture_output=True, text=True, timeout=600, cwd=kwargs.pop("cwd", ROOT), **kwargs)
 
 
 def test_demo_trains_and_prints_where_the_file_went(tmp_path):
@@ -33,8 +32,8 @@ def test_sigterm_stops_at_the_next_step_with_a_backup_and_exit_0(tmp_path, tiny_
     config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"epochs": 500}})
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())
-    process = subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "train", "--config", str(config_file)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    process = launch_popen(["train", "--config", str(config_file)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines = []
     deadline = time.monotonic() + 300
     for line in process.stderr:
@@ -86,8 +85,8 @@ def test_jsonl_protocol_round_trip(tmp_path, tiny_model, shape_images):
     })
     config_file = tmp_path / "run.json"
     config_file.write_text(config.model_dump_json())
-    process = subprocess.Popen(
-        [sys.executable, str(ROOT / "launch.py"), "train", "--config", str(config_file), "--protocol", "jsonl"],
+    process = launch_popen(
+        ["train", "--config", str(config_file), "--protocol", "jsonl"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     events = []
     sent = []

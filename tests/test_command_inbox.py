@@ -10,13 +10,13 @@ import json
 import os
 import queue
 import subprocess
-import sys
 import threading
 import time
 from functools import partial
 from pathlib import Path
 
 from conftest import ROOT, train_config
+from forked_launch import launch_popen
 
 from modules.trainer.command_inbox import CommandInbox, inbox_dir, post_command
 from modules.trainer.commands import TrainCommands
@@ -82,8 +82,7 @@ class _Run:
     def __init__(self, tmp_path: Path, config):
         config_file = tmp_path / "run.json"
         config_file.write_text(config.model_dump_json())
-        self.process = subprocess.Popen([sys.executable, "launch.py", "train", "--config", str(config_file),
-                                         "--protocol", "jsonl"], cwd=ROOT, stdin=subprocess.DEVNULL,
+        self.process = launch_popen(["train", "--config", str(config_file), "--protocol", "jsonl"], cwd=ROOT, stdin=subprocess.DEVNULL,
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.events: list[dict] = []
         self.stderr: list[str] = []

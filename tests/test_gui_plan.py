@@ -64,14 +64,15 @@ def test_offloading_a_part_moves_its_bytes_off_the_device(app):
     assert unet_row == ("unet", after["device"]["total"], after["parked"])
 
 
-def test_the_verdict_and_the_fixes_for_a_budget(app):
+def test_the_verdict_and_the_fixes_for_a_budget(app, tiny_model):
     from ui.components import ERROR_COLOR
 
     panel = app.plan_panel
+    edit(app, "Model", "model.base", str(tiny_model))
     app.tabview.set("Offload")
-    panel.budget.set("0.25")
-    plan = wait_for_plan(app, lambda plan: plan["fits"] is False, "a plan that does not fit 0.25 GiB")
-    assert plan["device"]["budget"] == 2**28
+    panel.budget.set("0.0001")  # GiB: under the tiny model's planned peak
+    plan = wait_for_plan(app, lambda plan: plan["fits"] is False and plan["device"]["budget"] == int(0.0001 * 2**30),
+                         "a plan that does not fit 0.0001 GiB")
     assert panel.verdict.cget("text").startswith("Does not fit: planned device peak ")
     assert panel.verdict.cget("text_color") == ERROR_COLOR
     if plan["fixes"]:

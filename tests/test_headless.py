@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, train_config
+from forked_launch import launch_popen
 from safetensors.torch import load_file
 
 from modules.saving.backup import list_backups, read_backup
@@ -22,9 +23,8 @@ from modules.trainer.resume import check_resume_compatible, resume_changes
 
 
 def _train_child(config_file: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), "train", "--config", str(config_file),
-                             "--protocol", "jsonl", *extra],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    return launch_popen(["train", "--config", str(config_file), "--protocol", "jsonl", *extra],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
 
 def _temp_files(*folders: Path) -> list[Path]:

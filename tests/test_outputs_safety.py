@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, train_config
+from forked_launch import launch_popen
 
 from modules.cli.train_command import run_training
 from modules.util.atomic import write_text
@@ -43,9 +44,8 @@ def _config_file(tmp_path: Path, tiny_model, shape_images, *overlays: dict) -> t
 
 
 def _child(config_file: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "launch.py", "train", "--config", str(config_file), "--protocol", "jsonl",
-                             *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return launch_popen(["train", "--config", str(config_file), "--protocol", "jsonl", *extra], stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _events(stdout: str) -> list[dict]:

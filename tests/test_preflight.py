@@ -7,13 +7,13 @@ import hashlib
 import json
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT, train_config
+from forked_launch import launch_run
 from mounts import full_disk, read_only_folder
 from safetensors.torch import save_file
 
@@ -25,8 +25,7 @@ LOADING = "[loading model]"  # the trainer's first status after the preflight
 
 def launch(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    result = subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
-                            cwd=ROOT, timeout=300)
+    result = launch_run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
     return result, time.monotonic() - started
 
 

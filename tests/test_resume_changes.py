@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT, train_config
+from forked_launch import launch_run
 
 from modules.cli.train_command import run_training
 from modules.trainer.callbacks import TrainCallbacks
@@ -85,8 +84,8 @@ def test_a_changed_optimizer_type_is_refused_with_the_reason(backed_up, tiny_mod
     config_file.write_text(json.dumps(config))
     backups, output = Path(config["workspace_dir"]) / "backup", Path(config["output"]["path"])
     before = {**_files(backups), **_files(output.parent)}
-    result = subprocess.run([sys.executable, "launch.py", "train", "--config", str(config_file), "--resume"],
-                            capture_output=True, text=True, cwd=ROOT, timeout=180)
+    result = launch_run(["train", "--config", str(config_file), "--resume"],
+                        capture_output=True, text=True, cwd=ROOT, timeout=180)
     assert result.returncode == 1
     assert "optimizer.type: 'adamw' in the backup, 'prodigy' now" in result.stderr
     assert "belongs to adamw" in result.stderr and "adapter.init_from" in result.stderr

@@ -5,10 +5,9 @@ the config but is not sampled. Through the CLI, as the GUI and remote runs drive
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from conftest import ROOT, train_config
+from forked_launch import launch_run
 
 from modules.trainer.commands import TrainCommands
 from modules.trainer.event_protocol import apply_command, parse_command
@@ -33,8 +32,8 @@ def test_a_run_samples_a_prompt_sent_on_stdin_and_skips_disabled_prompts(tiny_mo
     config_file = tmp_path / "config.json"
     config_file.write_text(config.model_dump_json())
     now = {"command": "sample", "prompt": {"prompt": "now", "steps": 2, "width": 64, "height": 64}}
-    run = subprocess.run([sys.executable, "launch.py", "train", "--protocol", "jsonl", "--config", str(config_file)],
-                         cwd=ROOT, input=json.dumps(now) + "\n", capture_output=True, text=True, timeout=600)
+    run = launch_run(["train", "--protocol", "jsonl", "--config", str(config_file)],
+                     cwd=ROOT, input=json.dumps(now) + "\n", capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     events = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     samples = [event["path"] for event in events if event["event"] == "sample"]

@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 from conftest import ROOT, train_config
+from forked_launch import launch_run
 
 from modules.config.loading import build_config
 
@@ -46,8 +47,8 @@ def test_a_preset_saved_from_a_resumed_run_does_not_resume(tmp_path, monkeypatch
 
 def test_presets_save_starts_from_a_preset(tmp_path):
     env = {**os.environ, "DIFFTRAINER_HOME": str(tmp_path)}
-    result = subprocess.run([sys.executable, "launch.py", "presets", "save", "mine", "--preset", "SD1.5 LoRA",
-                             "--set", "schedule.epochs=3"], capture_output=True, text=True, cwd=ROOT, env=env,
+    result = launch_run(["presets", "save", "mine", "--preset", "SD1.5 LoRA", "--set", "schedule.epochs=3"],
+                        capture_output=True, text=True, cwd=ROOT, env=env,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     saved = json.loads((tmp_path / "presets" / "mine.json").read_text())

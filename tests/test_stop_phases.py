@@ -8,7 +8,6 @@ import json
 import queue
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, train_config
+from forked_launch import python_popen
 
 from modules.saving.backup import list_backups, read_backup
 from modules.saving.workspace_lock import LOCK_NAME
@@ -59,8 +59,8 @@ class _Child:
         config_file = tmp_path / "run.json"
         config_file.write_text(config.model_dump_json())
         protocol = ["--protocol", "jsonl"] if command == "train" else []
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, hook, command, "--config", str(config_file), *protocol, *extra],
+        self.process = python_popen(
+            ["-c", _CHILD, hook, command, "--config", str(config_file), *protocol, *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
         self.events: list[dict] = []
         self.stderr: list[str] = []

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT
+from forked_launch import launch_run
 from mounts import full_disk, read_only_folder
 from safetensors.torch import save_file
 
@@ -27,8 +28,8 @@ LONG_NAME = "a" * 300
 
 
 def launch(*args: str, env: dict | None = None, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300, env={**os.environ, **(env or {})}, **kwargs)
+    return launch_run(args, capture_output=True, text=True, cwd=ROOT, timeout=300, env={**os.environ, **(env or {})},
+                      **kwargs)
 
 
 def tree(*folders: Path) -> dict[str, str]:
