@@ -139,7 +139,7 @@ class Field(ctk.CTkFrame):
         self.label.grid(row=0, column=0, sticky="w", padx=(8, 4))
         self.var = tk.BooleanVar(self) if kind == "bool" else tk.StringVar(self)
         self.filetypes = filetypes
-        numeric = kind in ("int", "optint", "float", "optfloat", "fraction")
+        numeric = kind in ("int", "optint", "float", "optfloat", "fraction", "intword")
         width = width or (160 if numeric else 320)
         self.unit_var = None
         if widget == "entry" and unit:

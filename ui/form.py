@@ -1,7 +1,8 @@
 """The form, generated from TrainConfig: each config field gets a widget chosen by its type.
 
 bool -> switch; int/float (optional: empty means None) -> entry; Literal -> option menu with the
-Literal's values; a number or a Literal (`offload_fraction`: 0.5 or "auto") -> combo box; an int
+Literal's values; a number or a Literal (`offload_fraction`: 0.5 or "auto", `batch_size`: 4 or "auto")
+-> combo box; a bool or a Literal (`gradient_checkpointing`: true, false or "auto") -> option menu; an int
 or a list of ints (`data.resolution`) -> entry taking "512" or "512, 768"; list[str] -> one
 entry per line; a tuple -> one entry per item; a Cadence -> value + unit; a nested model -> its
 fields in a sub-group. Label = the field name in words, tooltip = the field's description.
@@ -61,8 +62,12 @@ def leaf_spec(annotation: Any) -> Spec | None:
     others = [m for m in members if typing.get_origin(m) is not Literal]
     if not others and literals:
         return Spec("choice", "option", tuple(literals))
+    if others == [bool] and literals:  # a switch or a word (gradient_checkpointing: true, false or auto)
+        return Spec("boolword", "option", ("false", "true", *literals))
     if others == [bool]:
         return Spec("bool", "switch")
+    if others == [int] and literals:  # a whole number or a word (batch_size: 4 or auto)
+        return Spec("intword", "combo", tuple(literals))
     if others in ([int], [float]) and literals:  # a number or a word (offload_fraction: 0.5 or auto)
         return Spec("fraction", "combo", tuple(literals))
     if others == [int]:

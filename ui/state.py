@@ -35,7 +35,8 @@ from modules.config.loading import (
 )
 from modules.config.train_config import TrainConfig
 
-KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "bool", "choice", "lines", "intlist")
+KINDS = ("str", "optstr", "int", "optint", "float", "optfloat", "fraction", "intword", "bool", "boolword", "choice",
+         "lines", "intlist")
 
 
 def default_data(family: str = "sd15") -> dict:
@@ -67,6 +68,8 @@ def to_value(kind: str, raw: Any) -> Any:
         return bool(raw)
     text = raw if isinstance(raw, str) else str(raw)
     stripped = text.strip()
+    if kind == "boolword":  # "true" / "false", or the word itself
+        return {"true": True, "false": False}.get(stripped.lower(), stripped)
     if kind in ("str", "choice"):
         return text
     if kind == "optstr":
@@ -89,6 +92,8 @@ def to_value(kind: str, raw: Any) -> Any:
             return float(stripped)
         if kind == "fraction":
             return "auto" if stripped.lower() == "auto" else float(stripped)
+        if kind == "intword":
+            return "auto" if stripped.lower() == "auto" else int(stripped)
     except ValueError:
         return text
     raise ValueError(f"unknown field kind {kind!r}")
@@ -98,6 +103,8 @@ def to_text(kind: str, value: Any) -> Any:
     """A config value -> what the variable shows."""
     if kind == "bool":
         return bool(value)
+    if kind == "boolword" and isinstance(value, bool):
+        return "true" if value else "false"
     if value is None:
         return ""
     if kind == "lines":

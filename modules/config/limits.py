@@ -26,6 +26,8 @@ MAX_EPOCHS = 100_000
 MAX_REPEATS = 10_000  # kohya's folder repeats are 1..100 in practice
 MAX_SAMPLES_PER_EPOCH = 10_000_000
 MAX_BATCH = 1024  # images per forward pass, and batches per optimizer step
+# what `schedule.batch_size: auto` picks from (the plan's largest that fits; the sizes LoRA users train at)
+AUTO_BATCH_SIZES = (1, 2, 4, 8)
 MAX_BACKUPS = 10_000
 MAX_TAGS = 10_000
 # adapter sizes: above the smaller side of every layer of every family here (FLUX.2 dev: 6144)

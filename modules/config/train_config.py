@@ -27,7 +27,7 @@ from modules.config.distributed_config import DistributedConfig, check_distribut
 from modules.config.embedding_config import EmbeddingConfig, check_embeddings
 from modules.config.control_config import ControlConfig
 from modules.config.errors import located_error
-from modules.config.limits import (MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
+from modules.config.limits import (AUTO_BATCH_SIZES, MAX_BACKUPS, MAX_BATCH, MAX_CACHE_MB, MAX_EPOCHS, MAX_GRAD_NORM,  # noqa: I001
                                     MAX_LEARNING_RATE, MAX_LOSS_WEIGHT, MAX_REPEATS, MAX_RESOLUTION,
                                     MAX_SAMPLES_PER_EPOCH, MAX_SEED, MAX_STEPS, MAX_TAGS, single_message)
 from modules.config.method_configs import METHODS, MethodConfigBase
@@ -78,9 +78,10 @@ class ModelPartConfig(StrictModel):
         description="Regexes searched in 'part.module.name': matching Linear layers stay dense "
         "(added to the model's own keep-in-high-precision lists).")
 
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: bool | Literal["auto"] = Field(
         False, description="Recompute each block's activations in the backward pass instead of keeping them "
-        "(non-reentrant checkpointing per block): less memory, about a third more compute.")
+        "(non-reentrant checkpointing per block): less memory, about a third more compute. auto: on only where "
+        "the plan says the run does not fit the train device without it.")
     offload_fraction: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
         0.0, description="Share (0..1) of the bytes of the part's blocks parked on temp_device (at least that, "
         "spread over the stack) and brought to the train device block by block; auto: the smallest share that "
@@ -287,9 +288,14 @@ class ScheduleConfig(StrictModel):
     epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="Passes over the data set.")
     max_steps: int | None = Field(None, ge=1, le=MAX_STEPS,
         description="Optimizer steps; ends the run before the epochs do.")
-    batch_size: int = Field(1, ge=1, le=MAX_BATCH, description="Images per forward pass (same bucket).")
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] | Literal["auto"] = Field(
+        1, description=f"Images per forward pass (same bucket). auto: the largest of {AUTO_BATCH_SIZES} that the plan "
+        "fits on the train device (1 where no device budget is known, as on the CPU).")
     gradient_accumulation: int = Field(1, ge=1, le=MAX_BATCH, description="Batches whose gradients add up before one "
                                        "optimizer step (effective batch = batch_size x this).")
+
+    _batch_size_in_range = field_validator("batch_size", mode="wrap")(
+        single_message(f"must be a whole number from 1 to {MAX_BATCH}, or 'auto'"))
     max_grad_norm: float | None = Field(1.0, gt=0, le=MAX_GRAD_NORM,
         description="Clip the gradients' total norm to this "
                                         "(a fused fine-tune: each parameter's own norm); None: no clipping.")

@@ -88,3 +88,104 @@ def resolve_auto_weight_modes(planner, config: TrainConfig, vram: int | None, ra
                     "the densest storage that fits the budget (big parts stepped down, largest first)")
             return candidate, why(modes, text)
     return with_modes(steps[-1]), why(steps[-1], "nothing fits: the smallest storage (park blocks: offload_fraction)")
+
+
+# --- the step's shape: gradient_checkpointing: auto and schedule.batch_size: auto ------------------
+
+def step_autos(config: TrainConfig) -> tuple[list[str], bool]:
+    """(the parts with gradient_checkpointing: auto, whether schedule.batch_size is auto)."""
+    parts = [name for name, part in config.model.parts.items() if part.gradient_checkpointing == "auto"]
+    return parts, config.schedule.batch_size == "auto"
+
+
+def forced_checkpointing(config: TrainConfig, name: str) -> str | None:
+    """Why part `name` must checkpoint whatever the plan says (None: it need not)."""
+    part = config.model.parts[name]
+    if part.activation_offloading:
+        return "activation offloading keeps the inputs that checkpointing saves"
+    if part.train and part.offload_fraction != 0:
+        return "a trained part with parked blocks recomputes each block in the backward pass"
+    return None
+
+
+def frugal_step(config: TrainConfig, in_step: set[str]) -> TrainConfig:
+    """The config with its step autos at their smallest (checkpointing on in the step, batch 1): what
+    the weight modes are resolved against, before the step's own autos are."""
+    parts, batch = step_autos(config)
+    if not parts and not batch:
+        return config
+    from modules.config.loading import build_config
+
+    lines = [f"model.parts.{n}.gradient_checkpointing={'true' if n in in_step else 'false'}" for n in parts]
+    return build_config([config.model_dump(mode="json")], lines + (["schedule.batch_size=1"] if batch else []))
+
+
+def resolve_auto_step(planner, config: TrainConfig, in_step: set[str], vram: int | None, ram: int | None,
+                      gpu_class_name: str | None) -> tuple[TrainConfig, dict[str, dict]]:
+    """`gradient_checkpointing: auto` and `schedule.batch_size: auto` resolved through the plan to the
+    fastest step that fits. Checkpointing costs a recomputed forward, so it stays off while the step
+    fits without it: the largest batch of AUTO_BATCH_SIZES that fits with it off, else the largest
+    with it on (the auto parts in the step: `in_step`, the denoiser and the trained parts; a part the
+    step does not run never checkpoints, one that must (forced_checkpointing) always does). No device
+    budget (the CPU): checkpointing off and batch 1; nothing fits: on, and batch 1. Returns the config
+    with the values set and, per resolved field, {"value", "why"}."""
+    from modules.config.limits import AUTO_BATCH_SIZES
+    from modules.config.loading import build_config
+
+    parts, batch_auto = step_autos(config)
+    if not parts and not batch_auto:
+        return config, {}
+    base = config.model_dump(mode="json")
+    fixed = {n: (forced_checkpointing(config, n) or ("not in the training step" if n not in in_step else None))
+             for n in parts}
+    switched = [n for n in parts if fixed[n] is None]  # what the plan decides
+
+    def candidate(on: bool, batch: int) -> TrainConfig:
+        values = {n: bool(forced_checkpointing(config, n)) for n in parts if fixed[n]}
+        values.update({n: on for n in switched})
+        lines = [f"model.parts.{n}.gradient_checkpointing={'true' if v else 'false'}" for n, v in values.items()]
+        return build_config([base], lines + ([f"schedule.batch_size={batch}"] if batch_auto else []))
+
+    def peak_and_fit(candidate_config: TrainConfig) -> tuple[int, bool]:
+        plan = planner.plan(candidate_config, vram, ram, gpu_class_name)
+        return plan.device_peak, bool(plan.fits)
+
+    def largest_batch(on: bool) -> int | None:
+        """The largest auto batch that fits (a fixed batch: it, if it fits), or None."""
+        if not batch_auto:
+            return config.schedule.batch_size if peak_and_fit(candidate(on, 0))[1] else None
+        one, fits_one = peak_and_fit(candidate(on, 1))
+        if not fits_one:
+            return None
+        two, _ = peak_and_fit(candidate(on, 2))
+        # the step's activations grow with the batch: the larger sizes are tried where the line
+        # through batch 1 and 2 says they fit, and each is planned before it is taken
+        for size in sorted(AUTO_BATCH_SIZES, reverse=True):
+            if size <= 2 or one + (size - 1) * (two - one) <= vram:
+                if size == 1 or peak_and_fit(candidate(on, size))[1]:
+                    return size
+        return 1
+
+    why: dict[str, dict] = {}
+    if vram is None:
+        on, batch, reason = False, 1, "no train-device budget known here (the CPU)"
+    elif not switched and not batch_auto:  # every auto part is decided without the plan
+        on, batch, reason = False, 1, ""
+    else:
+        on, batch, reason = False, largest_batch(False), ""
+        if batch is None and switched:
+            on, batch = True, largest_batch(True)
+        if batch is None:
+            on, batch, reason = bool(switched), 1, "nothing fits the budget"
+    for name in parts:
+        if fixed[name]:
+            value, text = bool(forced_checkpointing(config, name)), fixed[name]
+        else:
+            value = on
+            text = reason or ("the step fits without recomputing" if not on else
+                              "without it the step does not fit the budget")
+        why[f"model.parts.{name}.gradient_checkpointing"] = {"value": value, "why": text}
+    if batch_auto:
+        why["schedule.batch_size"] = {"value": batch, "why": reason or (
+            f"the largest of {', '.join(map(str, AUTO_BATCH_SIZES))} that fits the budget")}
+    return candidate(on, batch), why

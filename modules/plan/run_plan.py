@@ -109,18 +109,29 @@ def trained_kinds(config: TrainConfig, family) -> dict[str, str]:
 
 
 def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None = None,
-             variant: str | None = None, fix: bool = True) -> RunPlan:
+             variant: str | None = None, fix: bool = True, planner: "Planner | None" = None) -> RunPlan:
     """The plan of `config` against `vram` bytes of train-device memory and `ram` bytes of host
     memory (None: unknown, no verdict on it). `variant`: for a released architecture (model.base
     empty), the model of a family of several (FLUX.2 "dev"). `fix`: search the smallest change
-    that fits when it does not."""
-    from modules.plan.auto import resolve_auto_weight_modes
+    that fits when it does not. `planner`: one that planned this model before (its fake steps are
+    kept: plans of the same model for other budgets reuse them)."""
+    from modules.plan.auto import frugal_step, resolve_auto_step, resolve_auto_weight_modes
     from modules.plan.fixes import find_fixes
 
-    planner = Planner(config, variant)
-    config, weight_choices = resolve_auto_weight_modes(planner, config, vram, ram, gpu_class_name)
+    planner = planner or Planner(config, variant)
+    # the weight modes first (denser storage is better weights), against the step at its smallest;
+    # then checkpointing and the batch, against those modes
+    in_step = planner.step_parts(config)
+    frugal, weight_choices = resolve_auto_weight_modes(planner, frugal_step(config, in_step), vram, ram,
+                                                       gpu_class_name)
+    if weight_choices:
+        config = config.model_copy(update={"model": config.model.model_copy(update={"parts": {
+            name: part.model_copy(update={"weight_dtype": frugal.model.parts[name].weight_dtype})
+            for name, part in config.model.parts.items()}})})
+    config, step_choices = resolve_auto_step(planner, config, in_step, vram, ram, gpu_class_name)
     plan = planner.plan(config, vram, ram, gpu_class_name)
     plan.auto.update(weight_choices)
+    plan.auto.update(step_choices)
     if fix and plan.fits is False:
         plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
     return plan
@@ -136,6 +147,11 @@ class Planner:
         self._steps: dict[tuple, Any] = {}
         self._sizes: dict[tuple, dict] = {}
         self._unused = None
+
+    def step_parts(self, config: TrainConfig) -> set[str]:
+        """The parts the training step runs: the denoiser and what trains."""
+        sized = self.sizes(config, self.weight_modes(config))
+        return {sized["family"].denoiser_part, *trained_kinds(config, sized["family"])}
 
     def weight_modes(self, config: TrainConfig) -> dict[str, str]:
         from modules.plan.auto import planned_weight_modes

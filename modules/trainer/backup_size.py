@@ -67,7 +67,8 @@ def planned_steps(config: TrainConfig, images_per_epoch: int) -> int:
     if schedule.max_steps:
         return schedule.max_steps
     samples = images_per_epoch * len(config.data.resolutions)
-    per_epoch = math.ceil(math.ceil(samples / schedule.batch_size) / schedule.gradient_accumulation)
+    batch = 1 if schedule.batch_size == "auto" else schedule.batch_size  # auto: at most this many steps
+    per_epoch = math.ceil(math.ceil(samples / batch) / schedule.gradient_accumulation)
     return schedule.epochs * max(per_epoch, 1)
 
 

@@ -47,14 +47,16 @@ def surely_fits(config: TrainConfig, free: int) -> bool:
     return bool(counts) and free >= SURELY_FITS * 4 * sum(counts.values())
 
 
-def fit_problem(config: TrainConfig, device: torch.device) -> str | None:
-    """One problem line (and its fixes below it) when the plan says the run does not fit, else None."""
-    free = free_device_memory(device)
-    if free is None or surely_fits(config, free):
-        return None
-    from modules.plan.run_plan import plan_run
+def fit_problem(config: TrainConfig, device: torch.device, plan: dict | None = None) -> str | None:
+    """One problem line (and its fixes below it) when the plan says the run does not fit, else None.
+    `plan`: the run's plan made already against this device (its autos' resolution), else one is made."""
+    if plan is None:
+        free = free_device_memory(device)
+        if free is None or surely_fits(config, free):
+            return None
+        from modules.plan.run_plan import plan_run
 
-    plan = plan_run(config, free, available_ram()).as_dict()
+        plan = plan_run(config, free, available_ram()).as_dict()
     return refusal(plan, str(device)) if plan["fits"] is False else None
 
 

@@ -46,6 +46,7 @@ from modules.trainer.guards import TrainingError, check_finite, check_first_step
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
+from modules.trainer.planned_autos import resolve_planned_autos
 from modules.trainer.preflight import run_preflight
 from modules.trainer.tensorboard_log import TensorBoardLog
 from modules.trainer.sdpa import with_pinned_sdpa
@@ -97,9 +98,11 @@ class GenericTrainer:
     # --- start -------------------------------------------------------------------------------
 
     def start(self) -> None:
-        config = self.config
+        # checkpointing and batch `auto` decided by the plan (planned_autos.py), before anything reads them
+        config, plan = resolve_planned_autos(self.config, self.device, self.ranks, self.callbacks.on_status)
+        self.config = config
         # every problem the config alone shows, together, before the slow model load (and its estimates)
-        run_preflight(config, self.callbacks.on_status)
+        run_preflight(config, self.callbacks.on_status, plan)
         adopt_init_from(config, self.callbacks.on_warning)  # the start file's layout (adapters/formats/adopt.py)
         check_concepts(config.concepts)  # before the slow model load
         if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)

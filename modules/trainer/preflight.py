@@ -39,11 +39,12 @@ class PreflightError(ConfigError):
                            f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def run_preflight(config: TrainConfig, say=None) -> None:
+def run_preflight(config: TrainConfig, say=None, plan: dict | None = None) -> None:
     """Raise on the config's problems; `say(line)` is given what the preflight found out on the way
-    (the video concepts' decode and cache estimate)."""
+    (the video concepts' decode and cache estimate). `plan`: the run's plan where one was made already
+    (planned_autos.py), for the fit check."""
     notes: list[str] = []
-    problems = _collect(config, notes)
+    problems = _collect(config, notes, plan)
     for note in notes if say else ():
         say(note)
     if len(problems) == 1 and isinstance(problems[0], UserError):
@@ -58,7 +59,7 @@ def preflight_problems(config: TrainConfig, notes: list[str] | None = None) -> l
     return [str(problem) for problem in _collect(config, notes)]
 
 
-def _collect(config: TrainConfig, notes: list[str] | None = None) -> list[str | UserError]:
+def _collect(config: TrainConfig, notes: list[str] | None = None, plan: dict | None = None) -> list[str | UserError]:
     """Each problem as its line, or as the error a check raised (which names its field)."""
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
@@ -76,7 +77,7 @@ def _collect(config: TrainConfig, notes: list[str] | None = None) -> list[str | 
         if family is not None and not dtype_problems:  # a config that loads: does it fit its device?
             from modules.trainer.fit_check import fit_problem
 
-            problem = fit_problem(config, device)
+            problem = fit_problem(config, device, plan)
             if problem:
                 problems.append(problem)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized

@@ -1,0 +1,68 @@
+"""`gradient_checkpointing: auto` and `schedule.batch_size: auto` resolved for this run before
+anything loads, through the plan (modules/plan/auto.py: the fastest step that fits) against the
+train device's free memory and the host's available RAM; the run's log says each choice and why.
+
+Where the device cannot say what is free (the CPU) the plan is not asked: checkpointing off where
+nothing forces it, batch 1. With several processes rank 0 decides and the others take its choice
+(one batch size for all, as the global batch needs). The plan made here is handed to preflight's fit
+check, so the run plans once.
+"""
+
+from __future__ import annotations
+
+from modules.config.train_config import TrainConfig
+
+
+def resolve_planned_autos(config: TrainConfig, device, ranks, say) -> tuple[TrainConfig, dict | None]:
+    """(the config with its step autos set, the plan they came from or None). `say(line)` gets one
+    line per resolved field."""
+    from modules.plan.auto import step_autos
+
+    parts, batch = step_autos(config)
+    if not parts and not batch:
+        return config, None
+    plan, choices = None, None
+    if ranks.main:
+        plan, choices = _choices(config, device)
+    if ranks.world > 1:
+        choices = ranks.broadcast(choices)
+    from modules.config.loading import build_config
+
+    lines = [f"{path}={_text(choice['value'])}" for path, choice in choices.items()]
+    resolved = build_config([config.model_dump(mode="json")], lines)
+    for path, choice in choices.items():
+        say(f"{path}: auto -> {_text(choice['value'])} ({choice['why']})")
+    return resolved, plan
+
+
+def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]:
+    from modules.plan.auto import forced_checkpointing, step_autos
+    from modules.trainer.fit_check import available_ram, free_device_memory
+
+    from modules.errors import UserError
+
+    free = free_device_memory(device)
+    unplanned, checkpoint = "no train-device budget known here (the CPU)", False
+    if free is not None:
+        from modules.plan.run_plan import plan_run
+
+        try:
+            plan = plan_run(config, free, available_ram()).as_dict()
+        except (UserError, ValueError, OSError) as error:  # preflight says what is wrong with the config
+            unplanned, checkpoint = f"the plan could not be made ({error}): the smallest step", True
+        else:
+            return plan, {path: choice for path, choice in plan["auto"].items()
+                          if path == "schedule.batch_size" or path.endswith(".gradient_checkpointing")}
+    parts, batch = step_autos(config)
+    choices = {}
+    for name in parts:
+        forced = forced_checkpointing(config, name)
+        choices[f"model.parts.{name}.gradient_checkpointing"] = {
+            "value": bool(forced) or checkpoint, "why": forced or unplanned}
+    if batch:
+        choices["schedule.batch_size"] = {"value": 1, "why": unplanned}
+    return None, choices
+
+
+def _text(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
