@@ -47,7 +47,12 @@ def trained_run(model, images, folder, device: str, max_steps: int = STEPS):
 def test_fake_device_reports_its_peak_once_after_step_two(fake_device, tiny_model, shape_images, tmp_path):
     import torch
 
-    recorder, trained_bytes = trained_run(tiny_model, shape_images, tmp_path, "fakegpu")
+    # a capacity the plan is asked about (far more room is not planned: fit_check.surely_fits)
+    torch.fakegpu.set_memory_capacity(torch.fakegpu.memory_allocated() + 2**30)
+    try:
+        recorder, trained_bytes = trained_run(tiny_model, shape_images, tmp_path, "fakegpu")
+    finally:
+        torch.fakegpu.set_memory_capacity(None)
     assert recorder.steps[-1] == STEPS
     assert len(recorder.memory) == 1 and recorder.steps_seen_at_report == [2]
     report = recorder.memory[0]
@@ -62,12 +67,17 @@ def test_fake_device_reports_its_peak_once_after_step_two(fake_device, tiny_mode
     # above what it holds now (the step's activations and gradients are gone after the step)
     assert measured["device_peak_allocated"] >= torch.fakegpu.memory_allocated()
     assert measured["host_peak_rss"] >= measured["host_rss"] > trained_bytes
+    # beside the plan preflight made before loading: within the planner's 10%
+    planned = report["planned"]
+    assert abs(planned["device_peak"] / measured["device_peak_allocated"] - 1) <= 0.10
+    assert planned["host_load_peak"] > 0
 
 
 def test_cpu_run_reports_the_host_only(tiny_model, shape_images, tmp_path):
     recorder, trained_bytes = trained_run(tiny_model, shape_images, tmp_path, "cpu", max_steps=1)
     # a run shorter than two steps reports after its last
     assert recorder.steps_seen_at_report == [1]
+    assert "planned" not in recorder.memory[0]  # the CPU cannot say what is free: nothing was planned
     measured = recorder.memory[0]["measured"]
     assert measured["device"] == "cpu"
     assert measured["device_peak_allocated"] is None and measured["device_peak_reserved"] is None

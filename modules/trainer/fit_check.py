@@ -47,17 +47,22 @@ def surely_fits(config: TrainConfig, free: int) -> bool:
     return bool(counts) and free >= SURELY_FITS * 4 * sum(counts.values())
 
 
+def fit_plan(config: TrainConfig, device: torch.device) -> dict | None:
+    """The run's plan against the device's free memory and the host's available RAM, or None where
+    the run is not planned (the device cannot say what is free, or it surely fits)."""
+    free = free_device_memory(device)
+    if free is None or surely_fits(config, free):
+        return None
+    from modules.plan.run_plan import plan_run
+
+    return plan_run(config, free, available_ram()).as_dict()
+
+
 def fit_problem(config: TrainConfig, device: torch.device, plan: dict | None = None) -> str | None:
     """One problem line (and its fixes below it) when the plan says the run does not fit, else None.
-    `plan`: the run's plan made already against this device (its autos' resolution), else one is made."""
-    if plan is None:
-        free = free_device_memory(device)
-        if free is None or surely_fits(config, free):
-            return None
-        from modules.plan.run_plan import plan_run
-
-        plan = plan_run(config, free, available_ram()).as_dict()
-    return refusal(plan, str(device)) if plan["fits"] is False else None
+    `plan`: the run's plan made already against this device (its autos' resolution), else fit_plan's."""
+    plan = plan if plan is not None else fit_plan(config, device)
+    return refusal(plan, str(device)) if plan is not None and plan["fits"] is False else None
 
 
 def refusal(plan: dict, device: str) -> str:

@@ -94,6 +94,7 @@ class GenericTrainer:
         self.dataset: TrainDataset | None = None
         self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
         self.inbox: CommandInbox | None = None  # commands from files in the workspace (command_inbox.py)
+        self.plan: dict | None = None  # the run's plan (modules/plan/), where preflight or an auto made one
 
     # --- start -------------------------------------------------------------------------------
 
@@ -102,7 +103,7 @@ class GenericTrainer:
         config, plan = resolve_planned_autos(self.config, self.device, self.ranks, self.callbacks.on_status)
         self.config = config
         # every problem the config alone shows, together, before the slow model load (and its estimates)
-        run_preflight(config, self.callbacks.on_status, plan)
+        self.plan = run_preflight(config, self.callbacks.on_status, plan)  # the memory event shows it
         adopt_init_from(config, self.callbacks.on_warning)  # the start file's layout (adapters/formats/adopt.py)
         check_concepts(config.concepts)  # before the slow model load
         if self.ranks.main:  # the workspace is rank 0's; the other ranks only read (caches, backups)

@@ -8,7 +8,8 @@ type (`torch.cuda`, or the tests' `torch.fakegpu`): `max_memory_allocated`, and
 none). Those peaks are reset when training starts, so they are the training's, not the load's
 (loading quantizes on the device and frees as it goes). The host's figure is the process's peak
 resident memory (VmHWM, load included) and its resident memory now. On the CPU there is no
-device figure: the host's is the whole story.
+device figure: the host's is the whole story. Where the run was planned before loading (preflight's
+fit check, or an `auto` resolved through the plan), the planned peaks go beside the measured ones.
 
 Torch-free at import: the GUI and the console format the event with `describe_memory`.
 """
@@ -75,7 +76,12 @@ class MemoryReport:
         if not self.due() or not self.trainer.ranks.main:
             return
         self.reported = True
-        self.trainer.callbacks.on_memory({"step": self.trainer.step, "measured": measured_memory(self.trainer.device)})
+        report = {"step": self.trainer.step, "measured": measured_memory(self.trainer.device)}
+        plan = getattr(self.trainer, "plan", None)
+        if plan:  # beside what the plan said before loading (modules/plan/), where one was made
+            report["planned"] = {"device_peak": plan["device"]["peak"], "host_train_peak": plan["host"]["train_peak"],
+                                 "host_load_peak": plan["host"]["load_peak"]}
+        self.trainer.callbacks.on_memory(report)
 
 
 def describe_memory(report: dict) -> str:

@@ -39,18 +39,20 @@ class PreflightError(ConfigError):
                            f"the run cannot start ({len(problems)} problems):\n" + "\n".join(f"  {p}" for p in problems))
 
 
-def run_preflight(config: TrainConfig, say=None, plan: dict | None = None) -> None:
+def run_preflight(config: TrainConfig, say=None, plan: dict | None = None) -> dict | None:
     """Raise on the config's problems; `say(line)` is given what the preflight found out on the way
     (the video concepts' decode and cache estimate). `plan`: the run's plan where one was made already
-    (planned_autos.py), for the fit check."""
+    (planned_autos.py), for the fit check. Returns the plan the fit check read (None: not planned)."""
     notes: list[str] = []
-    problems = _collect(config, notes, plan)
+    made: dict = {"plan": plan}
+    problems = _collect(config, notes, made)
     for note in notes if say else ():
         say(note)
     if len(problems) == 1 and isinstance(problems[0], UserError):
         raise problems[0]  # one problem keeps its own class (DataError, ModelLoadError, ...)
     if problems:
         raise PreflightError([str(problem) for problem in problems])
+    return made["plan"]
 
 
 def preflight_problems(config: TrainConfig, notes: list[str] | None = None) -> list[str]:
@@ -59,8 +61,10 @@ def preflight_problems(config: TrainConfig, notes: list[str] | None = None) -> l
     return [str(problem) for problem in _collect(config, notes)]
 
 
-def _collect(config: TrainConfig, notes: list[str] | None = None, plan: dict | None = None) -> list[str | UserError]:
-    """Each problem as its line, or as the error a check raised (which names its field)."""
+def _collect(config: TrainConfig, notes: list[str] | None = None, made: dict | None = None) -> list[str | UserError]:
+    """Each problem as its line, or as the error a check raised (which names its field). `made`:
+    {"plan": the run's plan or None}, a plan given is read and one made is put there."""
+    made = {"plan": None} if made is None else made
     device_problems, device = _device_problems(config)
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
@@ -75,9 +79,11 @@ def _collect(config: TrainConfig, notes: list[str] | None = None, plan: dict | N
         dtype_problems = _dtype_problems(config, device)
         problems += dtype_problems
         if family is not None and not dtype_problems:  # a config that loads: does it fit its device?
-            from modules.trainer.fit_check import fit_problem
+            from modules.trainer.fit_check import fit_plan, fit_problem
 
-            problem = fit_problem(config, device, plan)
+            if made["plan"] is None:
+                made["plan"] = fit_plan(config, device)
+            problem = fit_problem(config, device, made["plan"]) if made["plan"] is not None else None
             if problem:
                 problems.append(problem)
     if family is not None:  # the estimate reads the model's headers; places already refused are not sized
