@@ -147,3 +147,19 @@ def test_a_batch_size_that_is_neither_a_count_nor_auto_is_one_message():
                                          r"\(got 'lots'\)"):
         build_config([{"schedule": {"batch_size": "lots"}}])
     assert build_config([{"schedule": {"batch_size": "auto"}}]).schedule.batch_size == "auto"
+
+
+def test_a_config_the_plan_cannot_read_is_left_to_preflight(fake_device, tiny_model, shape_images, tmp_path):
+    from modules.errors import UserError
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_model, shape_images, tmp_path, AUTO, {"train_device": "fakegpu",
+                                                                     "model": {"base": str(tmp_path / "nowhere")}})
+    said = []
+    callbacks = TrainCallbacks()
+    callbacks.on_status = said.append
+    with pytest.raises(UserError) as caught:
+        GenericTrainer(config, callbacks).start()
+    assert str(caught.value).startswith("model.base: ")  # preflight's own message, not the planner's
+    assert any(line.startswith("schedule.batch_size: auto -> 1 (the plan could not be made (") for line in said), said

@@ -39,8 +39,6 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
     from modules.plan.auto import forced_checkpointing, step_autos
     from modules.trainer.fit_check import available_ram, free_device_memory
 
-    from modules.errors import UserError
-
     free = free_device_memory(device)
     unplanned, checkpoint = "no train-device budget known here (the CPU)", False
     if free is not None:
@@ -48,8 +46,9 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
 
         try:
             plan = plan_run(config, free, available_ram()).as_dict()
-        except (UserError, ValueError, OSError) as error:  # preflight says what is wrong with the config
-            unplanned, checkpoint = f"the plan could not be made ({error}): the smallest step", True
+        except Exception as error:  # noqa: BLE001  (a config preflight refuses next, or a planner bug: said, not fatal)
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            unplanned, checkpoint = f"the plan could not be made ({first}): the smallest step", True
         else:
             return plan, {path: choice for path, choice in plan["auto"].items()
                           if path == "schedule.batch_size" or path.endswith(".gradient_checkpointing")}
