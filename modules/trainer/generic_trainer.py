@@ -11,7 +11,6 @@ end():    final save.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from functools import partial
 from pathlib import Path
@@ -25,15 +24,14 @@ from modules.data.concepts import check_concepts
 from modules.data.dataset import Batch, TrainDataset, caches_text, prepare_dataset
 from modules.data.prefetch import BatchPrefetcher
 from modules.data.shares import batch_share
-from modules.methods.base import TrainingMethod, build_methods, joined_state
+from modules.methods.base import TrainingMethod, build_methods
 from modules.config.families import get_family_class
 from modules.offload.conductor import LayerOffloadConductor
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler, warmup_note
-from modules.sampling.sampler import sample_prompts
 from modules.util.atomic import write_text
-from modules.saving.backup import remove_unfinished_backups, write_backup
+from modules.saving.backup import remove_unfinished_backups
 from modules.saving.output_target import record_output, resolve_output
 from modules.saving.workspace_lock import WorkspaceLock
 from modules.trainer.command_inbox import CommandInbox
@@ -44,6 +42,7 @@ from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.distributed import join_process_group, rank_device
 from modules.trainer.guards import TrainingError, check_finite, check_first_step, snapshot
 from modules.trainer.loss import snr_weighting_requested, training_loss
+from modules.trainer import outputs
 from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.planned_autos import resolve_planned_autos
@@ -52,12 +51,10 @@ from modules.trainer.tensorboard_log import TensorBoardLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sample_now import sample_requested
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
-from modules.trainer.sharding import reshard_, shard_parts_, whole_state_dicts
+from modules.trainer.sharding import reshard_, shard_parts_
 from modules.util.sharded_tensors import is_sharded
 from modules.trainer.timed_actions import TimedAction
-from modules.trainer.training_state import (check_resume_early, load_resume_state, restore_training_state,
-                                            training_state)
-from modules.trainer.validation import validation_loss
+from modules.trainer.training_state import check_resume_early, load_resume_state, restore_training_state
 from modules.trainer.weight_modes import quantize_device, resolve_weight_modes
 from modules.util.stopping import StopRequested
 from modules.util.torch_utils import autocast, dtype_of, make_generator
@@ -420,57 +417,14 @@ class GenericTrainer:
 
     def sample(self, prompts: list[SamplePromptConfig] | None = None, names: list[str] | None = None) -> list[Path]:
         """The config's enabled prompts (files named by their place in sampling.prompts), or `prompts`."""
-        if prompts is None:
-            chosen = [(str(i), p) for i, p in enumerate(self.config.sampling.prompts) if p.enabled]
-            names, prompts = [n for n, _ in chosen], [p for _, p in chosen]
-        if not self.ranks.main and not self.sharded:  # (sharded: every rank joins the forward passes)
-            return []
-        if not prompts:
-            if self.ranks.main:
-                self.callbacks.on_warning("sampling.prompts: no enabled prompt to sample")
-            return []
-        self.callbacks.on_status("sampling")
-        with self.offload_paused(), self.evaluation_weights():
-            # (several processes: `stopping` is what they agreed at the boundary, so none stops alone)
-            paths = sample_prompts(self.family, prompts, self.workspace / "samples", self.step, self.device, names,
-                                   write=self.ranks.main, stop=lambda: self.stopping, on_made=self._log_sample)
-        for path in paths:
-            self.callbacks.on_sample(str(path))
-        return paths
-
-    def _log_sample(self, name: str, made) -> None:
-        self.tensorboard.add_sample(self.step, f"samples/{name}", made, self.family.video_fps)
+        return outputs.sample(self, prompts, names)
 
     def validate(self) -> float | None:
         """The validation loss (validation.py), logged and reported as a `validation` event."""
-        if not self.ranks.main and not self.sharded:  # (sharded: every rank joins the forward passes)
-            return None
-        if self.validation_set is None:
-            if self.ranks.main:
-                self.callbacks.on_warning("schedule.validate_every: no concept has validation: true")
-            return None
-        loss = validation_loss(self)
-        if not self.ranks.main:
-            return None
-        self.tensorboard.add(self.step, validation_loss=loss)
-        self.callbacks.on_validation(self.step, loss)
-        return loss
+        return outputs.validate(self)
 
     def backup(self) -> Path | None:
-        state = training_state(self)  # (several processes: every rank joins the gather of random states)
-        # sharded trained weights: every rank joins their gathers (sharding.py)
-        weights = joined_state(self.methods) if self.ranks.main or self.trains_sharded else None
-        if not self.ranks.main:
-            return None
-        folder = write_backup(self.workspace, self.step, weights, state,
-                              json.loads(self.config.model_dump_json()), self.config.backup.rolling_count)
-        self.callbacks.on_backup(str(folder))
-        if not self._backed_up:  # the first backup of this process: what the saved file will lose
-            self._backed_up = True
-            for method in self.methods:
-                for warning in method.first_backup_warnings():
-                    self.callbacks.on_warning(warning)
-        return folder
+        return outputs.backup(self)
 
     @property
     def saves_sharded(self) -> bool:
@@ -478,29 +432,7 @@ class GenericTrainer:
         return bool(self.sharded) and any(m.saves_model_weights for m in self.methods)
 
     def save(self, path: Path | None = None) -> Path | None:
-        if self.saves_sharded:
-            # the evaluation weights (EMA, schedule-free's average) go in on every rank before the
-            # gather, which copies what the sharded weights hold then
-            with self.evaluation_weights(), whole_state_dicts(self):
-                return self._save(path, swapped=True) if self.ranks.main else None
-        return self._save(path) if self.ranks.main else None
-
-    def _save(self, path: Path | None, swapped: bool = False) -> Path:
-        output = self.config.output
-        if path is None:
-            target = self.output_path
-            path = self.workspace / "save" / f"{target.stem}-step{self.step:07d}{target.suffix}"
-        metadata = {"difftrainer.family": self.family.name, "difftrainer.method": self.config.method.type}
-        with contextlib.nullcontext() if swapped else self.evaluation_weights():
-            saved = [(method, file) for method in self.methods
-                     for file in method.save(path, dtype_of(output.dtype), metadata)]
-        for method, file in saved:
-            consumers = method.consumers(file)  # each save proves which tools load it whole
-            if consumers is None:
-                self.callbacks.on_save(str(file))
-            else:
-                self.callbacks.on_save(str(file), consumers=consumers)
-        return saved[0][1]
+        return outputs.save(self, path)
 
     # --- end ---------------------------------------------------------------------------------
 
