@@ -103,3 +103,24 @@ def test_an_edit_family_plans_on_the_released_parts_it_shares(family, shared):
     assert folder.name == shared and (folder / "transformer" / "config.json").is_file()
     config = released_config(build_config([{"model": {"family": family}}]))
     assert config.model.base == str(folder)
+
+
+@pytest.fixture(scope="module")
+def shared_planner():
+    from modules.plan.run_plan import Planner
+
+    return Planner(None)  # one tiny model: its architecture and fake steps are planned once
+
+
+@pytest.mark.parametrize("adapter", sorted(__import__("modules.config.adapter_configs", fromlist=["x"])
+                                           .adapter_config_classes()))
+def test_every_adapter_type_plans(adapter, tiny_model, shared_planner):
+    """Each registered adapter is built of fake tensors in the plan's step: none may read a tensor's
+    value while it is made (OFT's constraint did: `launch.py plan --preset "SD1.5 OFT"` crashed)."""
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import plan_run
+
+    config = build_config([{"model": {"base": str(tiny_model)}, "data": {"resolution": 64},
+                            "adapter": {"type": adapter}}])
+    plan = plan_run(config, None, None, planner=shared_planner)
+    assert plan.parts["unet"].device["trained"] > 0 and plan.parts["unet"].device["activations"] > 0

@@ -5,7 +5,8 @@ resources/preset_plans.json, and README's preset table rendered from them: never
                                            the JSON and README's block; prints each plan as it goes
   python -m tools.preset_plans --render    rewrite README's block from the JSON
   python -m tools.preset_plans --preset P  plan only these presets (repeatable; with --write, the
-                                           others keep their entries)
+                                           others keep their entries; each entry is written as
+                                           soon as it is planned)
 
 A preset with a VRAM tier in its name ("16GB") is planned against that many GiB and 64 GiB of RAM
 (its `auto` fields resolve against them), one without a tier against no budget. Each entry keeps a
@@ -121,20 +122,29 @@ def main() -> None:
     if args.render:
         write_readme(read_plans())
         return
-    kept = {e["preset"]: e for e in read_plans()} if PLANS.exists() else {}
     names = args.preset or builtin_presets()
     for name in names:
         entry = plan_preset(name)
-        kept[name] = entry
+        if args.write:
+            keep(entry)
         print(f"{name:34} {entry['family']:12} {entry['device_peak'] / GiB:7.2f} GiB of {entry['tier_gib'] or '-':>3} "
               f"host {entry['host_peak'] / GiB:6.2f} GiB  {entry['seconds_per_step']:6.2f} s/step  "
               f"fits {entry['fits']}  planned in {entry['plan_seconds']} s", flush=True)
         for fix in entry["fixes"]:
             print(f"{'':34} fix: {fix}", flush=True)
     if args.write:
-        entries = [kept[name] for name in builtin_presets() if name in kept]
-        PLANS.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
-        write_readme(entries)
+        write_readme(read_plans())
+
+
+def keep(entry: dict) -> None:
+    """The entry into the JSON at once (read again first: a second `--write --preset` process may be
+    adding others), in the built-in presets' order, written whole (a temp file renamed over it)."""
+    kept = {e["preset"]: e for e in read_plans()} if PLANS.exists() else {}
+    kept[entry["preset"]] = entry
+    entries = [kept[name] for name in builtin_presets() if name in kept]
+    temp = PLANS.with_suffix(".tmp")
+    temp.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
+    temp.replace(PLANS)
 
 
 if __name__ == "__main__":

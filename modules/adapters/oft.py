@@ -109,12 +109,13 @@ class OFTModule(AdapterModule):
         self.block_size, self.block_num = size, number
         self.oft_blocks = nn.Parameter(torch.zeros(self.block_num, size, size, device=device, dtype=dtype))
         self.register_buffer("alpha", torch.tensor(float(constraint), device=device), persistent=True)
-        self._refresh_constraint()
+        # from the argument, not the buffer: the planner builds adapters of fake tensors, which have no value
+        self._refresh_constraint(float(constraint))
         self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_constraint())
 
-    def _refresh_constraint(self) -> None:
+    def _refresh_constraint(self, alpha: float | None = None) -> None:
         # a Python float, read once, so the forward never syncs on it; LyCORIS scales it by the width
-        self.constraint = float(self.alpha) * self.out_dim
+        self.constraint = (float(self.alpha) if alpha is None else alpha) * self.out_dim
 
     def file_alpha(self) -> torch.Tensor:
         """The alpha a file gets: the constraint, or without one a bound above ||Q|| that neither
