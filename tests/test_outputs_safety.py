@@ -265,7 +265,7 @@ def test_a_workspace_gone_read_only_reports_the_write_that_stopped_the_run_not_t
     import errno
 
     from modules.errors import NotWritableError
-    from modules.trainer import generic_trainer
+    from modules.trainer import outputs
 
     def backup_refused(workspace, *args, **kwargs):
         raise NotWritableError(f"cannot write {workspace}/backups/step-1: read-only file system")
@@ -277,7 +277,7 @@ def test_a_workspace_gone_read_only_reports_the_write_that_stopped_the_run_not_t
             raise OSError(errno.EROFS, "Read-only file system", str(self))
         return original_unlink(self, *args, **kwargs)
 
-    monkeypatch.setattr(generic_trainer, "write_backup", backup_refused)
+    monkeypatch.setattr(outputs, "write_backup", backup_refused)  # the trainer writes its backups there
     monkeypatch.setattr(Path, "unlink", unlink)
     config = train_config(tiny_model, one_image, tmp_path, {"schedule": {"backup_every": 1, "max_steps": 1}})
     recorder = Recorder()
