@@ -69,6 +69,8 @@ def test_the_verdict_and_the_fixes_for_a_budget(app, tiny_model):
 
     panel = app.plan_panel
     edit(app, "Model", "model.base", str(tiny_model))
+    batch_tab, _ = app.field_for("schedule.batch_size")
+    edit(app, batch_tab, "schedule.batch_size", "auto")  # the plan picks it, and says so
     app.tabview.set("Offload")
     panel.budget.set("0.0001")  # GiB: under the tiny model's planned peak
     plan = wait_for_plan(app, lambda plan: plan["fits"] is False and plan["device"]["budget"] == int(0.0001 * 2**30),
@@ -77,6 +79,8 @@ def test_the_verdict_and_the_fixes_for_a_budget(app, tiny_model):
     assert panel.verdict.cget("text_color") == ERROR_COLOR
     if plan["fixes"]:
         assert panel.fixes.cget("text").startswith("To fit, change:\n  --set ")
+    assert "auto: schedule.batch_size = 1 (nothing fits the budget)" in panel.details.cget("text").splitlines()
+    edit(app, batch_tab, "schedule.batch_size", "2")
     panel.budget.set("lots")
     pump(app, lambda: "not 'lots'" in panel.state_label.cget("text"), timeout=5, what="the budget refused")
     panel.budget.set("")
