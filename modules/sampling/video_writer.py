@@ -13,6 +13,9 @@ from PIL import Image
 
 from modules.util.atomic import write_with
 
+# what write_sample_video writes beside a poster, in the order it prefers them
+VIDEO_SUFFIXES = (".mp4", ".webp")
+
 
 def mp4_encoder_available() -> bool:
     try:
@@ -42,12 +45,22 @@ def _write_mp4(temp: Path, frames: list[Image.Image], fps: float) -> None:
 def write_sample_video(stem: Path, frames: list[Image.Image], fps: float) -> tuple[Path, Path]:
     """(the video, its poster): `<stem>.mp4` (or `<stem>.webp`) and `<stem>.png`."""
     if mp4_encoder_available() and frames[0].width % 2 == 0 and frames[0].height % 2 == 0:
-        video = stem.with_suffix(".mp4")
+        video = stem.with_suffix(VIDEO_SUFFIXES[0])
         write_with(video, lambda temp: _write_mp4(temp, frames, fps))
     else:
-        video = stem.with_suffix(".webp")
+        video = stem.with_suffix(VIDEO_SUFFIXES[1])
         write_with(video, lambda temp: frames[0].save(temp, format="WEBP", save_all=True, append_images=frames[1:],
                                                       duration=round(1000 / fps), loop=0, lossless=True))
     poster = stem.with_suffix(".png")
     write_with(poster, lambda temp: frames[0].save(temp, format="PNG"))
     return video, poster
+
+
+def video_of_poster(poster: Path) -> Path | None:
+    """The sample video a poster `<stem>.png` stands for (`<stem>.mp4` or `<stem>.webp`), or None
+    for a still sample."""
+    for suffix in VIDEO_SUFFIXES:
+        video = Path(poster).with_suffix(suffix)
+        if video.is_file():
+            return video
+    return None

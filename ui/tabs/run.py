@@ -8,6 +8,9 @@ from pathlib import Path
 
 import customtkinter as ctk
 
+from modules.sampling.video_writer import video_of_poster
+from ui.video_playback import FramePlayer, open_with_system, read_frames
+
 GALLERY_SIZE = 4
 THUMB = 160
 LOG_LINES = 2000
@@ -63,6 +66,7 @@ class RunTab(ctk.CTkFrame):
         self.gallery.pack(fill="both", expand=True)
         self.samples: list[str] = []
         self.sample_info: dict[str, dict] = {}
+        self.players: dict = {}  # poster path -> FramePlayer of its video, once played
         self._images = []
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
@@ -141,6 +145,9 @@ class RunTab(ctk.CTkFrame):
         return f"{step}: {prompt}" if prompt else step
 
     def _show_samples(self) -> None:
+        for player in self.players.values():
+            player.stop()
+        self.players = {}
         for child in self.gallery.winfo_children():
             child.destroy()
         self._images = []
@@ -162,8 +169,48 @@ class RunTab(ctk.CTkFrame):
             self._images.append(picture)
             cell = ctk.CTkFrame(self.gallery, fg_color="transparent")
             cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
-            ctk.CTkLabel(cell, text="", image=picture).pack()
+            shown = ctk.CTkLabel(cell, text="", image=picture)
+            shown.pack()
             ctk.CTkLabel(cell, text=self.caption(path), font=ctk.CTkFont(size=11), wraplength=THUMB).pack()
+            video = video_of_poster(Path(path))
+            if video is not None:
+                self._video_buttons(cell, shown, picture, path, video)
+
+    def _video_buttons(self, cell, shown, poster, path: str, video: Path) -> None:
+        """Play (in the cell, at thumbnail size) and Open (the system's player) under a video's poster."""
+        row = ctk.CTkFrame(cell, fg_color="transparent")
+        row.pack()
+        play = ctk.CTkButton(row, text="\u25b6 Play", width=70, height=24)
+        play.configure(command=lambda: self._toggle_video(path, video, shown, poster, play))
+        play.pack(side="left", padx=2)
+        ctk.CTkButton(row, text="Open", width=60, height=24,
+                      command=lambda: self._open_video(video)).pack(side="left", padx=2)
+
+    def _toggle_video(self, path: str, video: Path, shown, poster, button) -> None:
+        player = self.players.get(path)
+        if player is not None and player.playing:
+            player.stop()
+            shown.configure(image=poster)
+            button.configure(text="\u25b6 Play")
+            return
+        if player is None:
+            try:
+                frames, fps = read_frames(video, THUMB)
+            except Exception as error:  # an unreadable or half-written file: said, the poster stays
+                self.app.set_status(f"Cannot play {video.name}: {error}")
+                return
+            if not frames:
+                self.app.set_status(f"Cannot play {video.name}: it has no frames")
+                return
+            images = [ctk.CTkImage(light_image=frame, dark_image=frame, size=frame.size) for frame in frames]
+            player = self.players[path] = FramePlayer(shown, images, fps)
+        player.start()
+        button.configure(text="\u25a0 Stop")
+
+    def _open_video(self, video: Path) -> None:
+        problem = open_with_system(video)
+        if problem:
+            self.app.set_status(problem[:1].upper() + problem[1:])
 
     def show_memory(self, report: dict) -> None:
         from modules.trainer.memory_report import describe_memory
