@@ -163,3 +163,66 @@ def test_a_config_the_plan_cannot_read_is_left_to_preflight(fake_device, tiny_mo
         GenericTrainer(config, callbacks).start()
     assert str(caught.value).startswith("model.base: ")  # preflight's own message, not the planner's
     assert any(line.startswith("schedule.batch_size: auto -> 1 (the plan could not be made (") for line in said), said
+
+
+# --- offload_fraction: auto against the whole step ---------------------------------------------------
+
+PARK = {"model": {"parts": {"unet": {"offload_fraction": "auto", "gradient_checkpointing": True}}}}
+
+
+def parking_budget(unparked) -> int:
+    """A budget the step fits only with part of the U-Net's blocks parked (a third of its weights
+    less, and the offload window's blocks besides)."""
+    return unparked.device_peak - unparked.parts["unet"].device["weights"] // 3
+
+
+def test_auto_offload_parks_for_the_steps_activations_not_only_for_the_weights(planner, tiny_model, shape_images,
+                                                                               tmp_path):
+    from modules.plan.auto import offload_fractions
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny_model, shape_images, tmp_path, PARK)
+    unparked = plan_run(config, None, None, planner=planner)
+    weights = sum(part.device["weights"] for part in unparked.parts.values())
+    budget = parking_budget(unparked)
+    assert weights < budget / 2  # the weights fit many times over; the step does not
+    sizes = planner.sizes(config, planner.weight_modes(config))["parts"]
+    assert offload_fractions(config, sizes, {"unet": "adapter"}, 0.0, budget)["unet"] == 0.0  # weights alone
+    plan = plan_run(config, budget, None, planner=planner)
+    fraction = plan.auto["model.parts.unet.offload_fraction"]
+    assert 0 < fraction["value"] < 1 and plan.fits and plan.device_peak <= budget
+    assert fraction["why"] == "the smallest share of the blocks that fits the budget, the step's activations included"
+    less = fraction["value"] - 0.05  # the smallest: a step less parked does not fit
+    config_less = train_config(tiny_model, shape_images, tmp_path, PARK,
+                               {"model": {"parts": {"unet": {"offload_fraction": less}}}})
+    assert plan_run(config_less, budget, None, planner=planner, fix=False).device_peak > budget
+    roomy = plan_run(config, unparked.device_peak, None, planner=planner).auto["model.parts.unet.offload_fraction"]
+    assert roomy == {"value": 0.0, "why": "everything fits without parking"}
+
+
+def test_a_run_on_the_fake_device_parks_what_the_plan_says_and_fits(fake_device, planner, tiny_model, shape_images,
+                                                                    tmp_path):
+    from modules.plan.run_plan import plan_run
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_model, shape_images, tmp_path, PARK, {"train_device": "fakegpu",
+                                                                     "schedule": {"max_steps": 2}})
+    budget = parking_budget(plan_run(config, None, None, planner=planner))
+    said = []
+    callbacks = TrainCallbacks()
+    callbacks.on_status = said.append
+    torch.fakegpu.set_memory_capacity(torch.fakegpu.memory_allocated() + budget)
+    try:
+        trainer = GenericTrainer(config, callbacks)
+        trainer.start()
+        trainer.train()  # past the capacity this raises torch.OutOfMemoryError
+        trainer.end()
+    finally:
+        torch.fakegpu.set_memory_capacity(None)
+    line = next(s for s in said if s.startswith("model.parts.unet.offload_fraction: auto -> "))
+    value = float(line.split(" -> ")[1].split(" ")[0])
+    assert 0 < value < 1 and line.endswith("(the smallest share of the blocks that fits the budget, the step's "
+                                           "activations included)"), said
+    written = json.loads((tmp_path / "ws" / "config.json").read_text())
+    assert written["model"]["parts"]["unet"]["offload_fraction"] == value

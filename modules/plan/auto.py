@@ -189,3 +189,48 @@ def resolve_auto_step(planner, config: TrainConfig, in_step: set[str], vram: int
         why["schedule.batch_size"] = {"value": batch, "why": reason or (
             f"the largest of {', '.join(map(str, AUTO_BATCH_SIZES))} that fits the budget")}
     return candidate(on, batch), why
+
+
+# --- offload_fraction: auto, against the whole step ----------------------------------------------
+
+def resolve_auto_offload(planner, config: TrainConfig, vram: int | None, ram: int | None,
+                         gpu_class_name: str | None) -> tuple[TrainConfig, dict[str, dict]]:
+    """`offload_fraction: auto` parts resolved through the plan against the whole step: parking
+    starts where the weights alone would fit (offload_fractions) and grows by STEP, on the auto part
+    with the most bytes still on the device, until the step's activations, adapters, gradients and
+    optimizer state fit too, or everything that can be parked is. Parking costs transfers each
+    step, so no more is parked than that. No device budget: nothing parked. Returns the config with
+    the fractions set and, per auto part, {"value", "why"}."""
+    from modules.config.loading import build_config
+
+    autos = [name for name, part in config.model.parts.items() if part.offload_fraction == "auto"]
+    if not autos:
+        return config, {}
+    base = config.model_dump(mode="json")
+
+    def with_fractions(fractions: dict[str, float]) -> TrainConfig:
+        return build_config([base], [f"model.parts.{n}.offload_fraction={f:g}" for n, f in fractions.items()])
+
+    def why(fractions, text):
+        return {f"model.parts.{n}.offload_fraction": {"value": f, "why": text} for n, f in fractions.items()}
+
+    if vram is None:
+        nothing = dict.fromkeys(autos, 0.0)
+        return with_fractions(nothing), why(nothing, "no train-device budget known here: nothing parked")
+    sizes = planner.sizes(config, planner.weight_modes(config))["parts"]
+    # (a trained part that parks recomputes its blocks: config validation refuses auto without checkpointing)
+    parkable = [name for name in autos if sizes[name]["blocks"]]
+    plan = planner.plan(config, vram, ram, gpu_class_name)
+    fractions = {name: plan.parts[name].offload_fraction for name in autos}
+    while True:
+        candidate = with_fractions(fractions)
+        plan = planner.plan(candidate, vram, ram, gpu_class_name)
+        if plan.device_peak <= vram:
+            text = ("the smallest share of the blocks that fits the budget, the step's activations included"
+                    if any(fractions.values()) else "everything fits without parking")
+            return candidate, why(fractions, text)
+        growable = [name for name in parkable if fractions[name] < 1.0]
+        if not growable:
+            return candidate, why(fractions, "nothing fits the budget, even with every block parked")
+        name = max(growable, key=lambda n: sizes[n]["bytes"] * (1 - fractions[n]))
+        fractions[name] = min(1.0, round(fractions[name] + STEP, 6))

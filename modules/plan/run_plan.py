@@ -115,7 +115,7 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     empty), the model of a family of several (FLUX.2 "dev"). `fix`: search the smallest change
     that fits when it does not. `planner`: one that planned this model before (its fake steps are
     kept: plans of the same model for other budgets reuse them)."""
-    from modules.plan.auto import frugal_step, resolve_auto_step, resolve_auto_weight_modes
+    from modules.plan.auto import frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_weight_modes
     from modules.plan.fixes import find_fixes
 
     planner = planner or Planner(config, variant)
@@ -129,9 +129,12 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
             name: part.model_copy(update={"weight_dtype": frugal.model.parts[name].weight_dtype})
             for name, part in config.model.parts.items()}})})
     config, step_choices = resolve_auto_step(planner, config, in_step, vram, ram, gpu_class_name)
+    # what is parked last, against the step as chosen: parking costs transfers, never the weights' precision
+    config, offload_choices = resolve_auto_offload(planner, config, vram, ram, gpu_class_name)
     plan = planner.plan(config, vram, ram, gpu_class_name)
     plan.auto.update(weight_choices)
     plan.auto.update(step_choices)
+    plan.auto.update(offload_choices)
     if fix and plan.fits is False:
         plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
     return plan
@@ -292,11 +295,6 @@ class Planner:
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
         plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops)
-        for name, fraction in fractions.items():
-            if config.model.parts[name].offload_fraction == "auto":
-                plan.auto[f"model.parts.{name}.offload_fraction"] = {
-                    "value": fraction, "why": "the smallest share of the blocks that fits the budget"
-                    if fraction else "everything fits without parking"}
         if sized["released"]:
             from modules.config.families import get_family_class
 

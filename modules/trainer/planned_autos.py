@@ -1,11 +1,14 @@
-"""`gradient_checkpointing: auto` and `schedule.batch_size: auto` resolved for this run before
-anything loads, through the plan (modules/plan/auto.py: the fastest step that fits) against the
-train device's free memory and the host's available RAM; the run's log says each choice and why.
+"""`gradient_checkpointing: auto`, `schedule.batch_size: auto` and `offload_fraction: auto` resolved
+for this run before anything loads, through the plan (modules/plan/auto.py: the fastest step that
+fits, then the least parking that fits it, activations included) against the train device's free
+memory and the host's available RAM; the run's log says each choice and why.
 
 Where the device cannot say what is free (the CPU) the plan is not asked: checkpointing off where
-nothing forces it, batch 1. With several processes rank 0 decides and the others take its choice
-(one batch size for all, as the global batch needs). The plan made here is handed to preflight's fit
-check, so the run plans once.
+nothing forces it, batch 1, and offload left to the placement's own auto (which parks nothing
+without a free figure). A plan that cannot be made: the smallest step, and offload likewise left to
+the placement's auto (the weights it measures as they land). With several processes rank 0 decides
+and the others take its choice (one batch size for all, as the global batch needs). The plan made
+here is handed to preflight's fit check, so the run plans once.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ def resolve_planned_autos(config: TrainConfig, device, ranks, say) -> tuple[Trai
     from modules.plan.auto import step_autos
 
     parts, batch = step_autos(config)
-    if not parts and not batch:
+    if not parts and not batch and not offload_autos(config):
         return config, None
     plan, choices = None, None
     if ranks.main:
@@ -50,8 +53,8 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             unplanned, checkpoint = f"the plan could not be made ({first}): the smallest step", True
         else:
-            return plan, {path: choice for path, choice in plan["auto"].items()
-                          if path == "schedule.batch_size" or path.endswith(".gradient_checkpointing")}
+            return plan, {path: choice for path, choice in plan["auto"].items() if path == "schedule.batch_size"
+                          or path.endswith((".gradient_checkpointing", ".offload_fraction"))}
     parts, batch = step_autos(config)
     choices = {}
     for name in parts:
@@ -63,5 +66,10 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
     return None, choices
 
 
+def offload_autos(config: TrainConfig) -> list[str]:
+    return [name for name, part in config.model.parts.items() if part.offload_fraction == "auto"]
+
+
 def _text(value) -> str:
-    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return ("true" if value else "false") if isinstance(value, bool) else f"{value:g}" if isinstance(value, float) \
+        else str(value)
