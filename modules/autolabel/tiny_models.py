@@ -1,6 +1,7 @@
 """Tiny random labelling models, built offline from transformers configs (for tests and trying the
 tools without a download): BLIP, BLIP-2 and Florence-2 captioners, a LLaVA chat captioner and a CLIPSeg masker, each a
-folder from_pretrained reads, with a tokenizer built from a word list.
+folder from_pretrained reads, with a tokenizer built from a word list; and a WD14-layout tagger,
+an ONNX graph of known scores (its tags: TINY_WD14_TAGS).
 
 A random model's first choice is often a special token, which decodes to an empty caption; the
 captioners' generation configs here forbid those (and ask for a few tokens at least) so that a
@@ -187,4 +188,49 @@ def make_tiny_florence2(out: str | Path) -> Path:
     _no_special_starts(model, [vocab[token] for token in special + ["[UNK]"]], eos=vocab["</s>"])
     model.save_pretrained(out)
     processor.save_pretrained(out)
+    return out
+
+
+# a tiny WD14 tagger's tags: (name, category, logit = bias + weights . mean BGR pixel); ratings (9),
+# a character (4) and general tags (0), some scoring above their category's threshold whatever the image
+TINY_WD14_TAGS = [
+    ("general", 9, 5.0, (0.0, 0.0, 0.0)),
+    ("sensitive", 9, -5.0, (0.0, 0.0, 0.0)),
+    ("hatsune_miku", 4, -12.8, (0.0, 0.1, 0.0)),  # green images
+    ("red_background", 0, 0.0, (-0.05, -0.05, 0.05)),
+    ("blue_background", 0, 0.0, (0.05, -0.05, -0.05)),
+    ("^_^", 0, 0.0, (0.0, 0.0, 0.0)),  # 0.5: above the general threshold
+    ("simple_background", 0, -0.2, (0.0, 0.0, 0.0)),  # 0.45: above it, below ^_^
+    ("outdoors", 0, -1.0, (0.0, 0.0, 0.0)),  # 0.27: below it
+]
+
+
+def make_tiny_wd14(out: str | Path, size: int = 32) -> Path:
+    """A WD14-layout tagger (model.onnx, selected_tags.csv) whose scores are a sigmoid of the image's
+    mean BGR colour: an ONNX graph built with onnx.helper, which ONNX Runtime runs as it runs the
+    released taggers (NHWC BGR float input of any batch size, one score per tag)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = np.array([tag[3] for tag in TINY_WD14_TAGS], dtype=np.float32).T  # (3, tags)
+    bias = np.array([tag[2] for tag in TINY_WD14_TAGS], dtype=np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("ReduceMean", ["input"], ["mean"], axes=[1, 2], keepdims=0),
+         helper.make_node("MatMul", ["mean", "weights"], ["scaled"]),
+         helper.make_node("Add", ["scaled", "bias"], ["logits"]),
+         helper.make_node("Sigmoid", ["logits"], ["output"])],
+        "tiny_wd14",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", size, size, 3])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, ["batch", len(TINY_WD14_TAGS)])],
+        [numpy_helper.from_array(weights, "weights"), numpy_helper.from_array(bias, "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # readable by every ONNX Runtime of the last years
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out / "model.onnx"))
+    rows = ["tag_id,name,category,count"] + [f"{index},{name},{category},100"
+                                             for index, (name, category, _, _) in enumerate(TINY_WD14_TAGS)]
+    (out / "selected_tags.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
     return out

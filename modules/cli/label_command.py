@@ -168,7 +168,7 @@ def existing_folder(folder: str):
 
 def add_label_arguments(parser) -> None:
     parser.add_argument("--folder", required=True, help="the folder of images (a concept's path)")
-    parser.add_argument("--model", required=True, metavar="PATH", help="a local transformers model folder")
+    parser.add_argument("--model", required=True, metavar="PATH", help="a local model folder: transformers layout, or a WD14 tagger (model.onnx, selected_tags.csv)")
     parser.add_argument("--include-subfolders", action="store_true", help="the images of its subfolders too")
     parser.add_argument("--batch-size", type=int, default=4, help="images per batch (default 4)")
     parser.add_argument("--device", default="auto", help="torch device (default: auto, cuda where there is one)")

@@ -2,8 +2,9 @@
 
 A kind is a `CaptionerKind` registered with `register`; `captioner_for(folder)` asks each kind in
 `order` whether it takes the folder's config.json (its `model_type`, `architectures`, the files
-beside it) and loads the first that does. Nothing here knows a kind or a model by name: a new kind
-is a new file."""
+beside it) and loads the first that does; a kind of its own folder layout (`needs_config` False,
+such as a WD14 tagger's ONNX file and tag table) is told by its files alone. Nothing here knows a
+kind or a model by name: a new kind is a new file."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class CaptionerKind:
     load: Callable[..., Captioner]  # (folder, device, dtype) -> a ready captioner
     default_prompt: str = ""  # the prompt when the user gives none
     order: int = 100  # lower is asked first: a kind for a few model types before a general one
+    needs_config: bool = True  # False: a folder of its own layout (no transformers config.json), told by its files
 
 
 _KINDS: dict[str, CaptionerKind] = {}
@@ -47,6 +49,9 @@ def kinds() -> list[CaptionerKind]:
 
 def kind_for(folder: str | Path) -> CaptionerKind:
     """The kind that captions with the model in `folder`, or one message saying why none does."""
+    for kind in kinds():  # the kinds of their own layouts first: their folders have no transformers config
+        if not kind.needs_config and kind.takes({}, Path(folder).expanduser()):
+            return kind
     config = model_config(folder)
     for kind in kinds():
         if kind.takes(config, Path(folder)):
