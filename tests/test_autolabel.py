@@ -187,7 +187,8 @@ def test_clipseg_masks_are_written_as_masked_training_reads_them(tiny_labellers,
     import numpy as np
     from PIL import Image
 
-    from modules.autolabel.clipseg_masks import ClipSegMasker, mask_images
+    from modules.autolabel.mask_folder import mask_images
+    from modules.autolabel.maskers.clipseg import ClipSegMasker
     from modules.data.masks import load_mask, mask_path
 
     images = images_in(tmp_path, count=3, captions=True)
@@ -223,5 +224,20 @@ def test_the_mask_command_refuses_a_captioner_before_loading_anything(tiny_label
                     "--prompt", "x")
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.strip().splitlines() == [
-        f"error: --model: {tiny_labellers('blip')} holds a 'blip' model; masks are made with CLIPSeg "
-        "(model_type clipseg, CLIPSegForImageSegmentation)"]
+        f"error: --model: {tiny_labellers('blip')} holds a 'blip' model, which no masker takes; known kinds: "
+        f"clipseg: CLIPSeg (model_type clipseg, CLIPSegForImageSegmentation; masks what --prompt names); "
+        f"background: background removal (an ONNX model, onnx/model.onnx or model.onnx, with "
+        f"preprocessor_config.json: RMBG-1.4/2.0, BiRefNet, ISNet exports; masks the foreground, no prompt)"]
+
+
+def test_the_mask_command_runs_background_removal_without_a_prompt(tiny_labellers, tmp_path):
+    from test_autolabel_background import red_square_on_blue
+
+    (tmp_path / "images").mkdir()
+    image = red_square_on_blue(tmp_path / "images" / "a.png")  # (the masks themselves: test_autolabel_background.py)
+    result = launch("mask", "--folder", str(tmp_path / "images"), "--model", str(tiny_labellers("background")),
+                    "--protocol", "jsonl")
+    assert result.returncode == 0, result.stderr
+    events = events_of(result.stdout)
+    assert events[0]["event"] == "started" and events[-1]["event"] == "finished" and events[-1]["written"] == 1
+    assert image.with_name("a-masklabel.png").is_file()

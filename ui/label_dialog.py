@@ -47,7 +47,7 @@ CAPTION = LabelJob("caption", "Auto-caption", "captions", (
 ))
 
 MASKS = LabelJob("mask", "Generate masks", "masks", (
-    Option("--prompt", "What to train on", hint="e.g. a person (white in the mask)"),
+    Option("--prompt", "What to train on", hint="CLIPSeg: e.g. a person; background removal: none"),
     Option("--threshold", "Threshold", "0.4"),
     Option("--expand", "Grow by (px)", "0"),
     Option("--mode", "Existing masks", "overwrite", ("overwrite", "add", "skip-existing")),

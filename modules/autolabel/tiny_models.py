@@ -234,3 +234,35 @@ def make_tiny_wd14(out: str | Path, size: int = 32) -> Path:
                                              for index, (name, category, _, _) in enumerate(TINY_WD14_TAGS)]
     (out / "selected_tags.csv").write_text("\n".join(rows) + "\n", encoding="utf-8")
     return out
+
+
+def make_tiny_background(out: str | Path, size: int = 32, logits: bool = True) -> Path:
+    """A background-removal model in the Transformers.js layout (onnx/model.onnx and
+    preprocessor_config.json, as briaai's RMBG exports): a 1x1 convolution that calls a pixel
+    foreground where its red channel is high, scoring logits (`logits`: as BiRefNet / RMBG-2.0) or,
+    through a sigmoid, a probability map (as RMBG-1.4 / ISNet)."""
+    import json
+
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    out = Path(out)
+    (out / "onnx").mkdir(parents=True, exist_ok=True)
+    weight = np.array([10.0, 0.0, 0.0], dtype=np.float32).reshape(1, 3, 1, 1)  # red, normalised to -0.5..0.5
+    nodes = [helper.make_node("Conv", ["pixel_values", "weight", "bias"], ["logits" if not logits else "alphas"])]
+    if not logits:
+        nodes.append(helper.make_node("Sigmoid", ["logits"], ["alphas"]))
+    graph = helper.make_graph(
+        nodes, "tiny_background",
+        [helper.make_tensor_value_info("pixel_values", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("alphas", TensorProto.FLOAT, [1, 1, size, size])],
+        [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(np.zeros(1, np.float32), "bias")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(out / "onnx" / "model.onnx"))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [1.0, 1.0, 1.0], "do_rescale": True,
+        "rescale_factor": 1 / 255, "do_resize": True, "size": {"width": size, "height": size}}), encoding="utf-8")
+    return out

@@ -193,27 +193,33 @@ def add_caption_parser(sub):
 
 
 def mask_command(args) -> int:
-    from modules.autolabel.clipseg_masks import ClipSegMasker, check_clipseg_folder, check_threshold, mask_images
+    from pathlib import Path
+
     from modules.autolabel.images import folder_images
+    from modules.autolabel.mask_folder import check_threshold, mask_images
+    from modules.autolabel.maskers import masker_kind_for
 
     def label(events: LabelEvents, commands: TrainCommands):
         images = folder_images(existing_folder(args.folder), args.include_subfolders)
-        check_threshold(args.threshold), check_clipseg_folder(args.model)  # (before torch loads)
-        masker = LoadedOnFirstUse(lambda device, dtype: ClipSegMasker(args.model, device, dtype), args, events)
-        events.started(len(images), "clipseg")
-        return mask_images(images, masker, args.prompt, args.threshold, args.mode, args.expand, args.batch_size,
-                           events.progress, events.warning, lambda: commands.stop_requested)
+        check_threshold(args.threshold)
+        kind = masker_kind_for(args.model)  # (before torch loads)
+        masker = LoadedOnFirstUse(lambda device, dtype: kind.load(Path(args.model).expanduser(), device, dtype), args,
+                                  events)
+        events.started(len(images), kind.name)
+        return mask_images(images, masker, args.prompt or "", args.threshold, args.mode, args.expand, args.batch_size,
+                           events.progress, events.warning, lambda: commands.stop_requested, kind.takes_prompt)
 
     return run_labelling(args, label, "masks")
 
 
 def add_mask_parser(sub):
-    from modules.autolabel.clipseg_masks import MASK_MODES
+    from modules.autolabel.mask_folder import MASK_MODES
 
-    mask = sub.add_parser("mask", help="write a loss mask <image>-masklabel.png beside each image from a text "
-                          "prompt with CLIPSeg")
+    mask = sub.add_parser("mask", help="write a loss mask <image>-masklabel.png beside each image: what a text "
+                          "prompt names (CLIPSeg) or the foreground (a background-removal model)")
     add_label_arguments(mask)
-    mask.add_argument("--prompt", required=True, help="what to train on, e.g. 'a person' (white in the mask)")
+    mask.add_argument("--prompt", help="what to train on, e.g. 'a person' (white in the mask); CLIPSeg needs it, "
+                      "background removal takes none")
     mask.add_argument("--threshold", type=float, default=0.4,
                       help="probability above which a pixel is white (default 0.4)")
     mask.add_argument("--expand", type=int, default=0, metavar="PX", help="grow the white area by PX pixels")

@@ -1,7 +1,7 @@
-"""Loss masks from a text prompt with CLIPSeg (CLIPSegForImageSegmentation): the model's per-pixel
-probability that the prompt is there, brought up to the image's size, thresholded to white (train
-here) and black, and written atomically as `<image stem>-masklabel.png`, the file masked training
-reads (modules/data/masks.py).
+"""Loss masks for a folder of images from a masker (modules/autolabel/maskers/: CLIPSeg from a text
+prompt, or a background-removal model): its per-pixel probability at the image's size,
+thresholded to white (train here) and black, and written atomically as
+`<image stem>-masklabel.png`, the file masked training reads (modules/data/masks.py).
 
 Modes: `overwrite` replaces a mask, `add` keeps what an existing mask marks and adds the new area
 (a union: several prompts, one run each), `skip-existing` leaves an image with a mask alone."""
@@ -13,49 +13,11 @@ from typing import Callable
 
 from modules.autolabel.caption_folder import LabelReport, check_batch_size, check_mode, readable_batches
 from modules.autolabel.images import mask_file
-from modules.autolabel.model_folder import LabelModelError, model_config
-from modules.autolabel.transformers_models import load_model, load_pretrained, model_inputs
 from modules.data.mask_files import mask_path
 from modules.errors import UserError
 from modules.util.atomic import write_with
 
 MASK_MODES = ("overwrite", "add", "skip-existing")
-
-
-def check_clipseg_folder(folder: str | Path) -> Path:
-    """The folder, if it holds a CLIPSeg model; else one message naming it (read without torch)."""
-    folder = Path(folder)
-    config = model_config(folder)
-    if config["model_type"] != "clipseg":
-        raise LabelModelError(f"{folder} holds a {config['model_type']!r} model; masks are made with CLIPSeg "
-                              "(model_type clipseg, CLIPSegForImageSegmentation)", field="--model")
-    return folder
-
-
-class ClipSegMasker:
-    def __init__(self, folder: str | Path, device: str = "cpu", dtype: str = "float32"):
-        folder = check_clipseg_folder(folder)
-        from transformers import AutoProcessor, CLIPSegForImageSegmentation
-
-        self.processor = load_pretrained(AutoProcessor, folder, "processor")
-        self.model = load_model(CLIPSegForImageSegmentation, folder, device, dtype)
-
-    def probabilities(self, images: list, prompt: str) -> list:
-        """Per image, an (height, width) float array in [0, 1] at the image's own size."""
-        import numpy as np
-        import torch
-        import torch.nn.functional as F
-
-        batch = self.processor(text=[prompt] * len(images), images=images, return_tensors="pt", padding=True)
-        with torch.inference_mode():
-            logits = self.model(**model_inputs(batch, self.model)).logits
-        logits = logits.float().reshape(len(images), 1, *logits.shape[-2:])  # (a batch of one comes squeezed)
-        maps = []
-        for image, image_logits in zip(images, logits):
-            resized = F.interpolate(image_logits[None], size=(image.height, image.width), mode="bilinear",
-                                    align_corners=False)[0, 0]
-            maps.append(np.asarray(torch.sigmoid(resized).cpu()))
-        return maps
 
 
 def check_threshold(threshold: float) -> float:
@@ -94,9 +56,11 @@ def _existing_mask(image: Path, size: tuple[int, int]):
 def mask_images(images: list[Path], masker, prompt: str, threshold: float = 0.4, mode: str = "overwrite",
                 expand: int = 0, batch_size: int = 4, on_progress: Callable = lambda report, path: None,
                 on_warning: Callable[[str], None] = lambda message: None,
-                stop_requested: Callable[[], bool] = lambda: False) -> LabelReport:
+                stop_requested: Callable[[], bool] = lambda: False, takes_prompt: bool = True) -> LabelReport:
+    """`prompt`: what to mask, for a masker that takes one (CLIPSeg; its kind's `takes_prompt`);
+    else unused."""
     check_mode(mode, MASK_MODES), check_batch_size(batch_size), check_threshold(threshold)
-    if not prompt.strip():
+    if takes_prompt and not prompt.strip():
         raise UserError("say what to mask (e.g. 'a person')", field="--prompt")
     report = LabelReport(total=len(images))
     skip = (lambda image: mask_path(image) is not None) if mode == "skip-existing" else (lambda image: False)
