@@ -122,7 +122,31 @@ def test_auto_caption_runs_in_the_background_stops_and_refreshes_the_rows(app, s
     assert app.callback_errors == []
 
 
-def test_a_mask_painted_by_hand_is_saved_as_masked_training_reads_it(app, shape_images, tmp_path):
+def trains_with_the_painted_mask(folder, image, model, tmp_path) -> None:
+    """A run with masked_loss on the folder weights the painted image's loss by that mask on the
+    latent grid (the eraser's band at unmasked_weight, the rest 1) and steps."""
+    import torch
+
+    from conftest import train_config
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(model, folder, tmp_path, {"concepts": [{"path": str(folder), "masked_loss": True,
+                                                                  "unmasked_weight": 0.25}],
+                                                    "schedule": {"max_steps": 1, "batch_size": 1}})
+    trainer = GenericTrainer(config, TrainCallbacks())
+    trainer.start()
+    index = next(i for i, entry in enumerate(trainer.dataset.entries) if entry.item.image == image)
+    weights = trainer.dataset.collate([index], torch.device("cpu")).masks[0, 0]  # the tiny VAE: 2 px a latent
+    assert weights.shape == (32, 32) and ((weights >= 0.25) & (weights <= 1)).all()
+    assert torch.allclose(weights[2, :12], torch.tensor(0.25))  # the eraser's band (image rows 3-5)
+    assert (weights[4:] == 1).all() and (weights[0] == 1).all()  # above and below it: trained in full
+    trainer.train()
+    trainer.end()
+    assert trainer.step == 1 and trainer.last_loss == trainer.last_loss  # (a number, not NaN)
+
+
+def test_a_mask_painted_by_hand_is_saved_and_trained_with_masked_loss(app, shape_images, tiny_model, tmp_path):
     import numpy as np
 
     from modules.data.masks import load_mask, mask_path
@@ -158,6 +182,7 @@ def test_a_mask_painted_by_hand_is_saved_as_masked_training_reads_it(app, shape_
         assert (mask[4, 31:34] == 1).all() and (mask[3:6, 32] == 1).all()  # the brush's dot in it
         assert (mask[10:] == 1).all()  # the rest untouched: white
         assert "(mask: " in tool.rows[images[0]]["name"].cget("text")
+        trains_with_the_painted_mask(folder, images[0], tiny_model, tmp_path)
 
         painter.tool_var.set("fill")  # right button: the white area under the click becomes black
         canvas.event_generate("<ButtonPress-3>", x=256, y=400)
