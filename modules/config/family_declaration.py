@@ -21,7 +21,7 @@ class PartSpec:
 # what a ModelFamily subclass takes from its declaration (flow_matching comes from its training
 # mixin, which must agree with the declaration)
 CLASS_ATTRIBUTES = ("name", "label", "part_specs", "denoiser_part", "layer_presets", "bucket_quantum",
-                    "negative_prompt", "control_images")
+                    "negative_prompt", "control_images", "paired_training", "image_to_video")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class FamilyDeclaration:
     negative_prompt: bool = True
     # the most control (reference) images one sample may carry (an edit model's); 0: none taken
     control_images: int = 0
+    # whether training samples may carry them too (concepts[i].controls); False: sample prompts only
+    paired_training: bool = True
+    # whether it trains image-to-video from a clip's own first frame (model.image_to_video)
+    image_to_video: bool = False
 
     def default_parts(self) -> dict[str, dict]:
         return {spec.name: {"train": spec.default_train} for spec in self.part_specs}
@@ -56,4 +60,6 @@ class FamilyDeclaration:
                    implementation=f"{family_class.__module__}:{family_class.__qualname__}",
                    bucket_quantum=family_class.bucket_quantum, flow_matching=family_class.flow_matching,
                    negative_prompt=family_class.negative_prompt,
-                   control_images=getattr(family_class, "control_images", 0))
+                   control_images=getattr(family_class, "control_images", 0),
+                   paired_training=getattr(family_class, "paired_training", True),
+                   image_to_video=getattr(family_class, "image_to_video", False))

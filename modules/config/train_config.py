@@ -131,6 +131,10 @@ class ModelConfig(StrictModel):
         "config; v_prediction for SD 2.x-style v models.")
     parts: dict[str, ModelPartConfig] = Field(default_factory=dict, description="Per model part (unet, "
                                               "text_encoder, ...): training, precision, offloading.")
+    image_to_video: float = Field(0.0, ge=0, le=1, description="Image-to-video families (Wan 2.2 TI2V): the "
+                                  "share of steps on clips trained as image-to-video (each clip's first frame "
+                                  "given clean, as its pipeline's prompt image, the loss on the frames after "
+                                  "it); 0: text-to-video only, 1: image-to-video only.")
 
     @model_validator(mode="before")
     @classmethod

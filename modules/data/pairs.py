@@ -146,6 +146,9 @@ def check_controls(config: TrainConfig, family: ModelFamily, concepts) -> None:
     if family.control_images == 0:
         raise DataError(f"concepts[{index}].controls.source: {family.label} takes no control images "
                         "(model.family: choose an edit model, such as flux_kontext)")
+    if not family.paired_training:
+        raise DataError(f"concepts[{index}].controls.source: {family.label} takes control images in sample "
+                        "prompts only (sampling.prompts[].control_images), not in training samples")
 
 
 def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: str, where) -> list[Entry]:

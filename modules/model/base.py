@@ -58,6 +58,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # the most control (reference) images one sample may carry (an edit model: they reach the
     # denoiser as conditioning["control_latents"], (B, N, C, h, w)); 0: none taken
     control_images: ClassVar[int] = 0
+    # whether training samples may carry control images (False: only sample prompts take them)
+    paired_training: ClassVar[bool] = True
+    # whether it trains image-to-video from each clip's own first frame (model.image_to_video)
+    image_to_video: ClassVar[bool] = False
     # whether its text conditioning depends on the control images too (a VL text encoder that sees
     # them): then `tokenize(captions, controls=...)` takes each caption's control images (PIL, at
     # the sample's bucket) and the text cache keys on them (modules/data/pairs.py)
@@ -73,6 +77,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # pipeline class of model_index.json; entries of the denoiser's config.json; for an
     # original-layout single file, (a regex some key matches, a regex no key matches or None)
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    # entries of model_index.json that must hold too, where several families share a pipeline class
+    # (WanPipeline: Wan 2.1, and Wan 2.2 TI2V with `expand_timesteps`); the most specific match wins
+    pipeline_config: ClassVar[dict[str, object]] = {}
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
     # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex

@@ -62,15 +62,23 @@ def _detect_folder(folder: Path) -> DetectedModel | None:
     index = _read_json(folder / "model_index.json")
     if index and isinstance(index.get("_class_name"), str):
         pipeline = index["_class_name"]
-        family = next((f.name for f in _families() if pipeline in f.pipeline_classes), None)
-        return DetectedModel(family, pipeline)
-    # no model_index.json: the denoiser's own config, in its subfolder or at the top (a component folder)
+        matching = [f for f in _families() if pipeline in f.pipeline_classes
+                    and all(index.get(key) == value for key, value in f.pipeline_config.items())]
+        family = max(matching, key=lambda f: len(f.pipeline_config), default=None)  # first of the most specific
+        return DetectedModel(family.name if family else None, pipeline)
+    # no model_index.json: the denoiser's own config, in its subfolder or at the top (a component
+    # folder); the family whose signature says most about it (Wan 2.1's transformer or TI2V's 48-channel one)
+    found = []
     for family in _families():
         subfolder = family.spec(family.denoiser_part).subfolder
         for config_path in (folder / subfolder / "config.json", folder / "config.json"):
             config = _read_json(config_path)
             if config and _config_matches(config, family.denoiser_config):
-                return DetectedModel(family.name, config["_class_name"])
+                found.append((len(family.denoiser_config), family.name, config["_class_name"]))
+                break
+    if found:
+        _, name, kind = max(found, key=lambda entry: entry[0])
+        return DetectedModel(name, kind)
     config = _read_json(folder / "config.json")
     if config and isinstance(config.get("_class_name"), str):
         return DetectedModel(None, config["_class_name"])

@@ -168,12 +168,15 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
 
     # --- sampling ----------------------------------------------------------------------------
 
+    # WanPipeline's config options for this model (Wan 2.2 TI2V: expand_timesteps)
+    pipeline_options: dict = {}
+
     def pipeline(self):
         from diffusers import UniPCMultistepScheduler, WanPipeline
 
         pipe = WanPipeline(tokenizer=self.tokenizer, text_encoder=self.parts["text_encoder"], vae=self.parts["vae"],
                            scheduler=UniPCMultistepScheduler.from_config(self.noise_scheduler.config),
-                           transformer=self.transformer)
+                           transformer=self.transformer, **self.pipeline_options)
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

@@ -107,7 +107,10 @@ def _frame_problems(config: TrainConfig) -> list[str]:
     asked = [(f"concepts[{i}].video.frames", c.video.frames) for i, c in enumerate(config.concepts) if c.enabled]
     asked += [(f"sampling.prompts[{i}].frames", p.frames) for i, p in enumerate(config.sampling.prompts) if p.enabled]
     problems = [(where, frame_count_problem(frames, family.temporal_quantum, family.label)) for where, frames in asked]
-    return [f"{where}: {problem}" for where, problem in problems if problem]
+    problems = [f"{where}: {problem}" for where, problem in problems if problem]
+    if config.model.image_to_video and not family.image_to_video:
+        problems.append(f"model.image_to_video: {family.label} has no image-to-video training (Wan 2.2 TI2V has)")
+    return problems
 
 
 # --- devices -----------------------------------------------------------------------------------

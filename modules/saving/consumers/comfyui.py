@@ -248,7 +248,7 @@ def qwen_image_stems(family) -> set[str]:
     return stems | text_encoder_stems(family.parts["text_encoder"], "qwen25_7b")
 
 
-# --- Wan 2.1 -----------------------------------------------------------------------------------
+# --- Wan 2.1 (and Wan 2.2 TI2V 5B, the same WanModel with 48 latent channels) -------------------
 # ComfyUI's Wan model (comfy/ldm/wan/model.py WanModel) keeps the original Wan names: per block
 # `self_attn.q/k/v/o`, `cross_attn.q/k/v/o` (and `k_img`/`v_img` for I2V), `ffn.0`, `ffn.2`; then
 # `text_embedding.0/2`, `time_embedding.0/2`, `time_projection.1`, `head.head`, `img_emb.proj.1/3`.
@@ -363,7 +363,7 @@ def sd3_stems(family) -> set[str]:
 # the families whose ComfyUI map is rebuilt here; others: not checked
 MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
         "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems,
-        "wan": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems}
+        "wan": wan_stems, "wan22_ti2v": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems}
 
 
 def stems(family) -> set[str] | None:
