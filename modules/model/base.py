@@ -75,6 +75,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
+
+    @classmethod
+    def claims_model_index(cls, index: dict) -> int:
+        """How surely a diffusers folder's model_index.json is this family's: 0 not at all, 1 by its
+        pipeline class; a family that shares its pipeline class with another says more from the
+        index's other entries (Wan 2.2 A14B's `transformer_2` and `boundary_ratio`), and the surest wins."""
+        return int(index.get("_class_name") in cls.pipeline_classes)
     # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex
     # only that part's keys match (detect.py names such a file given as model.base)
     single_file_part_signatures: ClassVar[dict[str, str]] = {}
@@ -141,6 +148,24 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """The part's repeated blocks in execution order: the units gradient checkpointing
         recomputes and the layer offloader parks. Empty: the part cannot offload."""
         return []
+
+    def resting_parts(self) -> tuple[str, ...]:
+        """Parts the training step never runs that sampling does (Wan 2.2's untrained expert): they
+        stay on the temp device while training, and are streamed block by block onto the train
+        device only while samples are made (modules/trainer/resting_parts.py)."""
+        return ()
+
+    def adapter_files(self, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
+        """How the trained adapters split into saved files: per file, the suffix its name takes after
+        the output's stem and {part: the part its adapters are written as}. One file by default,
+        each part under its own names; Wan 2.2 writes one file per expert, each as a lone Wan
+        transformer, because each expert is loaded as a model of its own."""
+        return [("", {part: part for part in trained_parts})]
+
+    def trained_parts_not_run(self) -> set[str]:
+        """Trained parts no `predict` has run yet (Wan 2.2's expert whose timesteps no sample drew):
+        the first-step guard does not hold their adapters to having learned."""
+        return set()
 
     # --- data --------------------------------------------------------------------------------
 

@@ -16,11 +16,23 @@ _CONFIGS = Path(__file__).resolve().parents[3] / "resources" / "model_configs" /
 
 def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int = 0) -> Path:
     """A random Wan-2.1-architecture pipeline in diffusers layout, built offline."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+    from diffusers import WanPipeline, WanTransformer3DModel
 
     out = Path(out)
     torch.manual_seed(seed)
+    components, transformer_config = tiny_wan_components(out, transformer)
+    pipe = WanPipeline(**components, transformer=WanTransformer3DModel(**transformer_config))
+    pipe.save_pretrained(str(out))
+    return out
+
+
+def tiny_wan_components(out: Path, transformer: dict | None = None) -> tuple[dict, dict]:
+    """The tiny tokenizer (written under `out`), UMT5 encoder, VAE and scheduler as WanPipeline
+    arguments, and the tiny transformer's config (with `transformer`'s entries): what the Wan
+    families' tiny models share."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
+
     vocab = write_char_sentencepiece_tokenizer(out / "tokenizer", max_length=32)
     tokenizer = AutoTokenizer.from_pretrained(str(out / "tokenizer"))
     text_encoder = UMT5EncoderModel(UMT5Config(
@@ -34,7 +46,4 @@ def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int 
     vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
                            temperal_downsample=[True, True], scale_factor_spatial=4, scale_factor_temporal=4)
     scheduler = UniPCMultistepScheduler.from_pretrained(str(_CONFIGS / "scheduler"))
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-                       transformer=WanTransformer3DModel(**transformer_config))
-    pipe.save_pretrained(str(out))
-    return out
+    return {"tokenizer": tokenizer, "text_encoder": text_encoder, "vae": vae, "scheduler": scheduler}, transformer_config
