@@ -162,6 +162,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         transformer, because each expert is loaded as a model of its own."""
         return [("", {part: part for part in trained_parts})]
 
+    def diffusers_load_options(self, suffix: str) -> dict:
+        """The `load_lora_weights` options that load the saved file of `adapter_files`' `suffix` into
+        the right component of the family's diffusers pipeline (Wan 2.2's low-noise file:
+        `load_into_transformer_2`)."""
+        return {}
+
     def trained_parts_not_run(self) -> set[str]:
         """Trained parts no `predict` has run yet (Wan 2.2's expert whose timesteps no sample drew):
         the first-step guard does not hold their adapters to having learned."""

@@ -96,6 +96,9 @@ class Wan22Family(WanFamily):
         return [(EXPERT_FILE_SUFFIXES[e], {e: HIGH_NOISE, **(others if i == 0 else {})})
                 for i, e in enumerate(experts)]
 
+    def diffusers_load_options(self, suffix: str) -> dict:
+        return {"load_into_transformer_2": True} if suffix == EXPERT_FILE_SUFFIXES[LOW_NOISE] else {}
+
     # --- loading -----------------------------------------------------------------------------
 
     def load(self) -> None:
@@ -156,22 +159,33 @@ class Wan22Family(WanFamily):
         unit = u_low + (u_high - u_low) * self.training_times(batch, generator)
         sigmas = shift * unit / (1 + (shift - 1) * unit)
         if high < 1.0:  # below the boundary in the timesteps the transformer sees, float rounding too
-            sigmas = torch.minimum(sigmas.float(), self._highest_low_noise_sigma())
+            sigmas = sigmas.float().clamp(max=self._highest_low_noise_sigma())
         return sigmas
 
-    def _highest_low_noise_sigma(self) -> torch.Tensor:
-        """The largest float32 sigma whose timestep (sigma x num_train_timesteps) is below the boundary."""
-        total = self.noise_scheduler.config.num_train_timesteps
-        sigma = torch.tensor(self.boundary_ratio, dtype=torch.float32)
-        while bool(self.expert_of(sigma)):
-            sigma = torch.nextafter(sigma, torch.tensor(0.0))
-        return sigma
+    def _highest_low_noise_sigma(self) -> float:
+        """The largest float32 sigma whose timestep (sigma x num_train_timesteps, in float32 as
+        run_transformer computes it) is below the boundary."""
+        import numpy as np
+
+        total = np.float32(self.noise_scheduler.config.num_train_timesteps)
+        sigma = np.float32(self.boundary_ratio)
+        while sigma * total >= np.float32(self.boundary_timestep):
+            sigma = np.nextafter(sigma, np.float32(0))
+        return float(sigma)
 
     def expert_of(self, sigmas: torch.Tensor) -> torch.Tensor:
         """True where a sample's timestep is the high-noise expert's (t >= boundary, as WanPipeline)."""
         return sigmas.float() * self.noise_scheduler.config.num_train_timesteps >= self.boundary_timestep
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        running = self.running_experts()
+        if len(running) == 1 or is_fake(sigmas):
+            # one expert trains (its range is all that is drawn); or the planner's fake step, whose
+            # sigmas hold no values: one expert's pass over the batch is what a step holds at most
+            self._experts_run.add(running[0])
+            return self.run_transformer(running[0], noisy, sigmas, text)
         high = self.expert_of(sigmas).to(noisy.device)
         owners = {HIGH_NOISE: high, LOW_NOISE: ~high}
         present = [e for e in EXPERTS if bool(owners[e].any())]

@@ -283,7 +283,7 @@ class Planner:
             if name == family.denoiser_part:
                 device["activations"] = figures.activations
             parked_total += parked_bytes
-            if parked:
+            if parked and name not in resting:  # (a resting part is pinned only while samples are made)
                 host_parked_tensors += [t for i in parked for t in size["block_tensors"][i]]
             parts[name] = PartPlan(modes[name], fraction, part_config.gradient_checkpointing is True,
                                    bool(part_config.train), device, parked_bytes, len(blocks), len(parked))
