@@ -14,6 +14,7 @@ skips the preset and says which, rather than training something else under its n
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,9 +106,11 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
 
     class SaveReports(TrainCallbacks):  # what each save's check says of the file (modules/saving/consumers)
         reports: list[dict] = []
+        paths: list[Path] = []
 
         def on_save(self, path, consumers=None):
             self.reports.append(consumers or {})
+            self.paths.append(Path(path))
 
     saves = SaveReports()
     trainer = GenericTrainer(config, saves)
@@ -130,9 +133,14 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
 
     if config.method.type != "adapter":
         return  # a fine-tune saves a model, an embedding run its embedding file: no LoRA to load
-    comfyui = saves.reports[-1].get("ComfyUI")  # the run's own check of its adapter file
-    if comfyui is not None:  # every key of every preset's file is one ComfyUI applies (issue 27)
-        assert comfyui["applied"] == comfyui["total"] > 0, comfyui["dropped"][:5]
+    # the final save's files (one per expert for Wan 2.2: Wan22Family.adapter_files)
+    file_sets = trainer.methods[0].file_sets()
+    final = saves.paths[-len(file_sets):]
+    assert final[0] == saved
+    for report in saves.reports[-len(file_sets):]:
+        comfyui = report.get("ComfyUI")  # the run's own check of its adapter file
+        if comfyui is not None:  # every key of every preset's file is one ComfyUI applies (issue 27)
+            assert comfyui["applied"] == comfyui["total"] > 0, comfyui["dropped"][:5]
     if config.adapter.type not in DIFFUSERS_LOADS:
         return  # no diffusers loader for this adapter type (see DIFFUSERS_LOADS)
     if config.model.family in ("flux", "flux_kontext", "chroma") and config.output.format in ("kohya", "comfy"):
@@ -149,5 +157,6 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
     # Qwen-Image-Edit's Qwen2VLProcessor needs torchvision (not installed here); its LoRA loader does not
     without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus") else {}
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
-    pipe.load_lora_weights(str(saved))
+    for (suffix, _), path in zip(file_sets, final):
+        pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}", **trainer.family.diffusers_load_options(suffix))
     assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"

@@ -77,6 +77,24 @@ class AdapterSet:
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.modules.state_dict().items()}
 
+    def written_as(self, parts: dict[str, str], family: ModelFamily) -> AdapterSet:
+        """The adapters of `parts` (part -> the part they are written as) as a set of their own, for a
+        saved file that holds only those: an adapter written as another part takes the name it would
+        have there (Wan 2.2's low-noise expert saved under a lone Wan transformer's names). The
+        adapter modules are the same objects."""
+        view = AdapterSet()
+        for name, adapter in self.modules.items():
+            part = self.part_of[name]
+            if part not in parts:
+                continue
+            module_name = self.module_name_of[name]
+            as_part = parts[part]
+            written = name if as_part == part else family.adapter_name(as_part, module_name)
+            view.modules[written] = adapter
+            view.part_of[written] = as_part
+            view.module_name_of[written] = module_name
+        return view
+
     def load_state_dict(self, state: dict[str, torch.Tensor], source: str = "adapter state") -> None:
         """Strict: every key must fit an adapter and every adapter tensor must be given."""
         own = self.modules.state_dict()

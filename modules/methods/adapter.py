@@ -45,11 +45,24 @@ class AdapterMethod(TrainingMethod):
                 callbacks.on_warning(adopted)
         if self.adapters.left_out:
             callbacks.on_warning(self.adapters.left_out_message())
-        check_output_format(config.output.format, self.adapters, self.family)  # before training, not at the end
-        for warning in format_warnings(config.output.format, self.adapters, self.family):
-            callbacks.on_warning(warning)
+        for _, adapters in self.file_sets():
+            check_output_format(config.output.format, adapters, self.family)  # before training, not at the end
+            for warning in format_warnings(config.output.format, adapters, self.family):
+                callbacks.on_warning(warning)
         if config.adapter.init_from:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)
+
+    def file_sets(self) -> list[tuple[str, AdapterSet]]:
+        """(file name suffix, its adapters) per saved file (the family's `adapter_files`: one file, or
+        Wan 2.2's one per expert)."""
+        files = self.family.adapter_files(self.trained_parts())
+        if len(files) == 1 and not files[0][0] and all(a == b for a, b in files[0][1].items()):
+            return [("", self.adapters)]
+        return [(suffix, self.adapters.written_as(parts, self.family)) for suffix, parts in files]
+
+    def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        not_run = self.family.trained_parts_not_run()  # an expert no sample reached yet has no gradient
+        return [(n, p) for n, p in self.named_parameters() if self.adapters.part_of[n.split(".", 1)[0]] not in not_run]
 
     def parameter_groups(self, config: TrainConfig) -> list[dict]:
         groups = []
@@ -86,17 +99,28 @@ class AdapterMethod(TrainingMethod):
             "modelspec.architecture": family.modelspec_architecture,
             **metadata,
         }
-        return [save_adapter_file(path, self.adapters, family, self.config.output.format, dtype, metadata)]
+        path = Path(path)
+        self._saved_sets = {}
+        for suffix, adapters in self.file_sets():
+            target = path.with_name(f"{path.stem}{suffix}{path.suffix}")
+            self._saved_sets[target] = adapters
+            save_adapter_file(target, adapters, family, self.config.output.format, dtype, metadata)
+        return list(self._saved_sets)
 
     def consumers(self, file: Path) -> dict[str, dict]:
         report = check_file(file, self.family)  # the kept key maps (ComfyUI, Forge)
-        report["diffusers"] = diffusers_report(self.config.output.format, self.adapters, self.family)
+        adapters = getattr(self, "_saved_sets", {}).get(Path(file), self.adapters)
+        report["diffusers"] = diffusers_report(self.config.output.format, adapters, self.family)
         return report
 
     def first_backup_warnings(self) -> list[str]:
         """The output format's own tools (ComfyUI for comfy; ComfyUI and Forge for kohya) dropping
-        modules of the file this run will save: said now, not after training."""
+        modules of the files this run will save: said now, not after training."""
         fmt = self.config.output.format
-        report = check(file_state(self.adapters, self.family, fmt).keys(), self.family)
-        return [f"output.format: {fmt!r}: the saved file will not load whole: {line}"
-                for line in target_drops(fmt, report)]
+        warnings = []
+        for suffix, adapters in self.file_sets():
+            report = check(file_state(adapters, self.family, fmt).keys(), self.family)
+            shown = f" ({suffix.lstrip('-')})" if suffix else ""
+            warnings += [f"output.format: {fmt!r}: the saved file{shown} will not load whole: {line}"
+                         for line in target_drops(fmt, report)]
+        return warnings

@@ -78,10 +78,23 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # original-layout single file, (a regex some key matches, a regex no key matches or None)
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
     # entries of model_index.json that must hold too, where several families share a pipeline class
-    # (WanPipeline: Wan 2.1, and Wan 2.2 TI2V with `expand_timesteps`); the most specific match wins
+    # (WanPipeline: Wan 2.1, and Wan 2.2 TI2V with `expand_timesteps`; an entry at None also matches
+    # an index without it); each one held makes the claim surer (claims_model_index)
     pipeline_config: ClassVar[dict[str, object]] = {}
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
+
+    @classmethod
+    def claims_model_index(cls, index: dict) -> int:
+        """How surely a diffusers folder's model_index.json is this family's: 0 not at all, 1 by its
+        pipeline class, one more per `pipeline_config` entry it holds (all must); a family whose
+        rule is not a list of entries (Wan 2.2 A14B: a second transformer and a boundary, whatever
+        its value) overrides this. detect.py takes the surest claim."""
+        if index.get("_class_name") not in cls.pipeline_classes:
+            return 0
+        if not all(index.get(key) == value for key, value in cls.pipeline_config.items()):
+            return 0
+        return 1 + len(cls.pipeline_config)
     # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex
     # only that part's keys match (detect.py names such a file given as model.base)
     single_file_part_signatures: ClassVar[dict[str, str]] = {}
@@ -148,6 +161,30 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """The part's repeated blocks in execution order: the units gradient checkpointing
         recomputes and the layer offloader parks. Empty: the part cannot offload."""
         return []
+
+    def resting_parts(self) -> tuple[str, ...]:
+        """Parts the training step never runs that sampling does (Wan 2.2's untrained expert): they
+        stay on the temp device while training, and are streamed block by block onto the train
+        device only while samples are made (modules/trainer/resting_parts.py)."""
+        return ()
+
+    def adapter_files(self, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
+        """How the trained adapters split into saved files: per file, the suffix its name takes after
+        the output's stem and {part: the part its adapters are written as}. One file by default,
+        each part under its own names; Wan 2.2 writes one file per expert, each as a lone Wan
+        transformer, because each expert is loaded as a model of its own."""
+        return [("", {part: part for part in trained_parts})]
+
+    def diffusers_load_options(self, suffix: str) -> dict:
+        """The `load_lora_weights` options that load the saved file of `adapter_files`' `suffix` into
+        the right component of the family's diffusers pipeline (Wan 2.2's low-noise file:
+        `load_into_transformer_2`)."""
+        return {}
+
+    def trained_parts_not_run(self) -> set[str]:
+        """Trained parts no `predict` has run yet (Wan 2.2's expert whose timesteps no sample drew):
+        the first-step guard does not hold their adapters to having learned."""
+        return set()
 
     # --- data --------------------------------------------------------------------------------
 

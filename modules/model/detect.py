@@ -62,10 +62,11 @@ def _detect_folder(folder: Path) -> DetectedModel | None:
     index = _read_json(folder / "model_index.json")
     if index and isinstance(index.get("_class_name"), str):
         pipeline = index["_class_name"]
-        matching = [f for f in _families() if pipeline in f.pipeline_classes
-                    and all(index.get(key) == value for key, value in f.pipeline_config.items())]
-        family = max(matching, key=lambda f: len(f.pipeline_config), default=None)  # first of the most specific
-        return DetectedModel(family.name if family else None, pipeline)
+        # the surest claim wins (families of one pipeline class tell themselves apart by the index's entries)
+        claims = [(f.claims_model_index(index), f.name) for f in _families()]
+        sure = max((claim for claim, _ in claims), default=0)
+        family = next((name for claim, name in claims if claim == sure), None) if sure else None
+        return DetectedModel(family, pipeline)
     # no model_index.json: the denoiser's own config, in its subfolder or at the top (a component
     # folder); the family whose signature says most about it (Wan 2.1's transformer or TI2V's 48-channel one)
     found = []

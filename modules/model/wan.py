@@ -159,10 +159,15 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
         """The velocity (noise - latents) for (B, C, H, W) one-frame or (B, C, F, H, W) latents."""
-        dtype = self.compute_dtype("transformer")
+        return self.run_transformer("transformer", noisy, sigmas, text)
+
+    def run_transformer(self, part: str, noisy: torch.Tensor, sigmas: torch.Tensor,
+                        text: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The velocity of transformer `part` (a family of several transformers picks one per sample)."""
+        dtype = self.compute_dtype(part)
         video = noisy if noisy.dim() == 5 else noisy.unsqueeze(2)
         timestep = sigmas.float() * self.noise_scheduler.config.num_train_timesteps
-        out = self.transformer(hidden_states=video.to(dtype), timestep=timestep,
+        out = self.parts[part](hidden_states=video.to(dtype), timestep=timestep,
                                encoder_hidden_states=text["hidden_states"].to(dtype), return_dict=False)[0]
         return out if noisy.dim() == 5 else out.squeeze(2)
 

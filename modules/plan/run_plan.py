@@ -245,10 +245,11 @@ class Planner:
         fused = bool(getattr(config.method, "fused_backward", False))
         fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram)
         parts, parked_total, transfer, host_parked_tensors = {}, 0, 0, []
+        resting = set(family.resting_parts())  # only sampling runs them: on the host while training
         for name, size in sized["parts"].items():
             part_config = config.model.parts[name]
             kind = trained.get(name)
-            fraction = fractions[name]
+            fraction = 1.0 if name in resting else fractions[name]
             blocks = size["blocks"]
             window = 1 + part_config.offload_prefetch
             parked = choose_parked(blocks, fraction, window) if fraction > 0 and blocks else []
@@ -256,6 +257,9 @@ class Planner:
             in_flight = bytes_in_flight(blocks, parked, window) if parked else 0
             device = dict.fromkeys(DEVICE_KEYS, 0)
             resident = size["bytes"] - parked_bytes
+            if name in resting:  # nothing of it on the train device during training
+                parked_bytes, in_flight, resident = size["bytes"], 0, 0
+                parked = list(range(len(blocks)))
             if kind == "weights":
                 # the fine-tuned weights are what trains; their state parks with their block
                 trained_share = size["parameter_bytes"] / size["bytes"] if size["bytes"] else 0.0
@@ -282,7 +286,7 @@ class Planner:
             if name == family.denoiser_part:
                 device["activations"] = figures.activations
             parked_total += parked_bytes
-            if parked:
+            if parked and name not in resting:  # (a resting part is pinned only while samples are made)
                 host_parked_tensors += [t for i in parked for t in size["block_tensors"][i]]
             parts[name] = PartPlan(modes[name], fraction, part_config.gradient_checkpointing is True,
                                    bool(part_config.train), device, parked_bytes, len(blocks), len(parked))

@@ -47,6 +47,7 @@ from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.planned_autos import resolve_planned_autos
 from modules.trainer.preflight import run_preflight
+from modules.trainer.resting_parts import resting_parts_woken
 from modules.trainer.tensorboard_log import TensorBoardLog
 from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sample_now import sample_requested
@@ -191,7 +192,8 @@ class GenericTrainer:
         for conductor in self.conductors.values():
             conductor.evict()
         try:
-            yield
+            with resting_parts_woken(self):  # a part only sampling runs comes over for it (resting_parts.py)
+                yield
         finally:
             for conductor in self.conductors.values():
                 conductor.materialize()

@@ -53,7 +53,8 @@ def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConduct
     LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
     configure_cuda_math(trainer.device, trainer.config.tf32)  # before the first matmul on the device
     conductors: dict[str, LayerOffloadConductor] = {}
-    order = placement_order(trainer)  # an `auto` part sees where the fixed ones went
+    # a part only sampling runs stays on the temp device (resting_parts.py brings it for samples)
+    order = [name for name in placement_order(trainer) if name not in trainer.family.resting_parts()]
     for position, name in enumerate(order):
         module = trainer.family.parts[name]
         fraction = offload_fraction(trainer, name, order[position + 1:])
