@@ -62,6 +62,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # them): then `tokenize(captions, controls=...)` takes each caption's control images (PIL, at
     # the sample's bucket) and the text cache keys on them (modules/data/pairs.py)
     text_sees_controls: ClassVar[bool] = False
+    # conditioning the family draws from each sample's own pixels besides its latents (an
+    # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none
+    pixel_conditioning: ClassVar[tuple[str, ...]] = ()
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)
@@ -73,6 +76,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # pipeline class of model_index.json; entries of the denoiser's config.json; for an
     # original-layout single file, (a regex some key matches, a regex no key matches or None)
     pipeline_classes: ClassVar[tuple[str, ...]] = ()
+    # entries model_index.json must hold besides the pipeline class (where two families share one)
+    pipeline_index: ClassVar[dict[str, object]] = {}
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
     # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex
@@ -147,6 +152,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     @abstractmethod
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: (B, 3, H, W) in [-1, 1] on the train device -> scaled latents."""
+
+    def encode_pixel_conditioning(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The `pixel_conditioning` tensors of the samples whose pixels encode_images takes, batch first:
+        cached with each sample's latents (its mirrored image's too) and handed to the denoiser with
+        its text conditioning."""
+        return {}
 
     @abstractmethod
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:

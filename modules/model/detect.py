@@ -62,7 +62,8 @@ def _detect_folder(folder: Path) -> DetectedModel | None:
     index = _read_json(folder / "model_index.json")
     if index and isinstance(index.get("_class_name"), str):
         pipeline = index["_class_name"]
-        family = next((f.name for f in _families() if pipeline in f.pipeline_classes), None)
+        family = next((f.name for f in _families() if pipeline in f.pipeline_classes
+                       and all(index.get(key) == value for key, value in f.pipeline_index.items())), None)
         return DetectedModel(family, pipeline)
     # no model_index.json: the denoiser's own config, in its subfolder or at the top (a component folder)
     for family in _families():
