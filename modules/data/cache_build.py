@@ -152,8 +152,9 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
     mirrored = [p.flip(-1) for p, entry in zip(pixels, chunk) if entry.flip]
     stacked = torch.stack(pixels + mirrored).to(device)
     encoded = {"latents": family.encode_images(stacked).float().cpu()}
-    encoded |= {PIXEL_CONDITIONING + name: tensor.float().cpu()
-                for name, tensor in family.encode_pixel_conditioning(stacked).items()}
+    if family.pixel_conditioning:
+        encoded |= {PIXEL_CONDITIONING + name: tensor.float().cpu()
+                    for name, tensor in family.encode_pixel_conditioning(stacked).items()}
     plain, flipped = 0, len(pixels)
     for entry in chunk:
         latent = encoded["latents"][plain]

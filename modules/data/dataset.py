@@ -137,9 +137,11 @@ class FreshLatents:
         """Latents, masks on their grid, and the family's pixel conditioning (None: it draws none)."""
         pixels = pixels.to(device, non_blocking=True)
         latents = self.family.encode_images(pixels).float()
-        conditioning = {name: t.float() for name, t in self.family.encode_pixel_conditioning(pixels).items()}
+        conditioning = None
+        if self.family.pixel_conditioning:
+            conditioning = {name: t.float() for name, t in self.family.encode_pixel_conditioning(pixels).items()}
         grid = latents.shape[-2:]
-        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks], conditioning or None
+        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks], conditioning
 
     @torch.no_grad()
     def encode_controls(self, controls: torch.Tensor, device: torch.device) -> torch.Tensor:
