@@ -5,7 +5,8 @@ type, the saved file loads with `load_lora_weights` and every adapter in it land
 
 Overridden, and only because the test must run on a tiny model on CPU in seconds: model.base
 (the tiny model), concepts (the shape images), data.resolution (64), schedule.max_steps (2),
-the sample prompts' steps/width/height (2 steps, 64 px: the tiny models' size), train_device
+the sample prompts' steps/width/height (2 steps, 64 px: the tiny models' size) and frames (at most 5:
+still a video), a prompt image where the family samples from one (a shape image), train_device
 (cpu), workspace_dir and output.path (tmp_path), tensorboard (off). Everything else, the weight
 modes, train_dtype, output dtype and format, adapter, optimizer, batch size, gradient
 accumulation, checkpointing and offloading, is the preset's own. A weight mode this CPU cannot run
@@ -22,7 +23,7 @@ from PIL import Image
 
 from modules.config.loading import build_config
 from modules.config.presets import list_presets, load_preset_overlay, save_preset
-from modules.config.families import family_names
+from modules.config.families import family_names, get_family_declaration
 from modules.quantization.capabilities import detect_capabilities, working_modes
 
 BUILTIN = [preset for preset in list_presets() if preset.builtin]
@@ -44,8 +45,13 @@ def _isolated_user_dir(tmp_path, monkeypatch):
 
 def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
     # a preset without prompts (the GUI's defaults have none) samples one, so sampling is tested too
-    prompts = [{**prompt, "steps": 2, "width": 64, "height": 64}
+    prompts = [{**prompt, "steps": 2, "width": 64, "height": 64, "frames": min(prompt.get("frames", 1), 5)}
                for prompt in preset_overlay.get("sampling", {}).get("prompts", [{"prompt": "a red square"}])]
+    # a family that samples from an image (image-to-video) starts from one of the shape images
+    fewest = get_family_declaration(preset_overlay.get("model", {}).get("family", "sd15")).prompt_images[0]
+    first_image = sorted(images.glob("*.png"))[:fewest]
+    prompts = [{**prompt, "control_images": prompt.get("control_images") or list(map(str, first_image))}
+               for prompt in prompts]
     # an embedding preset's placeholder goes into the captions, as its user writes it into theirs
     placeholders = " ".join(e["placeholder"] for e in preset_overlay.get("embeddings", []) if e.get("train", True))
     captions = {"captions": {"prefix": f"{placeholders} "}} if placeholders else {}

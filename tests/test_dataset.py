@@ -174,6 +174,7 @@ class FakeFamily:
     """What prepare_dataset asks of a model family, without a model: latents are the mean colour."""
 
     bucket_quantum = 32
+    pixel_conditioning = ()  # nothing drawn from the pixels besides the latents
     label = "Fake"
     image_parts = ("vae",)
     text_parts = ("text_encoder",)

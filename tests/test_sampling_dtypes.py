@@ -32,7 +32,13 @@ def _sample(tiny_family_model, tmp_path, family_name: str, parts: dict) -> np.nd
         "model": {"family": family_name, "parts": parts}, "train_dtype": "bfloat16"})
     family = get_family_class(family_name)(config)
     family.load()
-    return np.asarray(family.sample(PROMPT, torch.device("cpu")), dtype=np.float32)
+    prompt = PROMPT
+    if family.declaration is not None and family.declaration.prompt_images[0]:  # it samples from an image
+        from modules.data.synthetic_images import write_shape_images
+
+        write_shape_images(tmp_path / "prompt", count=1, width=64, height=64)
+        prompt = PROMPT.model_copy(update={"control_images": [str(next((tmp_path / "prompt").glob("*.png")))]})
+    return np.asarray(family.sample(prompt, torch.device("cpu")), dtype=np.float32)
 
 
 _REFERENCES: dict[str, np.ndarray] = {}

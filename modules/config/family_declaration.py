@@ -21,7 +21,7 @@ class PartSpec:
 # what a ModelFamily subclass takes from its declaration (flow_matching comes from its training
 # mixin, which must agree with the declaration)
 CLASS_ATTRIBUTES = ("name", "label", "part_specs", "denoiser_part", "layer_presets", "bucket_quantum",
-                    "negative_prompt", "control_images", "paired_training", "image_to_video")
+                    "negative_prompt", "control_images", "prompt_control_images", "image_to_video")
 
 
 @dataclass(frozen=True)
@@ -40,10 +40,17 @@ class FamilyDeclaration:
     negative_prompt: bool = True
     # the most control (reference) images one sample may carry (an edit model's); 0: none taken
     control_images: int = 0
-    # whether training samples may carry them too (concepts[i].controls); False: sample prompts only
-    paired_training: bool = True
+    # (fewest, most) control images a sample prompt takes where that differs from the training
+    # samples' (an image-to-video model starts every sample from a prompt image but trains on the
+    # clips' own first frames); None: (0, control_images)
+    prompt_control_images: tuple[int, int] | None = None
     # whether it trains image-to-video from a clip's own first frame (model.image_to_video)
     image_to_video: bool = False
+
+    @property
+    def prompt_images(self) -> tuple[int, int]:
+        """(fewest, most) images a sample prompt's control_images may hold."""
+        return self.prompt_control_images or (0, self.control_images)
 
     def default_parts(self) -> dict[str, dict]:
         return {spec.name: {"train": spec.default_train} for spec in self.part_specs}
@@ -61,5 +68,5 @@ class FamilyDeclaration:
                    bucket_quantum=family_class.bucket_quantum, flow_matching=family_class.flow_matching,
                    negative_prompt=family_class.negative_prompt,
                    control_images=getattr(family_class, "control_images", 0),
-                   paired_training=getattr(family_class, "paired_training", True),
+                   prompt_control_images=getattr(family_class, "prompt_control_images", None),
                    image_to_video=getattr(family_class, "image_to_video", False))

@@ -41,8 +41,13 @@ def caching_progress(total: int, what: str, unit: str) -> tqdm:
                 disable=None if total else True)
 
 
-def needed_latent_names(entry: Entry) -> set[str]:
-    return {"latents"} | ({"mask"} if entry.mask else set()) | ({"latents_flipped"} if entry.flip else set())
+PIXEL_CONDITIONING = "pixel."  # the prefix of a family's pixel conditioning in a latent entry
+
+
+def needed_latent_names(entry: Entry, family: ModelFamily | None = None) -> set[str]:
+    names = {"latents"} | {PIXEL_CONDITIONING + name for name in (family.pixel_conditioning if family else ())}
+    names |= {f"{name}_flipped" for name in names} if entry.flip else set()
+    return names | ({"mask"} if entry.mask else set())
 
 
 class _Writer:
@@ -106,7 +111,7 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
             continue
         seen.add(entry.latent_key)
         layout = cache.layout(entry.latent_key)
-        if layout is not None and needed_latent_names(entry) <= set(layout):
+        if layout is not None and needed_latent_names(entry, family) <= set(layout):
             grid = grid or measure_grid(family, device)  # (once, for the first entry found)
             if fits(layout, expected_latent_layout(entry, grid)):
                 ready.add(entry.latent_key)
@@ -145,13 +150,19 @@ def _encode_chunk(chunk: list[Entry], pixels: list[torch.Tensor], width: int, he
     # the mirrored images go through the same VAE call: the mirrored image is encoded, not the
     # latent mirrored, because the VAE is not symmetric
     mirrored = [p.flip(-1) for p, entry in zip(pixels, chunk) if entry.flip]
-    encoded = family.encode_images(torch.stack(pixels + mirrored).to(device)).float().cpu()
-    plain, flipped = iter(encoded[:len(pixels)]), iter(encoded[len(pixels):])
+    stacked = torch.stack(pixels + mirrored).to(device)
+    encoded = {"latents": family.encode_images(stacked).float().cpu()}
+    if family.pixel_conditioning:
+        encoded |= {PIXEL_CONDITIONING + name: tensor.float().cpu()
+                    for name, tensor in family.encode_pixel_conditioning(stacked).items()}
+    plain, flipped = 0, len(pixels)
     for entry in chunk:
-        latent = next(plain)
-        stored = {"latents": latent.clone()}
+        latent = encoded["latents"][plain]
+        stored = {name: tensor[plain].clone() for name, tensor in encoded.items()}
+        plain += 1
         if entry.flip:
-            stored["latents_flipped"] = next(flipped).clone()
+            stored |= {f"{name}_flipped": tensor[flipped].clone() for name, tensor in encoded.items()}
+            flipped += 1
         if entry.mask is not None:
             stored["mask"] = latent_mask(load_mask(entry.mask, width, height), *latent.shape[-2:])
             if entry.flip:

@@ -25,7 +25,7 @@ from modules.config.train_config import CaptionConfig
 from modules.data.augment import color_jitter, crop_position
 from modules.data.buckets import bucket_for
 from modules.data.cache import TensorCache, cache_key
-from modules.data.cache_build import fill_latents, fill_texts
+from modules.data.cache_build import PIXEL_CONDITIONING, fill_latents, fill_texts
 from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
@@ -93,6 +93,8 @@ class Batch:
     # (B, 4): original height, original width, crop top, crop left (SDXL's size conditioning)
     image_info: torch.Tensor | None = None
     controls: torch.Tensor | None = None  # (B, N, C, h, w) latents of each sample's control images; None: none
+    # what the family draws from each sample's own pixels (ModelFamily.pixel_conditioning); None: nothing
+    pixel_conditioning: dict[str, torch.Tensor] | None = None
 
 
 def _image_info(entry: Entry, position: tuple[float, float]) -> list[float]:
@@ -132,9 +134,14 @@ class FreshLatents:
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, masks: list, device: torch.device):
-        latents = self.family.encode_images(pixels.to(device, non_blocking=True)).float()
+        """Latents, masks on their grid, and the family's pixel conditioning (None: it draws none)."""
+        pixels = pixels.to(device, non_blocking=True)
+        latents = self.family.encode_images(pixels).float()
+        conditioning = None
+        if self.family.pixel_conditioning:
+            conditioning = {name: t.float() for name, t in self.family.encode_pixel_conditioning(pixels).items()}
         grid = latents.shape[-2:]
-        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks]
+        return latents, [latent_mask(m, *grid) if m is not None else None for m in masks], conditioning
 
     @torch.no_grad()
     def encode_controls(self, controls: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -157,6 +164,7 @@ class HostBatch:
     loss_weights: list[float]
     unmasked_weights: list[float]
     controls: torch.Tensor | None = None
+    pixel_conditioning: dict[str, torch.Tensor] | None = None  # cached; fresh latents draw it on the device
 
 
 def _pinned(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -167,11 +175,13 @@ class TrainDataset:
     def __init__(self, entries: list[Entry], latents: Mapping[str, torch.Tensor],
                  texts: Mapping[str, dict[str, torch.Tensor]], batch_size: int, seed: int,
                  masks: Mapping[str, torch.Tensor] | None = None, fresh: FreshLatents | None = None,
-                 reader: CacheReader | None = None):
+                 reader: CacheReader | None = None, pixel_conditioning: Mapping[str, Mapping] | None = None):
         self.entries = entries
         self.fresh = fresh  # set when latents are encoded per batch (pixel augmentations), not cached
         self.latents = latents  # latent key -> latents; latent key + FLIPPED -> the mirrored image's
         self.masks = masks or {}  # the same keys, for masked entries
+        # the family's pixel conditioning by name, each under the same keys as the latents
+        self.pixel_conditioning = pixel_conditioning or {}
         self.texts = texts
         self.reader = reader  # the LRU the cached mappings read through (None: plain dicts)
         self.batch_size = batch_size
@@ -231,10 +241,12 @@ class TrainDataset:
         rngs = [caption_rng(self.seed, epoch, batch_index, share.first + position) for position in range(len(entries))]
         # each sample's stream draws its flip first, then (fresh latents) its crop and colour, then its caption
         flipped = [e.flip and rng.random() < 0.5 for e, rng in zip(entries, rngs)]
-        latents = pixels = control_latents = None
+        latents = pixels = control_latents = pixel_conditioning = None
         if self.fresh is None:
             latent_keys = [e.latent_key + FLIPPED if flip else e.latent_key for e, flip in zip(entries, flipped)]
             latents = _pinned(torch.stack([self.latents[k] for k in latent_keys]), pin)
+            pixel_conditioning = {name: _pinned(torch.stack([cached[k] for k in latent_keys]), pin)
+                                  for name, cached in self.pixel_conditioning.items()} or None
             sample_masks = [self.masks[k] if k in self.masks else None for k in latent_keys]
             positions = [(0.5, 0.5)] * len(entries)
             if entries[0].control_keys:  # mirrored exactly when their target is
@@ -254,15 +266,18 @@ class TrainDataset:
         captions = [varied_caption(e.item.caption, e.captions, rng) if e.captions is not None else e.item.caption
                     for e, rng in zip(entries, rngs)]
         return HostBatch(latents, pixels, sample_masks, image_info, text, captions,
-                         [e.loss_weight for e in entries], [e.unmasked_weight for e in entries], control_latents)
+                         [e.loss_weight for e in entries], [e.unmasked_weight for e in entries], control_latents,
+                         pixel_conditioning)
 
     def finish(self, host: HostBatch, device: torch.device) -> Batch:
         """The device half of a batch: copies (asynchronous from pinned memory) and, for fresh
         latents, the VAE. Runs on the thread that trains."""
         if host.latents is not None:
             latents, sample_masks = host.latents.to(device, non_blocking=True), host.masks
+            pixel_conditioning = None if host.pixel_conditioning is None else {
+                name: t.to(device, non_blocking=True) for name, t in host.pixel_conditioning.items()}
         else:
-            latents, sample_masks = self.fresh.encode(host.pixels, host.masks, device)
+            latents, sample_masks, pixel_conditioning = self.fresh.encode(host.pixels, host.masks, device)
         text = None if host.text is None else {k: t.to(device, non_blocking=True) for k, t in host.text.items()}
         weights = host.loss_weights
         loss_weights = None if all(w == 1.0 for w in weights) else torch.tensor(weights, device=device)
@@ -275,7 +290,8 @@ class TrainDataset:
         controls = None if host.controls is None else host.controls.to(device, non_blocking=True)
         if controls is not None and host.latents is None:
             controls = self.fresh.encode_controls(controls, device)
-        return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device), controls)
+        return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device), controls,
+                     pixel_conditioning)
 
 
 def _file_hash(path: Path) -> str:
@@ -345,11 +361,14 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
     masks: Mapping = {}
+    pixel_conditioning: dict[str, Mapping] = {}
     if config.data.cache_latents:
         ready = fill_latents(entries + controls, family, device, latent_cache, warn, stop)
         entries = drop_unready(entries, ready, warn)
         latents = CachedTensors(reader, latent_cache, _latent_index(entries + controls, "latents"))
         masks = CachedTensors(reader, latent_cache, _latent_index([e for e in entries if e.mask], "mask"))
+        pixel_conditioning = {name: CachedTensors(reader, latent_cache, _latent_index(entries, PIXEL_CONDITIONING + name))
+                              for name in family.pixel_conditioning}
     else:
         fresh = FreshLatents(family, config.data.crop_jitter, config.data.color_jitter)
     for index, concept in concepts:
@@ -360,7 +379,8 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
         fill_texts(entries, family, text_cache, warn, stop)
         texts = CachedTensors(reader, text_cache, {k: (k, None) for e in entries
                                                    for k in (e.text_key, e.flipped_text_key) if k})
-    dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader)
+    dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader,
+                           pixel_conditioning)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}
     return dataset

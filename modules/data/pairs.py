@@ -143,12 +143,12 @@ def check_controls(config: TrainConfig, family: ModelFamily, concepts) -> None:
     if not paired:
         return
     index = paired[0][0]
+    if family.control_images == 0 and family.prompt_images[1] > 0:
+        raise DataError(f"concepts[{index}].controls.source: {family.label} takes control images in sample "
+                        "prompts only (sampling.prompts[].control_images), not in training samples")
     if family.control_images == 0:
         raise DataError(f"concepts[{index}].controls.source: {family.label} takes no control images "
                         "(model.family: choose an edit model, such as flux_kontext)")
-    if not family.paired_training:
-        raise DataError(f"concepts[{index}].controls.source: {family.label} takes control images in sample "
-                        "prompts only (sampling.prompts[].control_images), not in training samples")
 
 
 def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: str, where) -> list[Entry]:

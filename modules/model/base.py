@@ -58,14 +58,18 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # the most control (reference) images one sample may carry (an edit model: they reach the
     # denoiser as conditioning["control_latents"], (B, N, C, h, w)); 0: none taken
     control_images: ClassVar[int] = 0
-    # whether training samples may carry control images (False: only sample prompts take them)
-    paired_training: ClassVar[bool] = True
+    # (fewest, most) control images a sample prompt takes where that differs (an image-to-video
+    # model's prompt image); None: (0, control_images). Read through prompt_images.
+    prompt_control_images: ClassVar[tuple[int, int] | None] = None
     # whether it trains image-to-video from each clip's own first frame (model.image_to_video)
     image_to_video: ClassVar[bool] = False
     # whether its text conditioning depends on the control images too (a VL text encoder that sees
     # them): then `tokenize(captions, controls=...)` takes each caption's control images (PIL, at
     # the sample's bucket) and the text cache keys on them (modules/data/pairs.py)
     text_sees_controls: ClassVar[bool] = False
+    # conditioning the family draws from each sample's own pixels besides its latents (an
+    # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none
+    pixel_conditioning: ClassVar[tuple[str, ...]] = ()
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)
@@ -83,6 +87,11 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     pipeline_config: ClassVar[dict[str, object]] = {}
     denoiser_config: ClassVar[dict[str, object]] = {}
     single_file_signature: ClassVar[tuple[str, str | None] | None] = None
+
+    @property
+    def prompt_images(self) -> tuple[int, int]:
+        """(fewest, most) images a sample prompt's control_images may hold (as its declaration's)."""
+        return self.prompt_control_images or (0, self.control_images)
 
     @classmethod
     def claims_model_index(cls, index: dict) -> int:
@@ -191,6 +200,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     @abstractmethod
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """pixels: (B, 3, H, W) in [-1, 1] on the train device -> scaled latents."""
+
+    def encode_pixel_conditioning(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The `pixel_conditioning` tensors of the samples whose pixels encode_images takes, batch first:
+        cached with each sample's latents (its mirrored image's too) and handed to the denoiser with
+        its text conditioning."""
+        return {}
 
     @abstractmethod
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:

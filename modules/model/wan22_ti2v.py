@@ -101,7 +101,7 @@ class Wan22TI2VFamily(WanFamily):
             return super().sample_frames(prompt, device, frames)
         from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
 
-        image = fitted_control_images(prompt.control_images, prompt.width, prompt.height, self.control_images,
+        image = fitted_control_images(prompt.control_images, prompt.width, prompt.height, self.prompt_images[1],
                                       self.label)[0]
         pipe = WanImageToVideoPipeline(
             tokenizer=self.tokenizer, text_encoder=self.parts["text_encoder"], vae=self.parts["vae"],

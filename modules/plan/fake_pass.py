@@ -45,16 +45,17 @@ def planned_frames(config, family) -> int:
     return max([c.video.frames for c in config.concepts if c.enabled] or [1])
 
 
-def image_latents(family, batch: int, resolution: int, mode: FakeTensorMode, frames: int = 1) -> torch.Tensor:
+def image_latents(family, batch: int, resolution: int, mode: FakeTensorMode,
+                  frames: int = 1) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The latents of `batch` images (or clips of `frames` frames) at `resolution` (fake), from the
-    family's own encode_images."""
+    family's own encode_images, and its pixel conditioning of them."""
     vae_parts = family.image_parts
     for part in vae_parts:
         _make_fake(family.parts[part], mode)
     with mode, torch.no_grad():
         frame_axis = (frames,) if frames > 1 else ()
         pixels = torch.empty(batch, 3, *frame_axis, resolution, resolution, device=TRAIN)
-        return family.encode_images(pixels)
+        return family.encode_images(pixels), family.encode_pixel_conditioning(pixels)
 
 
 def _make_fake(module: torch.nn.Module, mode: FakeTensorMode) -> None:
@@ -75,7 +76,7 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     denoiser = family.denoiser_part
-    latents = image_latents(family, batch, resolution, mode, planned_frames(config, family))
+    latents, pixel_conditioning = image_latents(family, batch, resolution, mode, planned_frames(config, family))
     for part in {denoiser, *trained}:
         _make_fake(family.parts[part], mode)
         if checkpointing.get(part) and family.checkpoint_blocks(part):
@@ -96,11 +97,11 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         for module in family.parts.values():
             live.known([*module.parameters(), *module.buffers()])
         live.known(held)
-        live.known([latents])
+        live.known([latents, *pixel_conditioning.values()])
         generator = make_generator("cpu", 0)
         with live, efficient_attention() if fused_attention else contextlib.nullcontext():
             step_latents = latents.clone()
-            text = family.planning_conditioning(batch, TRAIN)
+            text = {**family.planning_conditioning(batch, TRAIN), **pixel_conditioning}
             if not trained:  # nothing trains: still a backward to the input, as a guard would see
                 step_latents.requires_grad_(True)
             prediction = family.predict(step_latents, text, generator)

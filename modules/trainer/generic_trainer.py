@@ -371,11 +371,14 @@ class GenericTrainer:
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
         captions vary), plus `image_info` (original size and crop, for families that condition on it)
-        and `control_latents` (an edit sample's control images, for the families that take them)."""
+        `control_latents` (an edit sample's control images, for the families that take them) and the
+        family's pixel conditioning (ModelFamily.pixel_conditioning)."""
         text = (batch.text if batch.text is not None
                 else self.family.encode_text(self.family.tokenize(self.captions(batch))))
         if batch.image_info is not None:
             text = {**text, "image_info": batch.image_info}
+        if batch.pixel_conditioning is not None:  # (an image-to-video model's first frame)
+            text = {**text, **batch.pixel_conditioning}
         return {**text, "control_latents": batch.controls} if batch.controls is not None else text
 
     def captions(self, batch: Batch) -> list[str]:

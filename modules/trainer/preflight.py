@@ -310,11 +310,14 @@ def _control_problems(config: TrainConfig) -> list[str | UserError]:
         check_controls(config, family, [(i, c) for i, c in enumerate(config.concepts) if c.enabled])
     except DataError as error:
         problems.append(error)
+    fewest, most = family.prompt_images
     for index, prompt in enumerate(config.sampling.prompts):
         where = f"sampling.prompts[{index}].control_images"
-        if len(prompt.control_images) > family.control_images:
-            problems.append(f"{where}: {len(prompt.control_images)} given; {family.label} takes "
-                            f"{family.control_images or 'none'}")
+        if len(prompt.control_images) > most:
+            problems.append(f"{where}: {len(prompt.control_images)} given; {family.label} takes {most or 'none'}")
+        elif len(prompt.control_images) < fewest and prompt.enabled:
+            problems.append(f"{where}: {len(prompt.control_images) or 'none'} given; {family.label} samples from "
+                            f"{fewest} image(s) (the first frame of its video)")
         problems += [f"{where}: {path} not found" for path in prompt.control_images if not Path(path).is_file()]
     return problems
 

@@ -14,8 +14,9 @@ DECLARATION = FamilyDeclaration(
     layer_presets=WAN.layer_presets,
     denoiser_part="transformer",
     flow_matching=True,
-    control_images=1,  # a sample prompt's image starts the video (image-to-video)
-    paired_training=False,  # training conditions on each clip's own first frame instead
+    # a sample prompt's image, if it has one, starts the video (image-to-video); training conditions
+    # on each clip's own first frame, so concepts take no paired control images
+    prompt_control_images=(0, 1),
     image_to_video=True,  # model.image_to_video
     implementation="modules.model.wan22_ti2v:Wan22TI2VFamily",
 )
