@@ -315,3 +315,13 @@ def test_a_transformer_single_file_is_told_apart_by_its_channels_and_loads(famil
     with pytest.raises(ModelLoadError, match=r"model\.parts\.vae\.path: wan2\.2_vae\.safetensors is a file; "
                                              r"Wan 2\.2 TI2V 5B reads its vae from a diffusers vae/ folder only"):
         from_file(vae_file)
+
+
+def test_a_clip_run_that_trains_image_to_video_in_part_plans(tmp_path, tiny_ti2v, shape_images):
+    """The step's image-to-video draw is data on the planner's fake tensors: the plan still runs."""
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny_ti2v, shape_images, tmp_path, {
+        "model": {"family": "wan22_ti2v", "image_to_video": 0.5}, "data": {"resolution": 32},
+        "concepts": [{"path": str(shape_images), "video": {"frames": 5}}]})
+    assert plan_run(config, None, None, fix=False).as_dict()["device"]["peak"] > 0

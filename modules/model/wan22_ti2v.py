@@ -89,7 +89,12 @@ class Wan22TI2VFamily(WanFamily):
             return False
         if share == 1:
             return True
-        return bool(torch.rand(1, generator=generator, device=generator.device).item() < share)
+        from torch._subclasses.fake_tensor import is_fake
+
+        draw = torch.rand(1, generator=generator, device=generator.device)
+        if is_fake(draw):  # the planner's step on fake tensors (modules/plan/): both kinds cost the same
+            return share >= 0.5
+        return bool(draw.item() < share)
 
     def predict(self, latents, text, generator):
         if not self.step_is_image_to_video(latents, generator):
