@@ -64,7 +64,7 @@ def test_a_lora_trains_on_a_clip_and_an_image_and_the_loss_falls(tmp_path, tiny_
     config = train_config(tiny_ti2v, images, tmp_path, {
         "model": {"family": "wan22_ti2v", "image_to_video": 0.5}, "data": {"resolution": 32},
         "concepts": [{"path": str(clips), "video": {"frames": 5}}, {"path": str(images)}],
-        "adapter": {"layer_preset": "attn-mlp"}, "schedule": {"epochs": 10, "batch_size": 1},
+        "adapter": {"layer_preset": "all-linear"}, "schedule": {"epochs": 12, "batch_size": 1},
         "optimizer": {"lr": 2e-2},
     })
     trainer = GenericTrainer(config)
@@ -277,3 +277,51 @@ def test_its_folder_is_told_apart_from_wan_21s_and_its_options_are_checked(tmp_p
     paired = train_config(tiny_ti2v, shape_images, tmp_path, {
         "model": {"family": "wan22_ti2v"}, "concepts": [{"path": str(shape_images), "controls": {"source": "folders"}}]})
     assert any("sample prompts only" in p for p in preflight_problems(paired)), preflight_problems(paired)
+
+
+def test_a_transformer_single_file_is_told_apart_by_its_channels_and_loads(family, tiny_ti2v, tiny_family_model,
+                                                                         shape_images, tmp_path):
+    """The TI2V transformer in ComfyUI's layout (Wan 2.1's key names) is this family's by its patch
+    embedding's 48 input channels, loads the folder's tensors, and takes its VAE from a folder only."""
+    from safetensors.torch import load_file, save_file
+    from test_wan_single_file import transformer_to_original
+
+    from modules.loading.diffusers_folder import ModelLoadError
+    from modules.model.detect import detect_family, family_mismatch
+    from modules.model.wan22_ti2v import Wan22TI2VFamily
+
+    def original_file(model, name):
+        state = transformer_to_original(load_file(str(next((model / "transformer").glob("*.safetensors")))))
+        save_file({"model.diffusion_model." + k: v.contiguous() for k, v in state.items()}, str(tmp_path / name))
+        return tmp_path / name
+
+    ours, wan21 = original_file(tiny_ti2v, "ti2v.safetensors"), original_file(tiny_family_model("wan"), "t2v.safetensors")
+    assert (detect_family(ours), detect_family(wan21)) == ("wan22_ti2v", "wan")
+    assert "set model.family to 'wan22_ti2v'" in family_mismatch(ours, "wan")
+
+    def from_file(vae):
+        parts = {"text_encoder": {"path": str(tiny_ti2v / "text_encoder")}, "vae": {"path": str(vae)}}
+        loaded = Wan22TI2VFamily(train_config(ours, shape_images, tmp_path, {"model": {"family": "wan22_ti2v",
+                                                                                          "parts": parts}}))
+        loaded.model_configs_dir = tiny_ti2v  # the tiny model's part configs
+        loaded.load()
+        return loaded
+
+    loaded = from_file(tiny_ti2v / "vae")
+    expected = family.transformer.state_dict()
+    assert all(torch.equal(tensor, expected[key]) for key, tensor in loaded.transformer.state_dict().items())
+    vae_file = tmp_path / "wan2.2_vae.safetensors"  # ComfyUI's Wan 2.2 VAE is in the original layout
+    save_file({"decoder.middle.0.residual.0.gamma": torch.ones(4, 1, 1, 1)}, str(vae_file))
+    with pytest.raises(ModelLoadError, match=r"model\.parts\.vae\.path: wan2\.2_vae\.safetensors is a file; "
+                                             r"Wan 2\.2 TI2V 5B reads its vae from a diffusers vae/ folder only"):
+        from_file(vae_file)
+
+
+def test_a_clip_run_that_trains_image_to_video_in_part_plans(tmp_path, tiny_ti2v, shape_images):
+    """The step's image-to-video draw is data on the planner's fake tensors: the plan still runs."""
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny_ti2v, shape_images, tmp_path, {
+        "model": {"family": "wan22_ti2v", "image_to_video": 0.5}, "data": {"resolution": 32},
+        "concepts": [{"path": str(shape_images), "video": {"frames": 5}}]})
+    assert plan_run(config, None, None, fix=False).as_dict()["device"]["peak"] > 0

@@ -107,6 +107,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # a file that holds one part alone, as some tools ship a VAE or text encoder: part -> a regex
     # only that part's keys match (detect.py names such a file given as model.base)
     single_file_part_signatures: ClassVar[dict[str, str]] = {}
+    # (a regex of a key, a dimension, its size) the file's header must show too, where two families'
+    # files share their key names (Wan 2.1 and the TI2V 5B's 48-channel patch embedding); a family
+    # whose shape holds is chosen before one that names none
+    single_file_shape: ClassVar[tuple[str, int, int] | None] = None
     # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
     # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file (ComfyUI's
     # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b, qwen3_8b, qwen25_7b); empty: none taken. A family

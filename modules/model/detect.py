@@ -96,17 +96,30 @@ def _detect_single_file(path: Path) -> DetectedModel | None:
 
     stream = SafetensorsStream(path)  # reads the header only
     keys = stream.keys()
+    matching = []
     for family in _families():
         if family.single_file_signature is None:
             continue
         present, absent = (re.compile(p) if p else None for p in family.single_file_signature)
         if any(present.search(k) for k in keys) and not (absent and any(absent.search(k) for k in keys)):
-            return DetectedModel(family.name, f"{family.label} checkpoint")
+            matching.append(family)
+    shaped = [f for f in matching if f.single_file_shape and _shape_holds(stream, keys, f.single_file_shape)]
+    plain = [f for f in matching if not f.single_file_shape]
+    if shaped or plain:
+        family = (shaped or plain)[0]
+        return DetectedModel(family.name, f"{family.label} checkpoint")
     for family in _families():  # before diffusers' classifier, which calls a Wan VAE a Wan model
         for part, signature in family.single_file_part_signatures.items():
             if any(re.search(signature, k) for k in keys):
                 return DetectedModel(family.name, f"{family.label} {part} file", part)
     return _diffusers_model_type(stream)
+
+
+def _shape_holds(stream, keys, shape: tuple[str, int, int]) -> bool:
+    pattern, dimension, size = shape
+    key = next((k for k in keys if re.search(pattern, k)), None)
+    dims = stream.shape(key) if key else ()
+    return len(dims) > dimension and dims[dimension] == size
 
 
 def _diffusers_model_type(stream) -> DetectedModel | None:

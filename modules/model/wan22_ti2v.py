@@ -16,8 +16,10 @@ differently for it (diffusers 0.42, pipelines/wan/):
 - samples play at 24 fps (the released `sample_fps`); a prompt's `control_images[0]` is the first
   frame of an image-to-video sample.
 
-Told apart from Wan 2.1 before any weight loads by its model_index.json (`expand_timesteps` true)
-or, for a transformer folder alone, by its 48 input channels.
+Told apart from Wan 2.1 before any weight loads by its model_index.json (`expand_timesteps` true),
+for a transformer folder alone by its 48 input channels, for a transformer single file (Wan-AI's
+original, ComfyUI's wan2.2_ti2v_5B_*; converted as Wan 2.1's) by its patch embedding's 48 input
+channels in the header; the VAE then comes from a diffusers vae/ folder (model.parts.vae.path).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from modules.config.families.wan22_ti2v import DECLARATION
 from modules.model.noise import Prediction
 from modules.model.wan import WanFamily
+from modules.model.wan_single_file import SIGNATURE
 from modules.sampling.control_images import fitted_control_images
 from modules.util.torch_utils import make_generator
 
@@ -47,14 +50,21 @@ class Wan22TI2VFamily(WanFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan22_ti2v.py
     pipeline_config = {"expand_timesteps": True}  # what WanPipeline's index says for this model
     denoiser_config = {"_class_name": "WanTransformer3DModel", "in_channels": 48}
-    single_file_signature = None  # its original file has Wan 2.1's key names: the folder tells them apart
-    single_file_part_signatures = {}
+    # its transformer file has Wan 2.1's key names; its patch embedding takes the 48 latent channels
+    single_file_signature = SIGNATURE
+    single_file_shape = (r"^(model\.diffusion_model\.)?patch_embedding\.weight$", 1, 48)
+    single_file_part_signatures = {}  # a lone UMT5 or VAE file reads as Wan 2.1's (the UMT5 is the same)
     kohya_base_version = "wan_2.2_ti2v_5b"
     modelspec_architecture = "wan-2.2-ti2v-5b/lora"
     # counted from resources/model_configs/wan22_ti2v/ on the meta device (SOURCES.md)
     nominal_part_parameters = {"text_encoder": 5_680_910_336, "transformer": 4_999_787_712, "vae": 704_688_668}
     pipeline_options = {"expand_timesteps": True}
     video_fps = 24.0  # Wan 2.2's frame rate (its 121-frame clips are 5 s)
+
+    def single_file_part(self, part: str):
+        # the transformer file (Wan-AI's, ComfyUI's wan2.2_ti2v_5B_*) and a UMT5 file as for Wan 2.1;
+        # the Wan 2.2 VAE's original layout has no converter here (nor in diffusers 0.42): a vae/ folder
+        return None if part == "vae" else super().single_file_part(part)
 
     # --- training ----------------------------------------------------------------------------
 
@@ -79,7 +89,12 @@ class Wan22TI2VFamily(WanFamily):
             return False
         if share == 1:
             return True
-        return bool(torch.rand(1, generator=generator, device=generator.device).item() < share)
+        from torch._subclasses.fake_tensor import is_fake
+
+        draw = torch.rand(1, generator=generator, device=generator.device)
+        if is_fake(draw):  # the planner's step on fake tensors (modules/plan/): both kinds cost the same
+            return share >= 0.5
+        return bool(draw.item() < share)
 
     def predict(self, latents, text, generator):
         if not self.step_is_image_to_video(latents, generator):
