@@ -232,3 +232,23 @@ def test_the_folder_is_told_from_wan_2_1_before_weights_load_and_the_plan_counts
     resting, trained = plan.parts["transformer"], plan.parts["transformer_2"]
     assert sum(resting.device.values()) == 0 and resting.parked > 0
     assert trained.device["weights"] > 0 and trained.device["trained"] > 0 and trained.device["activations"] > 0
+
+
+def test_a_resumed_run_saves_over_its_own_expert_files(tmp_path, tiny_wan22, one_image):
+    """The workspace records the first expert's file as the run's output; the resumed run's final
+    save writes both experts' files under their own names again (no doubled suffix)."""
+    overlay = {"model": {"family": "wan22"}, "schedule": {"max_steps": 1, "batch_size": 1}}
+    config = train_config(tiny_wan22, one_image, tmp_path, overlay)
+    first = GenericTrainer(config)
+    first.start()
+    first.train()
+    first.backup()
+    assert first.end().name == "lora-high_noise.safetensors"
+    resumed = GenericTrainer(config.model_copy(update={
+        "backup": config.backup.model_copy(update={"resume": True}),
+        "schedule": config.schedule.model_copy(update={"max_steps": 2})}))
+    resumed.start()
+    resumed.train()
+    assert resumed.end().name == "lora-high_noise.safetensors"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lora-high_noise.safetensors",
+                                                                     "lora-low_noise.safetensors"]
