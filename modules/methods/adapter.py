@@ -101,8 +101,11 @@ class AdapterMethod(TrainingMethod):
         }
         path = Path(path)
         self._saved_sets = {}
-        for suffix, adapters in self.file_sets():
-            target = path.with_name(f"{path.stem}{suffix}{path.suffix}")
+        file_sets = self.file_sets()
+        # a resumed run is handed the file its first part saved (already suffixed: lora-high_noise)
+        stem = next((path.stem[:-len(s)] for s, _ in file_sets if s and path.stem.endswith(s)), path.stem)
+        for suffix, adapters in file_sets:
+            target = path.with_name(f"{stem}{suffix}{path.suffix}")
             self._saved_sets[target] = adapters
             save_adapter_file(target, adapters, family, self.config.output.format, dtype, metadata)
         return list(self._saved_sets)

@@ -18,16 +18,18 @@ def planned_weight_modes(config: TrainConfig) -> dict[str, str]:
 
 
 def offload_fractions(config: TrainConfig, sizes: dict, trained: dict[str, str], state_per_parameter: float,
-                      vram: int | None) -> dict[str, float]:
+                      vram: int | None, resting: tuple[str, ...] = ()) -> dict[str, float]:
     """Each part's offload fraction: the config's, or for auto the smallest share (in STEPs) whose
     parking brings the weights (with a fine-tune's state) under the budget left by the rest; 0 with
     no budget. The activations, gradients and adapters are left to the other parts of the plan: a
-    fraction that leaves too little room for them shows in the verdict."""
+    fraction that leaves too little room for them shows in the verdict. `resting`: parts only
+    sampling runs (family.resting_parts), wholly on the host while training: 1.0."""
     fractions = {}
     for name, part in config.model.parts.items():
         fraction = part.offload_fraction
-        fractions[name] = 0.0 if fraction == "auto" else float(fraction)
-    autos = [name for name, part in config.model.parts.items() if part.offload_fraction == "auto"]
+        fractions[name] = 1.0 if name in resting else 0.0 if fraction == "auto" else float(fraction)
+    autos = [name for name, part in config.model.parts.items() if part.offload_fraction == "auto"
+             and name not in resting]
     if not autos or vram is None:
         return fractions
     def cost(name: str) -> float:

@@ -243,9 +243,9 @@ class Planner:
         figures, adapter_params, adapter_bytes = self.step(config, modes, trained)
         state_per_parameter = optimizer_state_bytes_per_parameter(config) if trained else 0.0
         fused = bool(getattr(config.method, "fused_backward", False))
-        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram)
-        parts, parked_total, transfer, host_parked_tensors = {}, 0, 0, []
         resting = set(family.resting_parts())  # only sampling runs them: on the host while training
+        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
+        parts, parked_total, transfer, host_parked_tensors = {}, 0, 0, []
         for name, size in sized["parts"].items():
             part_config = config.model.parts[name]
             kind = trained.get(name)
