@@ -65,6 +65,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # conditioning the family draws from each sample's own pixels besides its latents (an
     # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none
     pixel_conditioning: ClassVar[tuple[str, ...]] = ()
+    # what a one-frame sample (a still image, a one-frame clip) trains, where the run should say it
+    # once per concept (modules/data/data_notes.py); None: nothing to say
+    one_frame_note: ClassVar[str | None] = None
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)

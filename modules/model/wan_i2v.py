@@ -53,6 +53,8 @@ class WanI2VFamily(WanFamily):
                                "image_encoder": 630_766_080}
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
+    one_frame_note = ("each trains as a one-frame video conditioned on itself (the first frame's look and its caption, "
+                      "no motion); give the concept clips (video.frames 1 + 4n) to train motion")
 
     def load(self) -> None:
         from transformers import CLIPImageProcessorPil, CLIPVisionModel
