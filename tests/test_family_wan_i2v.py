@@ -270,3 +270,17 @@ def test_a_still_image_trains_as_a_one_frame_video_conditioned_on_itself_and_the
     assert [w for w in warnings if "one-frame sample(s)" in w] == [
         f"concepts[0] ({clips[1].parent}): 1 one-frame sample(s) (still images or one-frame clips, e.g. start.png): "
         f"{family.one_frame_note}"]
+
+
+def test_the_preflight_sizes_the_cache_with_the_first_frame_conditioning(family, tmp_path, clips):
+    from modules.data.dataset import prepare_dataset
+    from modules.trainer.video_preflight import BLOCK, cache_folder, estimate_video_cache
+
+    config = train_config(family.config.model.base, clips[0], tmp_path, {
+        "model": {"family": "wan_i2v"}, "data": {"resolution": 16, "flip": True},
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}]})
+    estimate = estimate_video_cache(config, family)
+    folder = cache_folder(config)[0]
+    prepare_dataset(config, family, torch.device("cpu"), folder, lambda _: None, cache_text=True)
+    written = [-(-entry.stat().st_size // BLOCK) * BLOCK for entry in (folder / "latents").rglob("*.safetensors")]
+    assert len(written) == 1 and estimate.cache_bytes == written[0] > 2 * BLOCK  # (its latents alone: two blocks)

@@ -162,6 +162,11 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         its text conditioning."""
         return {}
 
+    def pixel_conditioning_shapes(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each `pixel_conditioning` tensor's shape for one sample whose latents have `latent_shape`,
+        from the parts' configs alone: what the preflight sizes the cache by before any encoder loads."""
+        return {}
+
     @abstractmethod
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         """Token tensors for a batch of captions, batch first."""

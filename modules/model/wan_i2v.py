@@ -111,6 +111,15 @@ class WanI2VFamily(WanFamily):
         hidden = encoder(pixel_values=values.to(self.compute_dtype("image_encoder")), output_hidden_states=True)
         return hidden.hidden_states[-2]
 
+    def pixel_conditioning_shapes(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        import json
+
+        config = json.loads((self.part_folder("image_encoder") / "config.json").read_text(encoding="utf-8"))
+        # CLIPVisionConfig's defaults where the config leaves them out; one class token before the patches
+        tokens = (config.get("image_size", 224) // config.get("patch_size", 32)) ** 2 + 1
+        return {"image_condition": (MASK_CHANNELS + latent_shape[0], *latent_shape[1:]),
+                "image_embeds": (tokens, config.get("hidden_size", 768))}
+
     # --- training ----------------------------------------------------------------------------
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
