@@ -231,6 +231,7 @@ def test_its_folder_is_told_from_wan_2_2s_of_the_same_pipeline_class(tiny, tmp_p
     from modules.model.detect import detect_family
 
     assert detect_family(tiny) == "wan_i2v"
+    assert detect_family(tiny / "transformer") == "wan_i2v"  # a bare transformer folder: its 36 input channels
     two_experts = tmp_path / "a14b"
     shutil.copytree(tiny, two_experts, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((two_experts / "model_index.json").read_text())
