@@ -175,6 +175,7 @@ class FakeFamily:
 
     bucket_quantum = 32
     pixel_conditioning = ()  # nothing drawn from the pixels besides the latents
+    one_frame_note = None
     label = "Fake"
     image_parts = ("vae",)
     text_parts = ("text_encoder",)

@@ -93,7 +93,7 @@ def test_a_lora_trains_on_a_clip_conditioned_on_its_first_frame_and_the_loss_fal
     config = train_config(tiny, clips[0], tmp_path, {
         "model": {"family": "wan_i2v"}, "data": {"resolution": 16},
         "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}],
-        "adapter": {"layer_preset": "attn-mlp"}, "schedule": {"epochs": 30, "batch_size": 1}, "optimizer": {"lr": 1e-2},
+        "adapter": {"layer_preset": "attn-mlp"}, "schedule": {"epochs": 15, "batch_size": 1}, "optimizer": {"lr": 2e-2},
     })
     trainer = GenericTrainer(config)
     trainer.start()
@@ -231,8 +231,57 @@ def test_its_folder_is_told_from_wan_2_2s_of_the_same_pipeline_class(tiny, tmp_p
     from modules.model.detect import detect_family
 
     assert detect_family(tiny) == "wan_i2v"
+    assert detect_family(tiny / "transformer") == "wan_i2v"  # a bare transformer folder: its 36 input channels
     two_experts = tmp_path / "a14b"
     shutil.copytree(tiny, two_experts, ignore=shutil.ignore_patterns("*.safetensors"))
     index = json.loads((two_experts / "model_index.json").read_text())
     (two_experts / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": 0.9}))
     assert detect_family(two_experts) != "wan_i2v"
+
+
+def test_the_planner_steps_with_the_first_frame_conditioning_and_the_released_parts_build(tmp_path, tiny, clips):
+    """The planner's fake step draws the pixel conditioning as training does (the transformer refuses
+    to step without it); the released architecture (resources/model_configs/wan_i2v, no tokenizer)
+    builds every part on meta with the parameter counts the family states."""
+    from modules.config.loading import build_config
+    from modules.plan.architecture import build_architecture
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny, clips[0], tmp_path, {"model": {"family": "wan_i2v"}, "data": {"resolution": 16},
+                                                     "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}]})
+    plan = plan_run(config, None, None, fix=False)
+    assert plan.flops > 0 and plan.parts["transformer"].device["activations"] > 0
+    released = build_architecture(build_config([{"model": {"family": "wan_i2v"}}]),
+                                  dict.fromkeys(("text_encoder", "image_encoder", "transformer", "vae"), "bfloat16")).family
+    counted = {part: sum(p.numel() for p in released.parts[part].parameters()) for part in ("image_encoder", "transformer")}
+    assert counted == {part: released.nominal_part_parameters[part] for part in counted}
+    assert set(released.parts) == {"text_encoder", "image_encoder", "transformer", "vae"}
+
+
+def test_a_still_image_trains_as_a_one_frame_video_conditioned_on_itself_and_the_run_says_so(family, tmp_path, clips):
+    from modules.data.dataset import prepare_dataset
+
+    warnings: list[str] = []
+    config = train_config(family.config.model.base, clips[1].parent, tmp_path, {
+        "model": {"family": "wan_i2v"}, "data": {"resolution": 16}})
+    dataset = prepare_dataset(config, family, torch.device("cpu"), tmp_path / "cache", warnings.append, cache_text=True)
+    batch = dataset.collate([0], torch.device("cpu"))
+    assert batch.latents.shape == (1, 16, 4, 4) and batch.pixel_conditioning["image_condition"].shape == (1, 20, 4, 4)
+    assert torch.equal(batch.pixel_conditioning["image_condition"][:, 4:], batch.latents)  # its own condition
+    assert [w for w in warnings if "one-frame sample(s)" in w] == [
+        f"concepts[0] ({clips[1].parent}): 1 one-frame sample(s) (still images or one-frame clips, e.g. start.png): "
+        f"{family.one_frame_note}"]
+
+
+def test_the_preflight_sizes_the_cache_with_the_first_frame_conditioning(family, tmp_path, clips):
+    from modules.data.dataset import prepare_dataset
+    from modules.trainer.video_preflight import BLOCK, cache_folder, estimate_video_cache
+
+    config = train_config(family.config.model.base, clips[0], tmp_path, {
+        "model": {"family": "wan_i2v"}, "data": {"resolution": 16, "flip": True},
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}]})
+    estimate = estimate_video_cache(config, family)
+    folder = cache_folder(config)[0]
+    prepare_dataset(config, family, torch.device("cpu"), folder, lambda _: None, cache_text=True)
+    written = [-(-entry.stat().st_size // BLOCK) * BLOCK for entry in (folder / "latents").rglob("*.safetensors")]
+    assert len(written) == 1 and estimate.cache_bytes == written[0] > 2 * BLOCK  # (its latents alone: two blocks)

@@ -31,6 +31,19 @@ def resolution_notes(resolutions: list[int], quantum: int, label: str) -> list[s
     return notes
 
 
+def one_frame_notes(entries: list[Entry], family: ModelFamily, where: Callable[[int], str]) -> list[str]:
+    """Per concept: how many samples are one frame (still images, one-frame clips) where the family
+    says what such a sample trains (`one_frame_note`: an image-to-video model's is its own condition)."""
+    if not family.one_frame_note:
+        return []
+    by_concept: dict[int, list[Entry]] = defaultdict(list)
+    for entry in entries:
+        if entry.clip is None or entry.clip.frames == 1:
+            by_concept[entry.item.concept].append(entry)
+    return [f"{where(concept)}: {len(found)} one-frame sample(s) (still images or one-frame clips, e.g. "
+            f"{found[0].item.image.name}): {family.one_frame_note}" for concept, found in sorted(by_concept.items())]
+
+
 def _upscale(entry: Entry) -> float:
     width, height = entry.original_size
     return max(entry.bucket[0] / width, entry.bucket[1] / height)

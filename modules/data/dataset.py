@@ -28,7 +28,7 @@ from modules.data.cache import TensorCache, cache_key
 from modules.data.cache_build import PIXEL_CONDITIONING, fill_latents, fill_texts
 from modules.data.cache_reader import CachedTensors, CacheReader
 from modules.data.captions import caption_rng, fixed_caption, varied_caption
-from modules.data.data_notes import caption_notes, duplicate_notes, resolution_notes, upscale_notes
+from modules.data.data_notes import caption_notes, duplicate_notes, one_frame_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
 from modules.data.pairs import (attach_controls, check_control_text, check_controls, drop_unready, fresh_controls,
@@ -431,6 +431,7 @@ def _warn_of_surprises(config: TrainConfig, family: ModelFamily, entries: list[E
 
     notes = [] if validation else resolution_notes(config.data.resolutions, family.bucket_quantum, family.label)
     notes += upscale_notes(entries, where) + caption_notes(entries, family, where) + duplicate_notes(entries, where)
+    notes += one_frame_notes(entries, family, where)
     for note in notes:
         warn(note)
 

@@ -70,6 +70,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # conditioning the family draws from each sample's own pixels besides its latents (an
     # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none
     pixel_conditioning: ClassVar[tuple[str, ...]] = ()
+    # what a one-frame sample (a still image, a one-frame clip) trains, where the run should say it
+    # once per concept (modules/data/data_notes.py); None: nothing to say
+    one_frame_note: ClassVar[str | None] = None
     # parts whose conditioning the family reads from the penultimate block (hidden_states[-2]),
     # with the module name of their block list (its tail: see numbered_blocks): the last block
     # never reaches the loss, so it gets no adapters (unreachable_prefixes)
@@ -209,6 +212,11 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """The `pixel_conditioning` tensors of the samples whose pixels encode_images takes, batch first:
         cached with each sample's latents (its mirrored image's too) and handed to the denoiser with
         its text conditioning."""
+        return {}
+
+    def pixel_conditioning_shapes(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        """Each `pixel_conditioning` tensor's shape for one sample whose latents have `latent_shape`,
+        from the parts' configs alone: what the preflight sizes the cache by before any encoder loads."""
         return {}
 
     @abstractmethod

@@ -46,7 +46,7 @@ def latent_normalisation(vae, like: torch.Tensor) -> tuple[torch.Tensor, torch.T
 class WanFamily(FlowMatchingTraining, ModelFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan.py
     pipeline_classes = ("WanPipeline",)
-    denoiser_config = {"_class_name": "WanTransformer3DModel"}
+    denoiser_config = {"_class_name": "WanTransformer3DModel", "in_channels": 16}  # (I2V: 36)
     single_file_signature = SIGNATURE
     single_file_part_signatures = PART_SIGNATURES
     temporal_quantum = 4  # the VAE's 4x in time: 1 + 4n frames

@@ -53,6 +53,8 @@ class WanI2VFamily(WanFamily):
                                "image_encoder": 630_766_080}
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
+    one_frame_note = ("each trains as a one-frame video conditioned on itself (the first frame's look and its caption, "
+                      "no motion); give the concept clips (video.frames 1 + 4n) to train motion")
 
     def load(self) -> None:
         from transformers import CLIPImageProcessorPil, CLIPVisionModel
@@ -108,6 +110,15 @@ class WanI2VFamily(WanFamily):
             values = self.image_processor(images=pictures, return_tensors="pt").pixel_values.to(frames.device)
         hidden = encoder(pixel_values=values.to(self.compute_dtype("image_encoder")), output_hidden_states=True)
         return hidden.hidden_states[-2]
+
+    def pixel_conditioning_shapes(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+        import json
+
+        config = json.loads((self.part_folder("image_encoder") / "config.json").read_text(encoding="utf-8"))
+        # CLIPVisionConfig's defaults where the config leaves them out; one class token before the patches
+        tokens = (config.get("image_size", 224) // config.get("patch_size", 32)) ** 2 + 1
+        return {"image_condition": (MASK_CHANNELS + latent_shape[0], *latent_shape[1:]),
+                "image_embeds": (tokens, config.get("hidden_size", 768))}
 
     # --- training ----------------------------------------------------------------------------
 

@@ -87,11 +87,16 @@ def _frames_read(window) -> int:
     return len(set(window.indices)) if window.source.is_dir() else max(window.indices) + 1
 
 
-def entry_bytes(entry, grid) -> int:
-    """What one latent cache entry takes on disk (`grid`: cache_layout.LatentGrid)."""
+def entry_bytes(entry, grid, family=None) -> int:
+    """What one latent cache entry takes on disk (`grid`: cache_layout.LatentGrid), with the family's
+    pixel conditioning (for the sample and, where it is mirrored, its mirrored version)."""
     from modules.data.cache_layout import expected_latent_layout
 
-    elements = sum(math.prod(shape) for _, shape in expected_latent_layout(entry, grid).values())
+    layout = expected_latent_layout(entry, grid)
+    elements = sum(math.prod(shape) for _, shape in layout.values())
+    if family is not None:
+        extra = family.pixel_conditioning_shapes(layout["latents"][1]).values()
+        elements += sum(math.prod(shape) for shape in extra) * (2 if entry.flip else 1)
     return -(-(elements * 4 + HEADER) // BLOCK) * BLOCK  # float32 tensors and the header, in whole blocks
 
 
@@ -136,7 +141,7 @@ def estimate_video_cache(config: TrainConfig, family) -> VideoEstimate | None:
                     cached += 1
                     continue
                 frames += _frames_read(entry.clip)
-                new_bytes += entry_bytes(entry, grid) if grid else 0
+                new_bytes += entry_bytes(entry, grid, family) if grid else 0
                 if len(to_time) < TIMED_WINDOWS:
                     to_time.append(entry)
     decode = None
