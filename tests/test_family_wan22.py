@@ -232,13 +232,15 @@ def test_the_folder_is_told_from_wan_2_1_before_weights_load_and_the_plan_counts
     resting, trained = plan.parts["transformer"], plan.parts["transformer_2"]
     assert sum(resting.device.values()) == 0 and resting.parked > 0
     assert trained.device["weights"] > 0 and trained.device["trained"] > 0 and trained.device["activations"] > 0
-    # `auto` parks none of the trained expert where the rest fits beside it: the resting one is not counted
-    weights = sum(p.device["weights"] for p in plan.parts.values())
-    auto = config.model_copy(update={"model": config.model.model_copy(update={"parts": {
-        **config.model.parts, "transformer_2": config.model.parts["transformer_2"].model_copy(
-            update={"offload_fraction": "auto"})}})})
-    planned = plan_run(auto, weights + resting.parked // 2, 2**34, fix=False)
+    # `auto` parks none of the trained expert where the whole step fits with it on the device: the
+    # resting one is not counted (a budget of the step's peak, less half the resting expert's bytes)
+    auto = train_config(tiny_wan22, shape_images, tmp_path, {"model": {"family": "wan22", "parts": {
+        "transformer": {"train": False},
+        "transformer_2": {"offload_fraction": "auto", "gradient_checkpointing": True}}}})
+    step = plan_run(auto, None, None, fix=False).device_peak
+    planned = plan_run(auto, step + resting.parked // 2, 2**34, fix=False)
     assert planned.auto["model.parts.transformer_2.offload_fraction"]["value"] == 0.0
+    assert planned.device_peak <= step + resting.parked // 2
 
 
 def test_a_resumed_run_saves_over_its_own_expert_files(tmp_path, tiny_wan22, one_image):
