@@ -82,9 +82,14 @@ def test_a_family_without_controls_refuses_paired_concepts(kontext, tmp_path):
     model, _ = kontext
     config = train_config(model, tmp_path, tmp_path, {"concepts": [{"path": str(tmp_path),
                                                                      "controls": {"source": "folders"}}]})
-    plain = SimpleNamespace(control_images=0, label="SD1.5")
+    plain = SimpleNamespace(control_images=0, prompt_images=(0, 0), label="SD1.5")
     with pytest.raises(DataError, match=r"concepts\[0\]\.controls\.source: SD1\.5 takes no control images"):
         check_controls(config, plain, list(enumerate(config.concepts)))
+    from modules.config.families import get_family_declaration
+
+    prompts_only = get_family_declaration("wan22_ti2v")  # a prompt image starts its video; clips condition themselves
+    with pytest.raises(DataError, match=r"Wan 2\.2 TI2V 5B takes control images in sample prompts only"):
+        check_controls(config, prompts_only, list(enumerate(config.concepts)))
 
 
 def _manifest(folder, lines):
