@@ -31,7 +31,8 @@ def toy_trainer(device, capacity: int, fractions: dict[str, float | str]):
         temp_device="cpu", tf32=True, method=SimpleNamespace(type="adapter"),
         model=SimpleNamespace(parts={name: SimpleNamespace(offload_fraction=f, offload_prefetch=1, train=False)
                                      for name, f in fractions.items()}))
-    family = SimpleNamespace(name="toy", parts=parts, checkpoint_blocks=lambda name: list(parts[name].blocks))
+    family = SimpleNamespace(name="toy", parts=parts, checkpoint_blocks=lambda name: list(parts[name].blocks),
+                             resting_parts=lambda: ())
     statuses = []
     trainer = SimpleNamespace(config=config, family=family, device=device,
                               callbacks=SimpleNamespace(on_status=statuses.append))
