@@ -100,14 +100,12 @@ def test_what_must_checkpoint_does_and_a_part_outside_the_step_does_not(auto_pla
     assert why["model.parts.text_encoder.gradient_checkpointing"]["why"] == "not in the training step"
 
 
-def test_a_run_on_the_fake_device_takes_the_plans_choice_and_fits(fake_device, peaks, tiny_model, shape_images,
-                                                                   tmp_path):
+def train_within(config, budget: int):
+    """(the run's status lines, the trainer) of `config` trained on the fake device with `budget`
+    bytes free; past the capacity the fake device raises torch.OutOfMemoryError, as CUDA does."""
     from modules.trainer.callbacks import TrainCallbacks
     from modules.trainer.generic_trainer import GenericTrainer
 
-    budget = (peaks("fakegpu", False, 2) + peaks("fakegpu", False, 4)) // 2
-    config = train_config(tiny_model, shape_images, tmp_path, AUTO, {"train_device": "fakegpu",
-                                                                     "schedule": {"max_steps": 2}})
     said = []
     callbacks = TrainCallbacks()
     callbacks.on_status = said.append
@@ -119,6 +117,15 @@ def test_a_run_on_the_fake_device_takes_the_plans_choice_and_fits(fake_device, p
         trainer.end()
     finally:
         torch.fakegpu.set_memory_capacity(None)
+    return said, trainer
+
+
+def test_a_run_on_the_fake_device_takes_the_plans_choice_and_fits(fake_device, peaks, tiny_model, shape_images,
+                                                                   tmp_path):
+    budget = (peaks("fakegpu", False, 2) + peaks("fakegpu", False, 4)) // 2
+    config = train_config(tiny_model, shape_images, tmp_path, AUTO, {"train_device": "fakegpu",
+                                                                     "schedule": {"max_steps": 2}})
+    said, trainer = train_within(config, budget)
     assert "schedule.batch_size: auto -> 2 (the largest of 1, 2, 4, 8 that fits the budget)" in said
     assert "model.parts.unet.gradient_checkpointing: auto -> false (the step fits without recomputing)" in said
     written = json.loads((tmp_path / "ws" / "config.json").read_text())
@@ -203,23 +210,11 @@ def test_auto_offload_parks_for_the_steps_activations_not_only_for_the_weights(p
 def test_a_run_on_the_fake_device_parks_what_the_plan_says_and_fits(fake_device, planner, tiny_model, shape_images,
                                                                     tmp_path):
     from modules.plan.run_plan import plan_run
-    from modules.trainer.callbacks import TrainCallbacks
-    from modules.trainer.generic_trainer import GenericTrainer
 
     config = train_config(tiny_model, shape_images, tmp_path, PARK, {"train_device": "fakegpu",
                                                                      "schedule": {"max_steps": 2}})
     budget = parking_budget(plan_run(config, None, None, planner=planner))
-    said = []
-    callbacks = TrainCallbacks()
-    callbacks.on_status = said.append
-    torch.fakegpu.set_memory_capacity(torch.fakegpu.memory_allocated() + budget)
-    try:
-        trainer = GenericTrainer(config, callbacks)
-        trainer.start()
-        trainer.train()  # past the capacity this raises torch.OutOfMemoryError
-        trainer.end()
-    finally:
-        torch.fakegpu.set_memory_capacity(None)
+    said, trainer = train_within(config, budget)
     line = next(s for s in said if s.startswith("model.parts.unet.offload_fraction: auto -> "))
     value = float(line.split(" -> ")[1].split(" ")[0])
     assert 0 < value < 1 and line.endswith("(the smallest share of the blocks that fits the budget, the step's "

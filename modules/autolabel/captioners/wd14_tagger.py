@@ -15,6 +15,7 @@ from pathlib import Path
 
 from modules.autolabel.captioners import CaptionerKind, register
 from modules.autolabel.model_folder import LabelModelError
+from modules.autolabel.onnx_session import onnx_session
 
 MODEL_FILE = "model.onnx"
 TAGS_FILE = "selected_tags.csv"
@@ -71,20 +72,8 @@ def square_pixels(image, size: int):
 
 class WD14Tagger:
     def __init__(self, folder: Path, device: str, _dtype: str):
-        try:
-            import onnxruntime
-        except ImportError:
-            raise LabelModelError(f"{folder}: a WD14 tagger runs with ONNX Runtime, which is not installed "
-                                  "(pip install onnxruntime, or onnxruntime-gpu for CUDA)", field="--model") from None
         self.names, self.categories = read_tags(folder / TAGS_FILE)
-        # CUDA where asked for and the installed runtime has it; the CPU otherwise
-        wanted = ["CUDAExecutionProvider"] if str(device).startswith("cuda") else []
-        providers = [p for p in wanted if p in onnxruntime.get_available_providers()] + ["CPUExecutionProvider"]
-        try:
-            self.session = onnxruntime.InferenceSession(str(folder / MODEL_FILE), providers=providers)
-        except Exception as error:  # noqa: BLE001  (onnxruntime raises its own classes for a bad file)
-            raise LabelModelError(f"{folder / MODEL_FILE} cannot be loaded by ONNX Runtime ({error})",
-                                  field="--model") from None
+        self.session = onnx_session(folder / MODEL_FILE, device, "a WD14 tagger")
         model_input = self.session.get_inputs()[0]
         self.input_name = model_input.name
         self.size = model_input.shape[1]

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from modules.autolabel.maskers import MaskerKind, register
 from modules.autolabel.model_folder import LabelModelError
+from modules.autolabel.onnx_session import onnx_session
 
 PREPROCESSOR = "preprocessor_config.json"
 MODEL_FILES = ("onnx/model.onnx", "model.onnx")
@@ -84,19 +85,8 @@ def to_unit_range(values):
 class BackgroundMasker:
     def __init__(self, folder: str | Path, device: str = "cpu", _dtype: str = "float32"):
         folder = Path(folder)
-        try:
-            import onnxruntime
-        except ImportError:
-            raise LabelModelError(f"{folder}: background removal runs with ONNX Runtime, which is not installed "
-                                  "(pip install onnxruntime, or onnxruntime-gpu for CUDA)", field="--model") from None
         self.preprocessing = read_preprocessing(folder / PREPROCESSOR)
-        wanted = ["CUDAExecutionProvider"] if str(device).startswith("cuda") else []
-        providers = [p for p in wanted if p in onnxruntime.get_available_providers()] + ["CPUExecutionProvider"]
-        path = model_file(folder)
-        try:
-            self.session = onnxruntime.InferenceSession(str(path), providers=providers)
-        except Exception as error:  # noqa: BLE001  (onnxruntime raises its own classes for a bad file)
-            raise LabelModelError(f"{path} cannot be loaded by ONNX Runtime ({error})", field="--model") from None
+        self.session = onnx_session(model_file(folder), device, "background removal")
         self.input_name = self.session.get_inputs()[0].name
 
     def pixels(self, image):
