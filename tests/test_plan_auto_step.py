@@ -221,3 +221,36 @@ def test_a_run_on_the_fake_device_parks_what_the_plan_says_and_fits(fake_device,
                                            "activations included)"), said
     written = json.loads((tmp_path / "ws" / "config.json").read_text())
     assert written["model"]["parts"]["unet"]["offload_fraction"] == value
+
+
+BOTH_AUTO = {"model": {"parts": {"unet": {"offload_fraction": "auto", "gradient_checkpointing": "auto"}}}}
+
+
+def test_a_trained_part_with_parking_and_checkpointing_auto_recomputes_only_where_it_parks(
+        planner, tiny_model, shape_images, tmp_path):
+    """Parking a trained part forces checkpointing; but with both auto, a step that fits unparked
+    needs neither (the plan used to force checkpointing on for `offload_fraction: auto` itself)."""
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny_model, shape_images, tmp_path, BOTH_AUTO)
+    unparked = plan_run(config, None, None, planner=planner)
+    assert unparked.auto["model.parts.unet.gradient_checkpointing"]["value"] is False
+    roomy = plan_run(config, 2 * unparked.device_peak, None, planner=planner)
+    assert {path: choice["value"] for path, choice in roomy.auto.items()} == {
+        "model.parts.unet.gradient_checkpointing": False, "model.parts.unet.offload_fraction": 0.0}
+    assert roomy.fits and roomy.parts["unet"].offload_fraction == 0.0
+    tight = plan_run(config, parking_budget(plan_run(train_config(tiny_model, shape_images, tmp_path, PARK), None,
+                                                     None, planner=planner)), None, planner=planner)
+    assert tight.auto["model.parts.unet.gradient_checkpointing"]["value"] is True
+    assert tight.auto["model.parts.unet.offload_fraction"]["value"] > 0 and tight.fits
+
+
+def test_a_cpu_run_with_parking_and_checkpointing_auto_parks_nothing_and_does_not_recompute(
+        tiny_model, shape_images, tmp_path):
+    from modules.trainer.distributed import Ranks
+    from modules.trainer.planned_autos import resolve_planned_autos
+
+    config = train_config(tiny_model, shape_images, tmp_path, BOTH_AUTO)
+    resolved, _ = resolve_planned_autos(config, torch.device("cpu"), Ranks(0, 1, 0), lambda line: None)
+    assert resolved.model.parts["unet"].gradient_checkpointing is False
+    assert resolved.model.parts["unet"].offload_fraction == 0.0

@@ -100,14 +100,22 @@ def step_autos(config: TrainConfig) -> tuple[list[str], bool]:
     return parts, config.schedule.batch_size == "auto"
 
 
-def forced_checkpointing(config: TrainConfig, name: str) -> str | None:
-    """Why part `name` must checkpoint whatever the plan says (None: it need not)."""
+def forced_checkpointing(config: TrainConfig, name: str, parking_decided: bool = False) -> str | None:
+    """Why part `name` must checkpoint whatever the plan says (None: it need not). A trained part
+    with `offload_fraction: auto` parks only if the step needs it: with `parking_decided` the plan
+    decides both (checkpointing off means parking nothing), else it is taken to park."""
     part = config.model.parts[name]
     if part.activation_offloading:
         return "activation offloading keeps the inputs that checkpointing saves"
-    if part.train and part.offload_fraction != 0:
+    if part.train and part.offload_fraction != 0 and not (parking_decided and parks_if_needed(config, name)):
         return "a trained part with parked blocks recomputes each block in the backward pass"
     return None
+
+
+def parks_if_needed(config: TrainConfig, name: str) -> bool:
+    """A trained part whose parking and checkpointing are both auto: both follow the plan."""
+    part = config.model.parts[name]
+    return part.train and part.offload_fraction == "auto" and part.gradient_checkpointing == "auto"
 
 
 def frugal_step(config: TrainConfig, in_step: set[str]) -> TrainConfig:
@@ -138,14 +146,18 @@ def resolve_auto_step(planner, config: TrainConfig, in_step: set[str], vram: int
     if not parts and not batch_auto:
         return config, {}
     base = config.model_dump(mode="json")
-    fixed = {n: (forced_checkpointing(config, n) or ("not in the training step" if n not in in_step else None))
-             for n in parts}
+    fixed = {n: (forced_checkpointing(config, n, parking_decided=True)
+                 or ("not in the training step" if n not in in_step else None)) for n in parts}
     switched = [n for n in parts if fixed[n] is None]  # what the plan decides
+    # a trained part without checkpointing cannot park (its backward needs every block's weights):
+    # with checkpointing off its `offload_fraction: auto` is 0, on it is left to resolve_auto_offload
+    unparked_when_off = [n for n in switched if parks_if_needed(config, n)]
 
     def candidate(on: bool, batch: int) -> TrainConfig:
-        values = {n: bool(forced_checkpointing(config, n)) for n in parts if fixed[n]}
+        values = {n: bool(forced_checkpointing(config, n, parking_decided=True)) for n in parts if fixed[n]}
         values.update({n: on for n in switched})
         lines = [f"model.parts.{n}.gradient_checkpointing={'true' if v else 'false'}" for n, v in values.items()]
+        lines += [] if on else [f"model.parts.{n}.offload_fraction=0" for n in unparked_when_off]
         return build_config([base], lines + ([f"schedule.batch_size={batch}"] if batch_auto else []))
 
     def peak_and_fit(candidate_config: TrainConfig) -> tuple[int, bool]:
@@ -181,7 +193,7 @@ def resolve_auto_step(planner, config: TrainConfig, in_step: set[str], vram: int
             on, batch, reason = bool(switched), 1, "nothing fits the budget"
     for name in parts:
         if fixed[name]:
-            value, text = bool(forced_checkpointing(config, name)), fixed[name]
+            value, text = bool(forced_checkpointing(config, name, parking_decided=True)), fixed[name]
         else:
             value = on
             text = reason or ("the step fits without recomputing" if not on else
@@ -190,6 +202,11 @@ def resolve_auto_step(planner, config: TrainConfig, in_step: set[str], vram: int
     if batch_auto:
         why["schedule.batch_size"] = {"value": batch, "why": reason or (
             f"the largest of {', '.join(map(str, AUTO_BATCH_SIZES))} that fits the budget")}
+    if not on:
+        for name in unparked_when_off:
+            why[f"model.parts.{name}.offload_fraction"] = {
+                "value": 0.0, "why": "the step fits without parking (gradient checkpointing off)"
+                if vram is not None else "no train-device budget known here: nothing parked"}
     return candidate(on, batch), why
 
 

@@ -5,7 +5,7 @@ memory and the host's available RAM; the run's log says each choice and why.
 
 Where the device cannot say what is free (the CPU) the plan is not asked: checkpointing off where
 nothing forces it, batch 1, and offload left to the placement's own auto (which parks nothing
-without a free figure). A plan that cannot be made: the smallest step, and offload likewise left to
+without a free figure; a trained part with both auto parks nothing and does not recompute). A plan that cannot be made: the smallest step, and offload likewise left to
 the placement's auto (the weights it measures as they land). With several processes rank 0 decides
 and the others take its choice (one batch size for all, as the global batch needs). The plan made
 here is handed to preflight's fit check, so the run plans once.
@@ -39,7 +39,7 @@ def resolve_planned_autos(config: TrainConfig, device, ranks, say) -> tuple[Trai
 
 
 def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]:
-    from modules.plan.auto import forced_checkpointing, step_autos
+    from modules.plan.auto import forced_checkpointing, parks_if_needed, step_autos
     from modules.trainer.fit_check import available_ram, free_device_memory
 
     free = free_device_memory(device)
@@ -58,9 +58,12 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
     parts, batch = step_autos(config)
     choices = {}
     for name in parts:
-        forced = forced_checkpointing(config, name)
+        # without a budget a trained part whose parking is auto too parks nothing, so need not recompute
+        forced = forced_checkpointing(config, name, parking_decided=not checkpoint)
         choices[f"model.parts.{name}.gradient_checkpointing"] = {
             "value": bool(forced) or checkpoint, "why": forced or unplanned}
+        if not forced and not checkpoint and parks_if_needed(config, name):
+            choices[f"model.parts.{name}.offload_fraction"] = {"value": 0.0, "why": unplanned}
     if batch:
         choices["schedule.batch_size"] = {"value": 1, "why": unplanned}
     return None, choices
