@@ -254,3 +254,38 @@ def test_a_cpu_run_with_parking_and_checkpointing_auto_parks_nothing_and_does_no
     resolved, _ = resolve_planned_autos(config, torch.device("cpu"), Ranks(0, 1, 0), lambda line: None)
     assert resolved.model.parts["unet"].gradient_checkpointing is False
     assert resolved.model.parts["unet"].offload_fraction == 0.0
+
+
+def test_a_run_on_the_fake_device_stores_auto_weights_as_the_plan_says(fake_device, planner, tiny_model, shape_images,
+                                                                       tmp_path):
+    """`weight_dtype: auto` in a run goes through the plan too (activations included, modes that work
+    on the device): at a budget the dense step misses by a byte and 8-bit fits, the run loads the
+    U-Net in 8 bits (the precision policy counted weights alone: dense). (Loaded, not trained: the fake
+    device has no autocast, and the plan must compute in bfloat16 for 8-bit storage to be smaller.)"""
+    from modules.plan.run_plan import plan_run
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+    from modules.trainer.planned_autos import device_weight_ladder
+
+    auto = {"model": {"parts": {"unet": {"weight_dtype": "auto"}}}, "train_dtype": "bfloat16",
+            "train_device": "fakegpu"}
+    config = train_config(tiny_model, shape_images, tmp_path, auto)
+    ladder = device_weight_ladder(torch.device("fakegpu"))
+    dense = plan_run(config, None, None, planner=planner, weight_ladder=ladder).device_peak
+    eight_bit = train_config(tiny_model, shape_images, tmp_path, auto,
+                             {"model": {"parts": {"unet": {"weight_dtype": ladder[1]}}}})
+    assert plan_run(eight_bit, None, None, planner=planner).device_peak < dense - 1
+    said = []
+    callbacks = TrainCallbacks()
+    callbacks.on_status = said.append
+    torch.fakegpu.set_memory_capacity(torch.fakegpu.memory_allocated() + dense - 1)
+    try:
+        trainer = GenericTrainer(config, callbacks)
+        trainer.start()
+    finally:
+        torch.fakegpu.set_memory_capacity(None)
+    assert any(line.startswith(f"model.parts.unet.weight_dtype: auto -> {ladder[1]} (the densest storage that fits")
+               for line in said), said
+    assert trainer.family.weight_modes["unet"] == ladder[1]
+    written = json.loads((tmp_path / "ws" / "config.json").read_text())
+    assert written["model"]["parts"]["unet"]["weight_dtype"] == ladder[1]

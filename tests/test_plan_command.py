@@ -78,6 +78,22 @@ def test_weight_dtype_auto_is_the_densest_storage_that_fits(tiny_model):
     assert tight.fits is True
 
 
+def test_a_planner_reused_across_train_dtypes_sizes_each_as_a_fresh_one(tiny_model):
+    """The layers a quantized mode leaves dense are stored in train_dtype: a planner that sized int8
+    at float32 (the fixes' search does) must not hand those sizes to a bfloat16 plan."""
+    from modules.config.loading import build_config
+    from modules.plan.run_plan import Planner, plan_run
+
+    def config(train_dtype):
+        return build_config([{"model": {"base": str(tiny_model), "parts": {"unet": {"weight_dtype": "int8"}}},
+                              "data": {"resolution": 64}, "train_dtype": train_dtype}])
+
+    reused = Planner(None)
+    float32 = plan_run(config("float32"), None, None, planner=reused).parts["unet"].device["weights"]
+    bfloat16 = plan_run(config("bfloat16"), None, None, planner=reused).parts["unet"].device["weights"]
+    assert bfloat16 == plan_run(config("bfloat16"), None, None).parts["unet"].device["weights"] < float32
+
+
 def test_a_family_that_selects_caption_tokens_by_mask_plans(tiny_family_model):
     """Z-Image picks each caption's real tokens with a boolean mask, an op fake tensors cannot size:
     its planning conditioning has every token real (it crashed on aten.nonzero)."""

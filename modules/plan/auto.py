@@ -52,20 +52,24 @@ def offload_fractions(config: TrainConfig, sizes: dict, trained: dict[str, str],
 
 
 def resolve_auto_weight_modes(planner, config: TrainConfig, vram: int | None, ram: int | None,
-                              gpu_class_name: str | None) -> tuple[TrainConfig, dict[str, dict]]:
+                              gpu_class_name: str | None, ladder: list[str] | None = None,
+                              ) -> tuple[TrainConfig, dict[str, dict]]:
     """`weight_dtype: auto` parts resolved through the plan: the fastest storage that fits. Dense
     (bfloat16) first; then the big parts (>= 15% of the model's bytes, largest first) one at a
     time to 8-bit, then to 4-bit (auto's ladder, as the precision policy steps); small parts stay
-    dense. No budget, or nothing fits: dense, or the smallest, said in `why`. Returns the config
-    with the modes set and, per resolved part, {"value", "why"} for the plan's `auto`."""
+    dense. `ladder`: the dense mode then the lower tiers to try (a device's working modes:
+    policy.auto_ladder); default bfloat16 and the registry's preferred 8- and 4-bit modes. No
+    budget, or nothing fits: dense, or the smallest, said in `why`. Returns the config with the
+    modes set and, per resolved part, {"value", "why"} for the plan's `auto`."""
     from modules.config.loading import build_config
     from modules.plan.fixes import lower_tiers
 
     autos = [name for name, part in config.model.parts.items() if part.weight_dtype == "auto"]
     if not autos:
         return config, {}
+    dense_mode, *tiers = ladder or ["bfloat16", *lower_tiers()]
     base = config.model_dump(mode="json")
-    dense = {name: "bfloat16" for name in autos}
+    dense = dict.fromkeys(autos, dense_mode)
 
     def with_modes(modes: dict[str, str]) -> TrainConfig:
         return build_config([base], [f"model.parts.{n}.weight_dtype={m}" for n, m in modes.items()])
@@ -80,7 +84,7 @@ def resolve_auto_weight_modes(planner, config: TrainConfig, vram: int | None, ra
     big = sorted((n for n in autos if sizes[n]["bytes"] >= 0.15 * total), key=lambda n: -sizes[n]["bytes"]) \
         or sorted(autos, key=lambda n: -sizes[n]["bytes"])
     steps = [dict(dense)]
-    for tier in lower_tiers():
+    for tier in tiers:
         for name in big:
             steps.append({**steps[-1], name: tier})
     for modes in steps:

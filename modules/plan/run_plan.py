@@ -109,12 +109,14 @@ def trained_kinds(config: TrainConfig, family) -> dict[str, str]:
 
 
 def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None = None,
-             variant: str | None = None, fix: bool = True, planner: "Planner | None" = None) -> RunPlan:
+             variant: str | None = None, fix: bool = True, planner: "Planner | None" = None,
+             weight_ladder: list[str] | None = None) -> RunPlan:
     """The plan of `config` against `vram` bytes of train-device memory and `ram` bytes of host
     memory (None: unknown, no verdict on it). `variant`: for a released architecture (model.base
     empty), the model of a family of several (FLUX.2 "dev"). `fix`: search the smallest change
     that fits when it does not. `planner`: one that planned this model before (its fake steps are
-    kept: plans of the same model for other budgets reuse them)."""
+    kept: plans of the same model for other budgets reuse them). `weight_ladder`: the modes
+    `weight_dtype: auto` may take, dense first (a device's working ones; resolve_auto_weight_modes)."""
     from modules.plan.auto import frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_weight_modes
     from modules.plan.fixes import find_fixes
 
@@ -123,7 +125,7 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     # then checkpointing and the batch, against those modes
     in_step = planner.step_parts(config)
     frugal, weight_choices = resolve_auto_weight_modes(planner, frugal_step(config, in_step), vram, ram,
-                                                       gpu_class_name)
+                                                       gpu_class_name, weight_ladder)
     if weight_choices:
         config = config.model_copy(update={"model": config.model.model_copy(update={"parts": {
             name: part.model_copy(update={"weight_dtype": frugal.model.parts[name].weight_dtype})
@@ -168,8 +170,9 @@ class Planner:
 
     def sizes(self, config: TrainConfig, modes: dict[str, str]) -> dict:
         """Per part: its tensors' bytes, its blocks' bytes, its floating parameters (count, largest)."""
+        # (train_dtype too: the layers a quantized mode leaves dense are stored in it)
         key = (tuple(sorted(modes.items())), tuple(sorted((n, tuple(p.quantize_skip)) for n, p in
-                                                           config.model.parts.items())))
+                                                           config.model.parts.items())), config.train_dtype)
         if key not in self._sizes:
             planned = self._architecture(config, modes)
             family = planned.family

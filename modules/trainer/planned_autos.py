@@ -1,7 +1,9 @@
-"""`gradient_checkpointing: auto`, `schedule.batch_size: auto` and `offload_fraction: auto` resolved
-for this run before anything loads, through the plan (modules/plan/auto.py: the fastest step that
-fits, then the least parking that fits it, activations included) against the train device's free
-memory and the host's available RAM; the run's log says each choice and why.
+"""`weight_dtype: auto`, `gradient_checkpointing: auto`, `schedule.batch_size: auto` and
+`offload_fraction: auto` resolved for this run before anything loads, through the plan
+(modules/plan/auto.py: the densest storage among the modes that work on the device, then the
+fastest step that fits, then the least parking that fits it, activations included) against the
+train device's free memory and the host's available RAM; the run's log says each choice and why.
+Where no plan is made, `weight_dtype: auto` is left to the precision policy (trainer/weight_modes.py).
 
 Where the device cannot say what is free (the CPU) the plan is not asked: checkpointing off where
 nothing forces it, batch 1, and offload left to the placement's own auto (which parks nothing
@@ -22,7 +24,7 @@ def resolve_planned_autos(config: TrainConfig, device, ranks, say) -> tuple[Trai
     from modules.plan.auto import step_autos
 
     parts, batch = step_autos(config)
-    if not parts and not batch and not offload_autos(config):
+    if not parts and not batch and not offload_autos(config) and not weight_autos(config):
         return config, None
     plan, choices = None, None
     if ranks.main:
@@ -48,13 +50,13 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
         from modules.plan.run_plan import plan_run
 
         try:
-            plan = plan_run(config, free, available_ram()).as_dict()
+            plan = plan_run(config, free, available_ram(), weight_ladder=device_weight_ladder(device)).as_dict()
         except Exception as error:  # noqa: BLE001  (a config preflight refuses next, or a planner bug: said, not fatal)
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             unplanned, checkpoint = f"the plan could not be made ({first}): the smallest step", True
         else:
             return plan, {path: choice for path, choice in plan["auto"].items() if path == "schedule.batch_size"
-                          or path.endswith((".gradient_checkpointing", ".offload_fraction"))}
+                          or path.endswith((".gradient_checkpointing", ".offload_fraction", ".weight_dtype"))}
     parts, batch = step_autos(config)
     choices = {}
     for name in parts:
@@ -67,6 +69,19 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
     if batch:
         choices["schedule.batch_size"] = {"value": 1, "why": unplanned}
     return None, choices
+
+
+def device_weight_ladder(device) -> list[str]:
+    """The weight modes `weight_dtype: auto` may take on `device`, dense first: those that work
+    there (a GPU without fp8 kernels never gets fp8)."""
+    from modules.quantization.capabilities import detect_capabilities, mode_support
+    from modules.quantization.policy import auto_ladder
+
+    return auto_ladder(mode_support(detect_capabilities(device)))
+
+
+def weight_autos(config: TrainConfig) -> list[str]:
+    return [name for name, part in config.model.parts.items() if part.weight_dtype == "auto"]
 
 
 def offload_autos(config: TrainConfig) -> list[str]:
