@@ -11,6 +11,7 @@
   python launch.py info [--json] [--device DEV]
   python launch.py caption --folder DIR --model PATH [--mode skip-existing|overwrite|append] [--prompt TEXT] [--protocol jsonl]
   python launch.py mask --folder DIR --model PATH --prompt TEXT [--threshold 0.4] [--protocol jsonl]
+  python launch.py download-model OWNER/NAME [--list] [--yes] [--to DIR] [--protocol jsonl]
   python launch.py plan --config my.json [--preset NAME] [--set key=value ...] [--vram 16GiB] [--ram 64GiB] [--gpu CLASS] [--json]
   python launch.py remote --host user@box --config my.json | remote --attach --config my.json
 
@@ -26,7 +27,8 @@ import json
 import os
 import sys
 
-# Nothing is ever downloaded: model folders are local, and the hub libraries must not try.
+# Nothing is ever downloaded unasked: model folders are local, and the hub libraries must not try
+# (download-model, the one command that fetches, lifts this for its own request: autolabel/hub_download.py).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -249,6 +251,12 @@ def cmd_mask(args) -> int:
     return mask_command(args)
 
 
+def cmd_download_model(args) -> int:
+    from modules.cli.download_command import download_command
+
+    return download_command(args)
+
+
 def cmd_remote(args) -> int:
     from modules.remote.cli import cmd_remote as run_remote
 
@@ -310,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_caption_parser(sub).set_defaults(run=cmd_caption)
     add_mask_parser(sub).set_defaults(run=cmd_mask)
+    from modules.cli.download_command import add_download_parser
+
+    add_download_parser(sub).set_defaults(run=cmd_download_model)
     plan = sub.add_parser("plan", help="what a config needs on the train device and the host, per part, "
                           "and whether it fits (before anything loads)")
     plan.add_argument("--config", action="append", default=[], metavar="FILE", help="config JSON (repeatable; later wins)")

@@ -195,3 +195,53 @@ def test_a_mask_painted_by_hand_is_saved_and_trained_with_masked_loss(app, shape
         tool.destroy()
     pump(app, timeout=0.2)
     assert app.callback_errors == []
+
+
+def test_a_hub_model_is_downloaded_from_the_dialog_only_after_its_size_is_shown(app, shape_images, tmp_path,
+                                                                                monkeypatch):
+    """The model field takes a hub id; Download… lists it (size shown, nothing fetched), the button
+    then says the size and fetches it on a second press, and the field becomes the folder."""
+    from fake_hub import FakeHub
+
+    from modules.autolabel.tiny_models import make_tiny_wd14
+    from ui.label_dialog import CAPTION
+
+    tagger = make_tiny_wd14(tmp_path / "tagger")
+    files = {p.relative_to(tagger).as_posix(): p.read_bytes() for p in tagger.rglob("*") if p.is_file()}
+    hub = FakeHub({"someone/tagger": files})
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)  # the dialog's child processes inherit these
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("DIFFTRAINER_HOME", str(tmp_path / "home"))
+    fresh(app)
+    app.tabs["Concepts"].add(str(shape_images))
+    pump(app, timeout=0.1)
+    tool = app.tabs["Concepts"].open_dataset_tool(0)
+    try:
+        dialog = tool.open_label_dialog(CAPTION)
+        pump(app, lambda: dialog.winfo_ismapped(), timeout=5, what="the auto-caption dialog")
+        dialog.model_var.set("someone/tagger")
+        dialog.download.button.invoke()
+        size = human_size_of(files)
+        pump(app, lambda: dialog.download.button.cget("text") == f"Download {size}", timeout=60,
+             what=f"the listing ({dialog.status.cget('text')})")
+        assert dialog.status.cget("text").startswith(f"someone/tagger: {len(files)} files, {size}, into ")
+        assert hub.fetched == []  # listed, nothing fetched
+        dialog.download.button.invoke()
+        folder = tmp_path / "home" / "models" / "someone--tagger"
+        pump(app, lambda: dialog.model_var.get() == str(folder), timeout=60,
+             what=f"the download ({dialog.status.cget('text')})")
+        assert sorted(hub.fetched) == sorted(f"someone/tagger/{name}" for name in files)
+        assert dialog.status.cget("text") == f"Downloaded to {folder}. Press Start."
+        assert dialog.download.button.cget("text") == "Download…" and dialog.bar.get() == 1.0
+        dialog.destroy()
+    finally:
+        tool.destroy()
+        hub.close()
+    pump(app, timeout=0.2)
+    assert app.callback_errors == []
+
+
+def human_size_of(files: dict[str, bytes]) -> str:
+    from modules.autolabel.hub_download import human_size
+
+    return human_size(sum(map(len, files.values())))

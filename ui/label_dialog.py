@@ -18,6 +18,7 @@ from typing import Callable
 import customtkinter as ctk
 
 from ui.components import ERROR_COLOR, centre_over
+from ui.model_download import ModelDownload
 from ui.run_client import ROOT, RunClient
 
 
@@ -64,7 +65,7 @@ class LabelDialog(ctk.CTkToplevel):
         super().__init__(master)
         self.job, self.folder, self.include_subfolders, self.on_done = job, Path(folder), include_subfolders, on_done
         self.title(f"{job.title}: {self.folder.name}")
-        centre_over(self, master, 560, 400)
+        centre_over(self, master, 620, 400)
         self.client: RunClient | None = None
         self.events: list[dict] = []
         self.log: list[str] = []
@@ -73,8 +74,9 @@ class LabelDialog(ctk.CTkToplevel):
         form.pack(fill="x", padx=12, pady=(12, 4))
         form.grid_columnconfigure(1, weight=1)
         self.model_var = tk.StringVar(self, value=_last_models.get(job.command, ""))
-        ctk.CTkLabel(form, text="Model folder", anchor="w").grid(row=0, column=0, sticky="w", padx=(0, 8), pady=3)
-        ctk.CTkEntry(form, textvariable=self.model_var).grid(row=0, column=1, sticky="ew", pady=3)
+        ctk.CTkLabel(form, text="Model", anchor="w").grid(row=0, column=0, sticky="w", padx=(0, 8), pady=3)
+        ctk.CTkEntry(form, textvariable=self.model_var, placeholder_text="a folder, or a hub id: owner/name").grid(
+            row=0, column=1, sticky="ew", pady=3)
         ctk.CTkButton(form, text="…", width=32, command=self._browse).grid(row=0, column=2, padx=(4, 0), pady=3)
         self.vars: dict[str, tk.StringVar] = {}
         for row, option in enumerate(job.options, start=1):
@@ -84,13 +86,16 @@ class LabelDialog(ctk.CTkToplevel):
                 widget = ctk.CTkOptionMenu(form, variable=var, values=list(option.choices))
             else:
                 widget = ctk.CTkEntry(form, textvariable=var, placeholder_text=option.hint or None)
-            widget.grid(row=row, column=1, columnspan=2, sticky="ew", pady=3)
+            widget.grid(row=row, column=1, columnspan=3, sticky="ew", pady=3)
 
         self.bar = ctk.CTkProgressBar(self)
         self.bar.set(0)
         self.bar.pack(fill="x", padx=12, pady=(8, 2))
         self.status = ctk.CTkLabel(self, text="", anchor="w", justify="left", wraplength=520)
         self.status.pack(fill="x", padx=12)
+        # a hub id in the model field is fetched only when asked, its size shown first (ui/model_download.py)
+        self.download = ModelDownload(form, self.model_var, self._say, self.bar)
+        self.download.button.grid(row=0, column=3, padx=(4, 0), pady=3)
         buttons = ctk.CTkFrame(self, fg_color="transparent")
         buttons.pack(side="bottom", fill="x", padx=12, pady=(4, 12))
         self.start_button = ctk.CTkButton(buttons, text="Start", width=100, command=self.start)
@@ -125,6 +130,9 @@ class LabelDialog(ctk.CTkToplevel):
             return
         if not self.model_var.get().strip():
             self._say("Choose the model folder first.", error=True)
+            return
+        if self.download.running:
+            self._say("The model is still downloading.", error=True)
             return
         _last_models[self.job.command] = self.model_var.get().strip()
         self.events, self.log = [], []
@@ -190,6 +198,7 @@ class LabelDialog(ctk.CTkToplevel):
             self.status.configure(text=text, text_color=ERROR_COLOR if error else ("gray10", "gray90"))
 
     def destroy(self):
+        self.download.stop()  # a download stops between files; the next one resumes
         if self.running:  # the run must not outlive the dialog that shows it: stopped, then read again
             client, on_done, master = self.client, self.on_done, self._root()
             client.stop()

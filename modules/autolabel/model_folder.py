@@ -17,7 +17,8 @@ def model_config(folder: str | Path, option: str = "--model") -> dict:
     """The folder's config.json as a dict; one message naming the folder when it is not usable."""
     path = Path(folder).expanduser()
     if not path.is_dir():
-        hint = (" (a Hugging Face hub id is not fetched: download the model to a folder first)"
+        hint = (f" (a Hugging Face hub id is fetched only when asked: python launch.py download-model {folder}, "
+                "or Download in the dialog)"
                 if "/" in str(folder) and not path.exists() and not str(folder).startswith(("/", ".", "~")) else "")
         raise LabelModelError(f"{path} is not a folder{hint}", field=option)
     config_file = path / "config.json"

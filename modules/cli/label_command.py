@@ -139,10 +139,12 @@ def caption_command(args) -> int:
 
     from modules.autolabel.caption_folder import caption_images, check_batch_size, check_mode
     from modules.autolabel.captioners import kind_for
+    from modules.autolabel.hub_download import local_model
     from modules.autolabel.images import folder_images
     from modules.autolabel.prompt_template import check_template
 
     def label(events: LabelEvents, commands: TrainCommands):
+        args.model = local_model(args.model)  # a downloaded hub id: its folder (download-model)
         images = folder_images(existing_folder(args.folder), args.include_subfolders)
         check_mode(args.mode), check_batch_size(args.batch_size)
         kind = kind_for(args.model)
@@ -168,7 +170,7 @@ def existing_folder(folder: str):
 
 def add_label_arguments(parser) -> None:
     parser.add_argument("--folder", required=True, help="the folder of images (a concept's path)")
-    parser.add_argument("--model", required=True, metavar="PATH", help="a local model folder: transformers layout, or a WD14 tagger (model.onnx, selected_tags.csv)")
+    parser.add_argument("--model", required=True, metavar="PATH", help="a local model folder: transformers layout, or a WD14 tagger (model.onnx, selected_tags.csv); or a hub id fetched with download-model")
     parser.add_argument("--include-subfolders", action="store_true", help="the images of its subfolders too")
     parser.add_argument("--batch-size", type=int, default=4, help="images per batch (default 4)")
     parser.add_argument("--device", default="auto", help="torch device (default: auto, cuda where there is one)")
@@ -195,11 +197,13 @@ def add_caption_parser(sub):
 def mask_command(args) -> int:
     from pathlib import Path
 
+    from modules.autolabel.hub_download import local_model
     from modules.autolabel.images import folder_images
     from modules.autolabel.mask_folder import check_threshold, mask_images
     from modules.autolabel.maskers import masker_kind_for
 
     def label(events: LabelEvents, commands: TrainCommands):
+        args.model = local_model(args.model)  # a downloaded hub id: its folder (download-model)
         images = folder_images(existing_folder(args.folder), args.include_subfolders)
         check_threshold(args.threshold)
         kind = masker_kind_for(args.model)  # (before torch loads)
