@@ -168,6 +168,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         (a family of several models: FLUX.2's [dev] presets need the dev architecture)."""
         return {}
 
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        """The variant of the family's released architecture a built-in preset is sized for (the
+        planner's `variant`: config folders `<subfolder>_<variant>`), read from the preset's name;
+        by default the tiny stand-in's (FLUX.2's "dev")."""
+        return cls.tiny_model_options(preset_name).get("variant")
+
     @abstractmethod
     def load(self) -> None:
         """Load every part onto the CPU in its weight dtype, frozen and in eval mode."""

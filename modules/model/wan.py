@@ -22,6 +22,8 @@ Single files (Wan-AI's and ComfyUI's transformer, VAE and UMT5 files): modules/m
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from modules.config.families.wan import DECLARATION
@@ -58,6 +60,12 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 5_680_910_336, "transformer": 1_418_996_800, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        # Wan 2.1 T2V comes in two sizes: the released configs' transformer/ is the 1.3B's,
+        # transformer_14b/ the 14B's (what a "14B" preset is sized for)
+        return "14b" if re.search(r"\b14B\b", preset_name) else None
 
     def load(self) -> None:
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
