@@ -174,10 +174,17 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         """The velocity of transformer `part` (a family of several transformers picks one per sample)."""
         dtype = self.compute_dtype(part)
         video = noisy if noisy.dim() == 5 else noisy.unsqueeze(2)
+        hidden, extra = self.transformer_input(video, text, dtype)
         timestep = sigmas.float() * self.noise_scheduler.config.num_train_timesteps
-        out = self.parts[part](hidden_states=video.to(dtype), timestep=timestep,
-                               encoder_hidden_states=text["hidden_states"].to(dtype), return_dict=False)[0]
+        out = self.parts[part](hidden_states=hidden, timestep=timestep,
+                               encoder_hidden_states=text["hidden_states"].to(dtype), return_dict=False, **extra)[0]
         return out if noisy.dim() == 5 else out.squeeze(2)
+
+    def transformer_input(self, video: torch.Tensor, text: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        """The transformer's hidden_states for (B, C, F, H, W) noisy latents, and any further
+        inputs (an image-to-video model's first frame: wan_first_frame.py)."""
+        return video.to(dtype), {}
 
     # --- sampling ----------------------------------------------------------------------------
 
