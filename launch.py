@@ -221,7 +221,7 @@ def cmd_plan(args) -> int:
     if args.preset and not config.model.base:  # the released model the preset is made for
         from modules.config.families import get_family_class
 
-        variant = get_family_class(config.model.family).tiny_model_options(args.preset).get("variant")
+        variant = get_family_class(config.model.family).released_variant(args.preset)
     plan = run_plan_command(config, args.vram, args.ram, args.gpu, variant)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0

@@ -261,3 +261,31 @@ def test_a_resumed_run_saves_over_its_own_expert_files(tmp_path, tiny_wan22, one
     assert resumed.end().name == "lora-high_noise.safetensors"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["lora-high_noise.safetensors",
                                                                      "lora-low_noise.safetensors"]
+
+
+def test_output_if_exists_looks_at_each_expert_file_the_run_writes(tmp_path, tiny_wan22, one_image):
+    """Another run's `lora-low_noise.safetensors` beside output.path: a low-noise run refuses before
+    the model loads (refuse), or versions to a name none of whose expert files exists (version); a
+    high-noise run, which writes only `lora-high_noise`, keeps output.path."""
+    from modules.saving.output_target import OutputExistsError, resolve_output
+    from modules.trainer.outputs import saved_suffixes
+
+    low = {"model": {"family": "wan22", "parts": {"transformer": {"train": False}}}}
+    high = {"model": {"family": "wan22", "parts": {"transformer_2": {"train": False}}}}
+    config = train_config(tiny_wan22, one_image, tmp_path, low, {"output": {"if_exists": "refuse"}})
+    out = config.output_path.parent
+    out.mkdir(parents=True)
+    (out / "lora-low_noise.safetensors").write_bytes(b"another run's")
+    trainer = GenericTrainer(config)
+    with pytest.raises(OutputExistsError, match="lora-low_noise.safetensors already exists"):
+        trainer.start()
+    assert trainer.family is None  # refused before the model was built
+    (out / "lora-2-low_noise.safetensors").write_bytes(b"and another's")
+    warnings = []
+    assert saved_suffixes(config) == ["-low_noise"]
+    assert resolve_output(config.output_path, "version", tmp_path / "ws", False, warnings.append,
+                          saved_suffixes(config)) == out / "lora-3.safetensors"
+    assert "saves to " + str(out / "lora-3-low_noise.safetensors") in warnings[0]
+    high_config = train_config(tiny_wan22, one_image, tmp_path, high)
+    assert resolve_output(high_config.output_path, "refuse", tmp_path / "ws", False, warnings.append,
+                          saved_suffixes(high_config)) == high_config.output_path

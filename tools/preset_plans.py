@@ -64,7 +64,7 @@ def plan_preset(name: str) -> dict:
 
     config = preset_config(name)
     tier = tier_of(name)
-    variant = get_family_class(config.model.family).tiny_model_options(name).get("variant")
+    variant = get_family_class(config.model.family).released_variant(name)
     started = time.perf_counter()
     plan = plan_run(config, tier * GiB if tier else None, RAM_BUDGET if tier else None, GPU_CLASS,
                     variant=variant).as_dict()

@@ -226,6 +226,20 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     return model.requires_grad_(False).eval(), report
 
 
+def tie_skeleton_weights(model: nn.Module) -> nn.Module:
+    """An empty model's tied weights made one tensor, as a load of a released file (which holds
+    one name of each tied pair: _tie_weights) leaves them; accelerate's empty init gives each
+    name a tensor of its own, so a skeleton would hold T5's `shared` embedding twice."""
+    tied = getattr(model, "_tied_weights_keys", None)
+    if isinstance(tied, dict):
+        names = dict(model.named_parameters(remove_duplicate=False))
+        for alias, source in tied.items():
+            if alias in names and source in names:
+                module_name, _, attr = alias.rpartition(".")
+                setattr(model.get_submodule(module_name), attr, names[source])
+    return model
+
+
 def _tie_weights(model: nn.Module, expected: dict, seen: set[str]) -> None:
     """transformers models tie some weights after loading (T5's encoder.embed_tokens is its
     `shared` embedding) and their files hold only one name: the other becomes the same tensor."""

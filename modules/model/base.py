@@ -168,6 +168,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         (a family of several models: FLUX.2's [dev] presets need the dev architecture)."""
         return {}
 
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        """The variant of the family's released architecture a built-in preset is sized for (the
+        planner's `variant`: config folders `<subfolder>_<variant>`), read from the preset's name;
+        by default the tiny stand-in's (FLUX.2's "dev")."""
+        return cls.tiny_model_options(preset_name).get("variant")
+
     @abstractmethod
     def load(self) -> None:
         """Load every part onto the CPU in its weight dtype, frozen and in eval mode."""
@@ -184,11 +191,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         device only while samples are made (modules/trainer/resting_parts.py)."""
         return ()
 
-    def adapter_files(self, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
+    @classmethod
+    def adapter_files(cls, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
         """How the trained adapters split into saved files: per file, the suffix its name takes after
         the output's stem and {part: the part its adapters are written as}. One file by default,
         each part under its own names; Wan 2.2 writes one file per expert, each as a lone Wan
-        transformer, because each expert is loaded as a model of its own."""
+        transformer, because each expert is loaded as a model of its own. Known from the config
+        alone (output.if_exists checks every file before the model loads)."""
         return [("", {part: part for part in trained_parts})]
 
     def diffusers_load_options(self, suffix: str) -> dict:

@@ -22,6 +22,8 @@ Single files (Wan-AI's and ComfyUI's transformer, VAE and UMT5 files): modules/m
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from modules.config.families.wan import DECLARATION
@@ -58,6 +60,12 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 5_680_910_336, "transformer": 1_418_996_800, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        # Wan 2.1 T2V comes in two sizes: the released configs' transformer/ is the 1.3B's,
+        # transformer_14b/ the 14B's (what a "14B" preset is sized for)
+        return "14b" if re.search(r"\b14B\b", preset_name) else None
 
     def load(self) -> None:
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
@@ -166,10 +174,17 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         """The velocity of transformer `part` (a family of several transformers picks one per sample)."""
         dtype = self.compute_dtype(part)
         video = noisy if noisy.dim() == 5 else noisy.unsqueeze(2)
+        hidden, extra = self.transformer_input(video, text, dtype)
         timestep = sigmas.float() * self.noise_scheduler.config.num_train_timesteps
-        out = self.parts[part](hidden_states=video.to(dtype), timestep=timestep,
-                               encoder_hidden_states=text["hidden_states"].to(dtype), return_dict=False)[0]
+        out = self.parts[part](hidden_states=hidden, timestep=timestep,
+                               encoder_hidden_states=text["hidden_states"].to(dtype), return_dict=False, **extra)[0]
         return out if noisy.dim() == 5 else out.squeeze(2)
+
+    def transformer_input(self, video: torch.Tensor, text: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        """The transformer's hidden_states for (B, C, F, H, W) noisy latents, and any further
+        inputs (an image-to-video model's first frame: wan_first_frame.py)."""
+        return video.to(dtype), {}
 
     # --- sampling ----------------------------------------------------------------------------
 

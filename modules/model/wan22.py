@@ -50,6 +50,7 @@ class Wan22Family(WanFamily):
     pipeline_classes = ("WanPipeline",)
     single_file_signature = None  # a Wan single file is a Wan 2.1 transformer (family `wan`)
     single_file_part_signatures = {}
+    diffusers_folder = "Wan2.2-T2V-A14B-Diffusers"  # the released folder (named when a single file is given)
     kohya_base_version = "wan_2.2_t2v_a14b"
     modelspec_architecture = "wan-2.2-t2v-a14b/lora"
     key_layout = WAN22_KEYS
@@ -88,7 +89,8 @@ class Wan22Family(WanFamily):
     def trained_parts_not_run(self) -> set[str]:
         return set(self.trained_experts()) - self._experts_run
 
-    def adapter_files(self, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
+    @classmethod
+    def adapter_files(cls, trained_parts: list[str]) -> list[tuple[str, dict[str, str]]]:
         experts = [e for e in EXPERTS if e in trained_parts]
         if not experts:
             return super().adapter_files(trained_parts)
@@ -109,7 +111,7 @@ class Wan22Family(WanFamily):
 
         if self.single_file is not None:
             raise ModelLoadError(f"model.base: {self.single_file.name} is a single file; {self.label} is read from a "
-                                 "diffusers folder (Wan2.2-T2V-A14B-Diffusers: transformer/, transformer_2/, "
+                                 f"diffusers folder ({self.diffusers_folder}: transformer/, transformer_2/, "
                                  "model_index.json with its boundary_ratio)")
         self.parts["text_encoder"] = self.load_part("text_encoder", UMT5EncoderModel)
         for expert in EXPERTS:

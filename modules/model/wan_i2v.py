@@ -2,21 +2,17 @@
 transformer blocks (wan.py), conditioned on a first frame as WanImageToVideoPipeline does
 (diffusers 0.42, pipelines/wan/pipeline_wan_i2v.py), reproduced so training sees what sampling sees:
 
-- the condition latents: the VAE's mean of the video [first frame, zeros for every other frame],
-  normalised like the clip's latents, after a 4-channel mask that is 1 on the first latent frame
-  and 0 on the others; the transformer (in_channels 36) takes [noisy latents (16), mask (4),
-  condition latents (16)] on the channel axis. A one-frame sample is its own condition.
+- the condition latents and mask on the transformer's channels, and sampling from a prompt image:
+  wan_first_frame.py (shared with Wan 2.2 I2V A14B).
 - the image embeddings: CLIP ViT-H/14's penultimate hidden states (CLIPVisionModel, 257 tokens of
   1280) of the first frame as CLIPImageProcessor prepares it, handed to the image cross-attention
-  (`add_k_proj`/`add_v_proj`, `norm_added_k`) as `encoder_hidden_states_image`.
+  (`add_k_proj`/`add_v_proj`, `norm_added_k`) as `encoder_hidden_states_image`; drawn from the
+  sample's pixels and cached with its latents like the condition.
 - the text: always 512 tokens, because the transformer's attention splits image from text tokens by
   counting 512 text tokens from the end (`image_context_length = length - 512`).
 
-In training each clip's first frame (after the same crop and mirror as the clip) is its condition:
-both tensors are drawn from the sample's pixels (ModelFamily.pixel_conditioning) and cached with its
-latents. A sample prompt starts from `sampling.prompts[].control_images[0]`, fitted to the sample's
-size as training crops a clip to its bucket. Adapter keys are Wan 2.1's (keys/wan.py, which names
-the image cross-attention layers `cross_attn.k_img` / `v_img`); single files are not read for I2V.
+Adapter keys are Wan 2.1's (keys/wan.py, which names the image cross-attention layers
+`cross_attn.k_img` / `v_img`); single files are not read for I2V.
 """
 
 from __future__ import annotations
@@ -24,12 +20,8 @@ from __future__ import annotations
 import torch
 
 from modules.config.families.wan_i2v import DECLARATION
-from modules.errors import UserError
-from modules.model.wan import MAX_TEXT_TOKENS, WanFamily, latent_normalisation
-from modules.sampling.control_images import fitted_control_images
-from modules.util.torch_utils import make_generator
-
-MASK_CHANNELS = 4  # the VAE's 4x in time: the first frame's mask is repeated over its 4 frame slots
+from modules.model.wan import MAX_TEXT_TOKENS, WanFamily
+from modules.model.wan_first_frame import WanFirstFrame
 
 
 def _unwrapped_clip_key(key: str) -> str:
@@ -37,7 +29,7 @@ def _unwrapped_clip_key(key: str) -> str:
     return key.removeprefix("vision_model.")
 
 
-class WanI2VFamily(WanFamily):
+class WanI2VFamily(WanFirstFrame, WanFamily):
     declaration = DECLARATION  # name, label, parts: modules/config/families/wan_i2v.py
     pipeline_classes = ("WanImageToVideoPipeline",)
     # Wan 2.2's A14B I2V folders use the same pipeline class, with two experts and no image encoder
@@ -53,8 +45,6 @@ class WanI2VFamily(WanFamily):
                                "image_encoder": 630_766_080}
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
-    one_frame_note = ("each trains as a one-frame video conditioned on itself (the first frame's look and its caption, "
-                      "no motion); give the concept clips (video.frames 1 + 4n) to train motion")
 
     def load(self) -> None:
         from transformers import CLIPImageProcessorPil, CLIPVisionModel
@@ -78,21 +68,9 @@ class WanI2VFamily(WanFamily):
     # --- the first frame -------------------------------------------------------------------------
 
     def encode_pixel_conditioning(self, pixels: torch.Tensor) -> dict[str, torch.Tensor]:
-        """(B, 3, F, H, W) clips (or (B, 3, H, W) stills, one-frame clips) -> `image_condition`
-        (B, 4 + C, 1 + n, H/8, W/8), the mask then the condition latents (4-D for stills, like their
-        latents), and `image_embeds` (B, tokens, width) of each first frame."""
-        video = pixels if pixels.dim() == 5 else pixels.unsqueeze(2)
-        first = video[:, :, :1]
-        condition = torch.cat([first, first.new_zeros(*first.shape[:2], video.shape[2] - 1, *first.shape[3:])], dim=2)
-        vae = self.parts["vae"]
-        latents = vae.encode(condition.to(self.compute_dtype("vae"))).latent_dist.mean  # (the pipeline's "argmax")
-        mean, std = latent_normalisation(vae, latents)
-        latents = (latents - mean) / std
-        mask = latents.new_zeros(latents.shape[0], MASK_CHANNELS, *latents.shape[2:])
-        mask[:, :, 0] = 1
-        image_condition = torch.cat([mask, latents], dim=1)
-        return {"image_condition": image_condition if pixels.dim() == 5 else image_condition.squeeze(2),
-                "image_embeds": self.image_embeddings(first[:, :, 0])}
+        """WanFirstFrame's `image_condition` and `image_embeds` (B, tokens, width) of each first frame."""
+        first = pixels[:, :, 0] if pixels.dim() == 5 else pixels
+        return {**super().encode_pixel_conditioning(pixels), "image_embeds": self.image_embeddings(first)}
 
     def image_embeddings(self, frames: torch.Tensor) -> torch.Tensor:
         """(B, 3, H, W) frames in [-1, 1] -> CLIP's penultimate hidden states, as
@@ -117,27 +95,15 @@ class WanI2VFamily(WanFamily):
         config = json.loads((self.part_folder("image_encoder") / "config.json").read_text(encoding="utf-8"))
         # CLIPVisionConfig's defaults where the config leaves them out; one class token before the patches
         tokens = (config.get("image_size", 224) // config.get("patch_size", 32)) ** 2 + 1
-        return {"image_condition": (MASK_CHANNELS + latent_shape[0], *latent_shape[1:]),
+        return {**super().pixel_conditioning_shapes(latent_shape),
                 "image_embeds": (tokens, config.get("hidden_size", 768))}
 
     # --- training ----------------------------------------------------------------------------
 
-    def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The velocity for (B, C, H, W) one-frame or (B, C, F, H, W) latents, given the samples'
-        first-frame conditioning (`image_condition`, `image_embeds`) beside the text's."""
-        if "image_condition" not in text or "image_embeds" not in text:
-            raise ValueError(f"{self.label} denoises only with each sample's first-frame conditioning "
-                             "(image_condition, image_embeds: encode_pixel_conditioning)")
-        dtype = self.compute_dtype("transformer")
-        video = noisy if noisy.dim() == 5 else noisy.unsqueeze(2)
-        condition = text["image_condition"]
-        condition = condition if condition.dim() == 5 else condition.unsqueeze(2)
-        hidden = torch.cat([video, condition.to(video.device, video.dtype)], dim=1)
-        timestep = sigmas.float() * self.noise_scheduler.config.num_train_timesteps
-        out = self.transformer(hidden_states=hidden.to(dtype), timestep=timestep,
-                               encoder_hidden_states=text["hidden_states"].to(dtype),
-                               encoder_hidden_states_image=text["image_embeds"].to(dtype), return_dict=False)[0]
-        return out if noisy.dim() == 5 else out.squeeze(2)
+    def transformer_input(self, video: torch.Tensor, text: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> tuple[torch.Tensor, dict]:
+        hidden, extra = super().transformer_input(video, text, dtype)
+        return hidden, {**extra, "encoder_hidden_states_image": text["image_embeds"].to(dtype)}
 
     # --- sampling ----------------------------------------------------------------------------
 
@@ -151,22 +117,3 @@ class WanI2VFamily(WanFamily):
             transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
         return pipe
-
-    def prompt_image(self, prompt):
-        """The sample's first frame: its prompt's control image fitted to the sample's size."""
-        if not prompt.control_images:
-            raise UserError(f"sampling: the prompt {prompt.prompt!r} has no image; {self.label} samples a video from "
-                            "one (sampling.prompts[].control_images)")
-        return fitted_control_images(prompt.control_images, prompt.width, prompt.height, 1, self.label)[0]
-
-    def sample_frames(self, prompt, device, frames: int = 1) -> list:
-        """The prompt's video from its image as PIL frames (the pipeline rounds `frames` to 1 + 4n)."""
-        negative = {}
-        if prompt.cfg > 1:
-            negative = {"negative_prompt_embeds": self._prompt_embeds(prompt.negative_prompt or "", device)}
-        return self.pipeline()(
-            image=self.prompt_image(prompt), prompt_embeds=self._prompt_embeds(prompt.prompt, device),
-            guidance_scale=prompt.cfg, num_inference_steps=prompt.steps, width=prompt.width, height=prompt.height,
-            num_frames=frames, generator=make_generator(device, prompt.seed),
-            max_sequence_length=self.max_sequence_length, output_type="pil", **negative,
-        ).frames[0]

@@ -54,4 +54,6 @@ def tensor_bytes(tensor: torch.Tensor) -> int:
 
 
 def block_bytes(block: nn.Module) -> int:
-    return sum(tensor_bytes(t.get()) for t in layer_tensors(block))
+    """The bytes of `block`'s tensors, a tensor two layers share (tied weights) once."""
+    unique = {id(tensor): tensor for tensor in (t.get() for t in layer_tensors(block))}
+    return sum(tensor_bytes(tensor) for tensor in unique.values())

@@ -87,15 +87,20 @@ def store_as_planned(module: nn.Module, part: str, mode: str, compute_dtype: tor
         for name in targets:
             module.set_submodule(name, new_quantized_layer(mode, module.get_submodule(name), compute_dtype, options))
     quantized = set(targets) if is_quantized_mode(mode) else set()
+    casts: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied weights) stays one tensor
     for name, child in module.named_modules():
         if name in quantized or any(name.startswith(q + ".") for q in quantized):
             continue
         dtype = torch.float32 if keeps_float32(module, name) else dense
         for attr, tensor in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]:
-            if tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+            if id(tensor) in casts:
+                cast = casts[id(tensor)]
+            elif tensor is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                 cast = tensor.to(dtype)
                 if attr in child._parameters:
-                    child._parameters[attr] = nn.Parameter(cast, requires_grad=False)
-                else:
-                    child._buffers[attr] = cast
+                    cast = nn.Parameter(cast, requires_grad=False)
+                casts[id(tensor)] = cast
+            else:
+                continue
+            (child._parameters if attr in child._parameters else child._buffers)[attr] = cast
     module.requires_grad_(False)

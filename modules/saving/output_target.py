@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable
 
 from modules.errors import UserError
 from modules.util.atomic import write_text
@@ -63,19 +63,26 @@ def output_file_problem(path: Path, raw: str) -> str | None:
     return None
 
 
-def versioned(path: Path) -> Path:
-    """The first of name-2.ext, name-3.ext, ... that does not exist."""
+def saved_files(path: Path, suffixes: Sequence[str] = ("",)) -> list[Path]:
+    """The files a save to `path` writes: one per suffix after its stem (Wan 2.2's `-high_noise`,
+    `-low_noise`: ModelFamily.adapter_files)."""
+    return [path.with_name(f"{path.stem}{suffix}{path.suffix}") for suffix in suffixes]
+
+
+def versioned(path: Path, suffixes: Sequence[str] = ("",)) -> Path:
+    """The first of name-2.ext, name-3.ext, ... none of whose saved files exists."""
     number = 2
     while True:
         candidate = path.with_name(f"{path.stem}-{number}{path.suffix}")
-        if not candidate.exists():
+        if not any(file.exists() for file in saved_files(candidate, suffixes)):
             return candidate
         number += 1
 
 
 def resolve_output(path: Path, policy: str, workspace: Path, resuming: bool,
-                   warn: Callable[[str], None]) -> Path:
-    """The path the final save writes to, under `policy` (refuse / version / overwrite)."""
+                   warn: Callable[[str], None], suffixes: Sequence[str] = ("",)) -> Path:
+    """The path the final save writes to, under `policy` (refuse / version / overwrite), looking at
+    every file the save writes (`suffixes`: saved_files)."""
     if resuming:
         own = workspace_output(workspace, path)
         if own is not None:
@@ -86,17 +93,19 @@ def resolve_output(path: Path, policy: str, workspace: Path, resuming: bool,
     if path.exists() and not path.is_file():
         raise UserError(f"{path} is not a regular file (a device, pipe or socket); name a .safetensors file "
                         "in a folder of yours", field="output.path")
-    if not path.exists():
+    existing = [file for file in saved_files(path, suffixes) if file.exists()]
+    if not existing:
         return path
+    named = ", ".join(map(str, existing))
     if policy == "overwrite":
-        warn(f"output.path: {path} exists (not written by this run) and will be replaced at the end "
+        warn(f"output.path: {named} exists (not written by this run) and will be replaced at the end "
              "(output.if_exists: overwrite)")
         return path
     if policy == "refuse":
         raise OutputExistsError(
-            f"{path} already exists and was not written by this run; choose another output.path, or set "
+            f"{named} already exists and was not written by this run; choose another output.path, or set "
             "output.if_exists to version (save beside it as name-2) or overwrite", field="output.path")
-    target = versioned(path)
-    warn(f"output.path: {path} exists (not written by this run); this run saves to {target} "
-         "(output.if_exists: version)")
+    target = versioned(path, suffixes)
+    warn(f"output.path: {named} exists (not written by this run); this run saves to "
+         f"{', '.join(map(str, saved_files(target, suffixes)))} (output.if_exists: version)")
     return target

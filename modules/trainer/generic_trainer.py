@@ -114,7 +114,8 @@ class GenericTrainer:
             if removed:
                 self.callbacks.on_status(f"removed {removed} unfinished backup folder(s) of an interrupted run")
             self.output_path = resolve_output(config.output_path, config.output.if_exists, self.workspace,
-                                              config.backup.resume, self.callbacks.on_warning)
+                                              config.backup.resume, self.callbacks.on_warning,
+                                              outputs.saved_suffixes(config))
         if config.backup.resume:
             check_resume_early(self)
         self.callbacks.on_status("loading model")

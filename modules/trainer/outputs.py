@@ -23,6 +23,20 @@ if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
 
 
+def saved_suffixes(config) -> list[str]:
+    """The suffixes after output.path's stem of the files the final save writes, from the config
+    alone (before the model loads): an adapter run's per the family's adapter_files (Wan 2.2's
+    `-high_noise` and `-low_noise`), else the one file."""
+    from modules.adapters.layer_selection import trained_parts
+    from modules.config.families import get_family_class
+    from modules.config.method_configs import METHODS
+
+    if not METHODS.traits(config.method.type).uses_adapter:
+        return [""]
+    family = get_family_class(config.model.family)
+    return [suffix for suffix, _ in family.adapter_files(trained_parts(config, family))]
+
+
 def sample(trainer: GenericTrainer, prompts: list[SamplePromptConfig] | None = None,
            names: list[str] | None = None) -> list[Path]:
     """The config's enabled prompts (files named by their place in sampling.prompts), or `prompts`."""

@@ -364,8 +364,9 @@ def sd3_stems(family) -> set[str]:
 MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
         "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems,
         "wan": wan_stems, "wan_i2v": wan_stems, "wan22_ti2v": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems,
-        # Wan 2.2 A14B: each expert's file is loaded onto one of ComfyUI's WanModels (both of Wan 2.1 14B's shape)
-        "wan22": wan_stems}
+        # Wan 2.2 A14B (T2V and I2V): each expert's file is loaded onto one of ComfyUI's WanModels (both of
+        # Wan 2.1 14B's shape)
+        "wan22": wan_stems, "wan22_i2v": wan_stems}
 
 
 def stems(family) -> set[str] | None:
