@@ -158,6 +158,11 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         # StableDiffusion3Pipeline.load_lora_weights reads diffusers-format files only (no converter
         # for sd-scripts' or OneTrainer's SD3 names); the SD3 presets save that format
         return
+    if config.model.family == "krea2" and config.output.format != "diffusers":
+        # Krea2Pipeline.load_lora_weights reads diffusers files and ComfyUI-named peft ones (lora_A/lora_B, no
+        # alpha): nothing of a kohya file, and it refuses a comfy one (tests/test_family_krea2.py); the Krea-2
+        # presets save diffusers files, which ComfyUI maps too
+        return
     from diffusers import DiffusionPipeline
 
     # Qwen-Image-Edit's Qwen2VLProcessor needs torchvision (not installed here); its LoRA loader does not

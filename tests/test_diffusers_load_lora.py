@@ -16,7 +16,7 @@ from modules.adapters.adapter_set import build_adapter_set
 from modules.adapters.formats.files import check_output_format, diffusers_report, format_warnings, save_adapter_file
 from modules.config.train_config import AdapterConfig
 
-FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan")
+FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2")
 FORMATS = ("kohya", "comfy", "diffusers")
 # (family, format) -> (the exception diffusers raises, why): the refusals docs/formats.md names
 REFUSED = {
@@ -30,6 +30,10 @@ REFUSED = {
     # the kohya/ComfyUI converter must read every key: UMT5 adapters make WanPipeline refuse the file
     ("wan", "kohya"): ((ValueError, IndexError), "T5 adapters: the file is refused, as the run warns"),
     ("wan", "comfy"): (ValueError, "T5 adapters: the file is refused, as the run warns"),
+    # its Krea-2 converter reads ComfyUI's original names as peft lora_A/lora_B only and raises on the rest
+    ("krea2", "comfy"): (ValueError, "lora_down/lora_up/alpha: the file is refused, as the run warns"),
+    # every key must name "lora": the Qwen3-VL adapters' alphas under text_encoders. do not
+    ("krea2", "kohya"): (ValueError, "text-encoder alphas: the file is refused, as the run warns"),
 }
 
 

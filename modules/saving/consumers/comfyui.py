@@ -360,13 +360,36 @@ def sd3_stems(family) -> set[str]:
     return stems | clip_stems(family, generic=True) | t5_encoder_stems(family.parts["text_encoder_3"], 3)
 
 
+# --- Krea-2 -------------------------------------------------------------------------------------
+# ComfyUI's Krea 2 model (comfy/ldm/krea2/model.py SingleStreamDiT) keeps the original Krea 2 names
+# (`blocks.<i>.attn.wq/wk/wv/gate/wo`, `blocks.<i>.mlp.gate/up/down`, `txtfusion.<layerwise|refiner>_blocks`,
+# `txtfusion.projector`, `first`, `tmlp.0/2`, `tproj.1`, `txtmlp.1/3`, `last.linear`): the generic loop
+# of model_lora_keys_unet maps `lora_unet_<X with _>` and `diffusion_model.<X>` for them; its Krea2
+# branch adds, per diffusers name D of comfy/utils.py krea2_to_diffusers (those Linear layers),
+# `D`, `diffusion_model.D`, `transformer.D` and `lycoris_<D with _>`. Its Qwen3-VL encoder
+# (comfy/text_encoders/krea2.py) is "qwen3vl_4b", its language model `model`. Read in
+# comfyanonymous/ComfyUI of 2026 (comfy/ldm/krea2/model.py at 08381b1a), newer than the versions above.
+
+
+def krea2_stems(family) -> set[str]:
+    from modules.model.keys.krea2 import krea2_original_module_name
+
+    transformer = family.transformer
+    stems = set()
+    for name in _layers(transformer, convs=False):
+        own = krea2_original_module_name(transformer, name)
+        stems |= {f"lora_unet_{own.replace('.', '_')}", f"diffusion_model.{own}", name, f"diffusion_model.{name}",
+                  f"transformer.{name}", f"lycoris_{name.replace('.', '_')}"}
+    return stems | text_encoder_stems(family.parts["text_encoder"], "qwen3vl_4b")
+
+
 # the families whose ComfyUI map is rebuilt here; others: not checked
 MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
         "z_image": lambda family: set(z_image_map(family)), "flux2": flux2_stems, "qwen_image": qwen_image_stems,
         "wan": wan_stems, "wan_i2v": wan_stems, "wan22_ti2v": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems,
         # Wan 2.2 A14B (T2V and I2V): each expert's file is loaded onto one of ComfyUI's WanModels (both of
         # Wan 2.1 14B's shape)
-        "wan22": wan_stems, "wan22_i2v": wan_stems}
+        "wan22": wan_stems, "wan22_i2v": wan_stems, "krea2": krea2_stems}
 
 
 def stems(family) -> set[str] | None:
