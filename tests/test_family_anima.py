@@ -128,7 +128,7 @@ def test_a_sample_is_the_pipelines_image(family, tiny_anima):
 def test_anima_trains_a_lora_and_the_loss_falls(tmp_path, tiny_anima, one_image):
     config = train_config(tiny_anima, one_image, tmp_path, {
         "model": {"family": "anima", "parts": {"transformer": {"gradient_checkpointing": True}}},
-        "adapter": {"layer_preset": "all-linear"}, "schedule": {"epochs": 20, "batch_size": 1},
+        "adapter": {"layer_preset": "all-linear"}, "schedule": {"epochs": 10, "batch_size": 1},
         "optimizer": {"lr": 1e-2},
     })
     trainer = GenericTrainer(config)
