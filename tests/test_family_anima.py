@@ -89,7 +89,7 @@ def test_the_prediction_is_what_the_pipelines_denoise_loop_computes(family, tiny
     hook = pipe.transformer.register_forward_hook(lambda module, args, kwargs, out: calls.append((kwargs, out[0])),
                                                   with_kwargs=True)
     try:
-        pipe(prompt=CAPTIONS[0], num_inference_steps=2, height=64, width=64, max_sequence_length=32,
+        pipe(prompt=CAPTIONS[0], num_inference_steps=2, height=32, width=32, max_sequence_length=32,
              generator=torch.Generator().manual_seed(0), output_type="pt")
     finally:
         hook.remove()
@@ -115,13 +115,13 @@ def test_training_sigmas_are_shifted_as_the_pipelines_schedule():
 
 
 def test_a_sample_is_the_pipelines_image(family, tiny_anima):
-    prompt = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=3, cfg=3.0, width=64,
-                                height=64, seed=5)
+    prompt = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=3.0, width=48,
+                                height=32, seed=5)
     ours = np.asarray(family.sample(prompt, torch.device("cpu")))
     theirs = _disk_pipeline(tiny_anima, guidance_scale=3.0)(
-        prompt="a red circle", negative_prompt="blurry", num_inference_steps=3, height=64, width=64,
+        prompt="a red circle", negative_prompt="blurry", num_inference_steps=2, height=32, width=48,
         max_sequence_length=32, generator=torch.Generator().manual_seed(5), output_type="np").images[0]
-    assert ours.shape == (64, 64, 3) and ours.std() > 0
+    assert ours.shape == (32, 48, 3) and ours.std() > 0
     assert np.abs(ours.astype(np.float32) - np.round(theirs * 255)).max() <= 1
 
 
@@ -254,7 +254,8 @@ def test_checkpoint_blocks_follow_the_forward_order(family):
     blocks_run_in_listed_order(family, "text_encoder", lambda: family.encode_text(family.tokenize(["a"])))
 
 
-@pytest.mark.parametrize("mode", MODES)
+# bfloat16: the Anima LoRA 12GB and 24GB presets train on it (tests/test_builtin_presets.py)
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "bfloat16"])
 def test_each_base_precision_initializes_and_steps(tmp_path, tiny_anima, one_image, mode):
     initializes_and_steps(tiny_anima, one_image, tmp_path, "anima", "transformer", mode, dora=mode == "float8")
 
@@ -282,6 +283,23 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
 
 def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny_anima, shape_images):
     resumed_training_matches(tiny_anima, shape_images, tmp_path, "anima")
+
+
+def test_a_fine_tune_saves_a_modular_pipeline_folder_that_loads_whole(tmp_path, tiny_anima, one_image):
+    """The saved folder carries the modular index (no model_index.json) and the tokenizers, and
+    AnimaModularPipeline loads every component of it, the trained transformer's weights included."""
+    config = train_config(tiny_anima, one_image, tmp_path, {
+        "model": {"family": "anima", "parts": {"transformer": {"weight_dtype": "float32"}}},
+        "method": {"type": "fine_tune", "save_format": "diffusers"}, "optimizer": {"lr": 1e-4},
+        "schedule": {"max_steps": 1, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    saved = trainer.end()
+    assert (saved / "modular_model_index.json").is_file() and (saved / "t5_tokenizer").is_dir()
+    pipe = _disk_pipeline(saved)
+    trained = trainer.family.transformer.state_dict()
+    assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
 
 
 def test_anima_presets_are_listed_and_valid():

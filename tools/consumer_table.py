@@ -30,7 +30,8 @@ FORMATS = ("kohya", "comfy", "diffusers")
 # (family, make_tiny_model options, the row's label): the families a consumer map is kept for
 ROWS = (("sd15", {}, "SD1.5"), ("sdxl", {}, "SDXL"), ("flux", {}, "FLUX.1"), ("z_image", {}, "Z-Image"),
         ("flux2", {}, "FLUX.2 klein"), ("flux2", {"variant": "dev"}, "FLUX.2 dev"), ("qwen_image", {}, "Qwen-Image"),
-        ("wan", {}, "Wan 2.1"), ("wan22_ti2v", {}, "Wan 2.2 TI2V 5B"), ("chroma", {}, "Chroma"), ("sd3", {}, "SD3.5"))
+        ("wan", {}, "Wan 2.1"), ("wan22_ti2v", {}, "Wan 2.2 TI2V 5B"), ("chroma", {}, "Chroma"), ("sd3", {}, "SD3.5"),
+        ("anima", {}, "Anima"))
 SHOWN = 3  # dropped layer kinds named in a cell
 
 
