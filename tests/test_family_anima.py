@@ -114,10 +114,11 @@ def test_training_sigmas_are_shifted_as_the_pipelines_schedule():
     assert torch.allclose(flow_sigmas(config, torch.tensor([0.5]), 64), torch.tensor([0.75]))
 
 
-def test_a_sample_is_the_pipelines_image(family, tiny_anima):
+def test_a_sample_is_the_pipelines_image(family, tiny_anima, capsys):
     prompt = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=3.0, width=48,
                                 height=32, seed=5)
     ours = np.asarray(family.sample(prompt, torch.device("cpu")))
+    assert "it/s" not in capsys.readouterr().err  # no progress bar of the denoise loop in the run's log
     theirs = _disk_pipeline(tiny_anima, guidance_scale=3.0)(
         prompt="a red circle", negative_prompt="blurry", num_inference_steps=2, height=32, width=48,
         max_sequence_length=32, generator=torch.Generator().manual_seed(5), output_type="np").images[0]

@@ -46,6 +46,14 @@ def _text_encoder_key(key: str) -> str:
     return key.removeprefix("model.")
 
 
+def _quiet(blocks) -> None:
+    """No progress bar from any block of a modular pipeline (the denoise loop sits three levels down)."""
+    for block in getattr(blocks, "sub_blocks", {}).values():
+        if hasattr(block, "set_progress_bar_config"):
+            block.set_progress_bar_config(disable=True)
+        _quiet(block)
+
+
 class AnimaFamily(FlowMatchingTraining, ModelFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/
     # a modular pipeline: its folder's modular_model_index.json names this class (detect.py reads it)
@@ -145,13 +153,14 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         """AnimaModularPipeline (AnimaAutoBlocks) on the live modules."""
         from diffusers import AnimaAutoBlocks, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
 
-        pipe = AnimaAutoBlocks().init_pipeline()
+        blocks = AnimaAutoBlocks()
+        _quiet(blocks)  # (the pipeline's set_progress_bar_config reaches its direct sub-blocks only)
+        pipe = blocks.init_pipeline()  # (a copy of the blocks, their settings kept)
         pipe.update_components(
             text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer, t5_tokenizer=self.t5_tokenizer,
             text_conditioner=self.parts["text_conditioner"], transformer=self.transformer, vae=self.parts["vae"],
             scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config),
             guider=ClassifierFreeGuidance(guidance_scale=guidance_scale))
-        pipe.set_progress_bar_config(disable=True)
         return pipe
 
     def run_sampling_pipeline(self, prompt, device):
