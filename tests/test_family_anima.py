@@ -3,7 +3,8 @@ the LLM adapter's queries, AnimaTextConditioner, CosmosTransformer3DModel, Autoe
 the text conditioning, the denoiser's prediction and a sample are AnimaModularPipeline's own; a LoRA
 on the transformer and the LLM adapter learns, resumes and offloads as it trains plain; the diffusers
 file loads in the modular pipeline with every adapter and the same outputs; the folder is told an
-Anima model by its modular_model_index.json before any weight loads."""
+Anima model by its modular_model_index.json before any weight loads, and ComfyUI's one-file Anima
+(DiT + llm_adapter) loads to the folder's tensors."""
 
 from __future__ import annotations
 
@@ -301,6 +302,67 @@ def test_a_fine_tune_saves_a_modular_pipeline_folder_that_loads_whole(tmp_path, 
     pipe = _disk_pipeline(saved)
     trained = trainer.family.transformer.state_dict()
     assert all(torch.equal(v, trained[k]) for k, v in pipe.transformer.state_dict().items())
+
+
+# diffusers' CosmosTransformer3DModel names -> the original Cosmos-Predict2 names (the inverse of diffusers' converter)
+_TO_ORIGINAL = (("transformer_blocks.", "blocks."), (".attn1.", ".self_attn."), (".attn2.", ".cross_attn."),
+                (".to_q.", ".q_proj."), (".to_k.", ".k_proj."), (".to_v.", ".v_proj."), (".to_out.0.", ".output_proj."),
+                (".norm_q.", ".q_norm."), (".norm_k.", ".k_norm."), (".ff.net.0.proj.", ".mlp.layer1."),
+                (".ff.net.2.", ".mlp.layer2."), (".norm1.linear_", ".adaln_modulation_self_attn."),
+                (".norm2.linear_", ".adaln_modulation_cross_attn."), (".norm3.linear_", ".adaln_modulation_mlp."),
+                ("patch_embed.proj.", "x_embedder.proj.1."), ("norm_out.linear_", "final_layer.adaln_modulation."),
+                ("proj_out.", "final_layer.linear."), ("time_embed.t_embedder.", "t_embedder.1."),
+                ("time_embed.norm.", "t_embedding_norm."))
+
+
+def _anima_file(folder, path, prefix: str):
+    """The tiny folder's transformer and LLM adapter as ComfyUI's one Anima file (original names)."""
+    from safetensors.torch import load_file, save_file
+
+    out = {}
+    for key, tensor in load_file(str(folder / "transformer" / "diffusion_pytorch_model.safetensors")).items():
+        for old, new in _TO_ORIGINAL:
+            key = key.replace(old, new)
+        out[prefix + key] = tensor
+    for key, tensor in load_file(str(folder / "text_conditioner" / "diffusion_pytorch_model.safetensors")).items():
+        out[f"{prefix}llm_adapter.{key}"] = tensor
+    save_file(out, str(path))
+    return path
+
+
+@pytest.mark.parametrize("prefix", ["net.", "model.diffusion_model."])
+def test_comfyuis_anima_file_loads_the_same_tensors_as_the_folder(tmp_path, tiny_anima, shape_images, family,
+                                                                  prefix):
+    from modules.loading.diffusers_folder import ModelLoadError
+    from modules.model.anima import AnimaFamily
+    from modules.model.detect import detect_model
+
+    file = _anima_file(tiny_anima, tmp_path / "anima-tiny.safetensors", prefix)
+    assert detect_model(file).family == "anima"
+    lacking = AnimaFamily(train_config(file, shape_images, tmp_path, {"model": {"family": "anima"}}))
+    lacking.model_configs_dir = tiny_anima
+    with pytest.raises(ModelLoadError, match=r"model\.parts\.text_encoder\.path.*model\.parts\.vae\.path"):
+        lacking.load()
+    config = train_config(file, shape_images, tmp_path, {"model": {"family": "anima", "parts": {
+        "text_encoder": {"path": str(tiny_anima / "text_encoder")}, "vae": {"path": str(tiny_anima / "vae")}}}})
+    from_file = AnimaFamily(config)
+    from_file.model_configs_dir = tiny_anima
+    from_file.load()  # the tokenizers from beside the text encoder's folder
+    for part, module in family.parts.items():
+        ours, theirs = from_file.parts[part].state_dict(), module.state_dict()
+        assert set(ours) == set(theirs), part
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours), part
+
+
+def test_a_cosmos_predict2_file_is_not_taken_for_anima(tmp_path, tiny_anima):
+    from safetensors.torch import load_file, save_file
+
+    from modules.model.detect import detect_model
+
+    file = _anima_file(tiny_anima, tmp_path / "anima.safetensors", "net.")
+    save_file({k: v for k, v in load_file(str(file)).items() if ".llm_adapter." not in k},
+              str(tmp_path / "cosmos.safetensors"))
+    assert (detect_model(tmp_path / "cosmos.safetensors") or type("none", (), {"family": None})).family != "anima"
 
 
 def test_anima_presets_are_listed_and_valid():

@@ -23,6 +23,7 @@ cross-attending to the Qwen3 states), CosmosTransformer3DModel and the Qwen-Imag
 
 diffusers' CosmosTransformer3DModel resizes the padding mask with torchvision, which is not
 installed here: components/cosmos_padding_mask.py. Adapter key names: modules/model/keys/anima.py.
+Single files: ComfyUI's anima-*.safetensors (the DiT and the LLM adapter; single_file_part).
 """
 
 from __future__ import annotations
@@ -39,6 +40,17 @@ from modules.util.torch_utils import make_generator
 
 # AnimaTextEncoderStep's default `max_sequence_length` (both tokenizers)
 MAX_TEXT_TOKENS = 512
+
+
+# how ComfyUI's and the original Anima files hold the DiT and the LLM adapter: bare, or under one of these
+_FILE_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "net.")
+# the Cosmos-Predict2 DiT's top-level names in those files (diffusers' converter drops the bookkeeping ones)
+_DIT_NAMES = ("blocks.", "x_embedder.", "t_embedder.", "t_embedding_norm.", "final_layer.", "pos_embedder.",
+              "extra_pos_embedder.", "accum_")
+
+
+def _bare(key: str) -> str:
+    return next((key.removeprefix(p) for p in _FILE_PREFIXES if key.startswith(p)), key)
 
 
 def _text_encoder_key(key: str) -> str:
@@ -67,6 +79,8 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
                                "transformer": 1_956_405_248, "vae": 126_892_531}
     text_parts = ("text_encoder", "text_conditioner")
     image_parts = ("vae",)
+    # ComfyUI's anima-*.safetensors (the DiT with its llm_adapter); a Cosmos-Predict2 file has no llm_adapter
+    single_file_signature = (r"^(model\.diffusion_model\.|diffusion_model\.|net\.)?llm_adapter\.", None)
 
     def load(self) -> None:
         from diffusers import AnimaTextConditioner, AutoencoderKLQwenImage, CosmosTransformer3DModel
@@ -82,6 +96,23 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
         self.t5_tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("t5_tokenizer")),
                                                           local_files_only=True)
+
+    def single_file_part(self, part: str):
+        """ComfyUI's Anima file holds the transformer (Cosmos-Predict2's names: diffusers' Cosmos converter) and
+        the LLM adapter (`llm_adapter.`, AnimaTextConditioner's own names); Qwen3 and the VAE ship apart."""
+        from diffusers.loaders import single_file_utils as convert
+
+        from modules.loading.single_file import SingleFilePart
+
+        prefixes = ("", *_FILE_PREFIXES)
+        if part == "transformer":
+            return SingleFilePart(tuple(p + name for p in prefixes for name in _DIT_NAMES),
+                                  lambda sd, model: convert.convert_cosmos_transformer_checkpoint_to_diffusers(
+                                      {_bare(k): v for k, v in sd.items()}))
+        if part == "text_conditioner":
+            return SingleFilePart(tuple(p + "llm_adapter." for p in prefixes),
+                                  lambda sd, model: {_bare(k).removeprefix("llm_adapter."): v for k, v in sd.items()})
+        return None
 
     @property
     def transformer(self):

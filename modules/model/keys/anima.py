@@ -71,12 +71,12 @@ ANIMA_KEYS = KeyLayout(
     comfy={"transformer": ComfyStems("diffusion_model.", anima_original_module_name),
            "text_conditioner": ComfyStems("diffusion_model.", llm_adapter_module_name)},
     comfy_text_encoders={"text_encoder": "qwen3_06b"},
-    comfyui_skips={"transformer": (None, "it maps Anima adapters only under the original Cosmos names "
-                                         "(output.format 'comfy' or 'kohya')"),
-                   "text_conditioner": (None, "it maps the LLM adapter's adapters only under the diffusion model's "
-                                              "llm_adapter. names (output.format 'comfy' or 'kohya')"),
-                   "text_encoder": (None, "it reads Qwen3 adapters only under its own "
-                                          "text_encoders.qwen3_06b.transformer.model. names")},
+    comfyui_skips={"transformer": (None, ("it maps Anima adapters only under the original Cosmos names "
+                                          "(output.format 'comfy' or 'kohya')")),
+                   "text_conditioner": (None, ("it maps the LLM adapter's adapters only under the diffusion model's "
+                                               "llm_adapter. names (output.format 'comfy' or 'kohya')")),
+                   "text_encoder": (None, ("it reads Qwen3 adapters only under its own "
+                                           "text_encoders.qwen3_06b.transformer.model. names"))},
     diffusers_refuses={"comfy": "load_lora_weights refuses ComfyUI-layout Anima files: its converter takes them, "
                                 "but the loader wants `lora` in every key and the file's `.alpha` keys have none "
                                 "(use output.format 'diffusers' for diffusers)"},

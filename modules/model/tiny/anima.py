@@ -40,10 +40,10 @@ def make_tiny_model(out: str | Path, transformer: dict | None = None, seed: int 
                                             num_attention_heads=4, target_vocab_size=t5_vocab,
                                             min_sequence_length=_MAX_LENGTH)
     # Cosmos-Predict2's layout (no learnable position embedding, the padding-mask channel), tiny widths
-    transformer_config = dict(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
-                              num_layers=2, text_embed_dim=32, adaln_lora_dim=8, max_size=(4, 32, 32),
-                              patch_size=(1, 2, 2), rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True,
-                              extra_pos_embed_type=None)
+    transformer_config = {"in_channels": 16, "out_channels": 16, "num_attention_heads": 2, "attention_head_dim": 16,
+                          "num_layers": 2, "text_embed_dim": 32, "adaln_lora_dim": 8, "max_size": (4, 32, 32),
+                          "patch_size": (1, 2, 2), "rope_scale": (1.0, 4.0, 4.0), "concat_padding_mask": True,
+                          "extra_pos_embed_type": None}
     transformer_config.update(transformer or {})
     # two spatial downsamples (no temporal one): latents at a quarter of the image size
     vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
