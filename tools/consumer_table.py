@@ -31,7 +31,8 @@ FORMATS = ("kohya", "comfy", "diffusers")
 ROWS = (("sd15", {}, "SD1.5"), ("sdxl", {}, "SDXL"), ("flux", {}, "FLUX.1"), ("z_image", {}, "Z-Image"),
         ("flux2", {}, "FLUX.2 klein"), ("flux2", {"variant": "dev"}, "FLUX.2 dev"), ("qwen_image", {}, "Qwen-Image"),
         ("wan", {}, "Wan 2.1"), ("wan22_ti2v", {}, "Wan 2.2 TI2V 5B"), ("chroma", {}, "Chroma"), ("sd3", {}, "SD3.5"),
-        ("krea2", {}, "Krea-2"))
+        ("krea2", {}, "Krea-2"),
+        ("anima", {}, "Anima"))
 SHOWN = 3  # dropped layer kinds named in a cell
 
 

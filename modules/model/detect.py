@@ -1,7 +1,8 @@
 """Which model family a folder or single file holds, from its small files only (no weights read).
 
-A diffusers folder says it in model_index.json (the pipeline class) or, without one, in its
-denoiser's config.json; a component folder (config.json at its top) in that config. An
+A diffusers folder says it in model_index.json (the pipeline class; a modular pipeline's folder,
+such as Anima's, in modular_model_index.json) or, without one, in its denoiser's config.json; a
+component folder (config.json at its top) in that config. An
 original-layout .safetensors file says it in its key names (the header). Each family declares
 its own signs (`pipeline_classes`, `denoiser_config`, `single_file_signature` in its file; a file of
 one part alone, such as ComfyUI's Wan VAE: `single_file_part_signatures`), so nothing here names a family. Where no family matches, diffusers' own single-file classifier
@@ -59,7 +60,8 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _detect_folder(folder: Path) -> DetectedModel | None:
-    index = _read_json(folder / "model_index.json")
+    # a modular pipeline's folder (diffusers' ModularPipeline) names its class in modular_model_index.json
+    index = _read_json(folder / "model_index.json") or _read_json(folder / "modular_model_index.json")
     if index and isinstance(index.get("_class_name"), str):
         pipeline = index["_class_name"]
         # the surest claim wins (families of one pipeline class tell themselves apart by the index's entries)

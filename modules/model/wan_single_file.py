@@ -24,7 +24,8 @@ import re
 from pathlib import Path
 
 # a key only a Wan transformer file has: its blocks' self/cross attention under the original names
-SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", None)
+# (Cosmos-Predict2's DiT, Anima's, names its blocks' attention so too: its adaLN modulation tells it apart)
+SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", r"\.adaln_modulation_self_attn\.")
 # the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
 # blocks past the first (T5 has it in block 0 only)
 PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",

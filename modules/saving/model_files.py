@@ -101,11 +101,14 @@ def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype:
                     _copy(family.part_folder(spec.name), temp / spec.subfolder)
                 written.add(spec.subfolder)
             source = Path(family.config.model.base) if not single_file_base else family.model_config_folder()
-            index = json.loads((source / "model_index.json").read_text(encoding="utf-8"))
+            # a modular pipeline's folder (Anima's) has modular_model_index.json instead
+            index_name = next((n for n in ("model_index.json", "modular_model_index.json") if (source / n).is_file()),
+                              "model_index.json")
+            index = json.loads((source / index_name).read_text(encoding="utf-8"))
             for name in index:  # tokenizers, scheduler, and the pipeline's model_index.json itself
                 if not name.startswith("_") and name not in written and index[name] and index[name][0]:
                     _copy(family.support_folder(name), temp / name)
-            _copy(source / "model_index.json", temp / "model_index.json")
+            _copy(source / index_name, temp / index_name)
             (temp / "difftrainer.json").write_text(json.dumps(metadata, indent=2), encoding="utf-8")
             old = folder.parent / f".old-{folder.name}"
             if folder.exists():

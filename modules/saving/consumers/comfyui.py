@@ -279,6 +279,28 @@ def wan_stems(family) -> set[str]:
                     for k in encoder.state_dict() if k.endswith(".weight")}
 
 
+# --- Anima -------------------------------------------------------------------------------------
+# ComfyUI's Anima (comfy/ldm/anima/model.py, `Anima(MiniTrainDIT)`; comfy/supported_models.py
+# `Anima`, image_model "anima") is the Cosmos-Predict2 DiT under its original names (per block
+# `self_attn.q_proj/k_proj/v_proj/output_proj`, `cross_attn.*`, `mlp.layer1/layer2`,
+# `adaln_modulation_{self_attn,cross_attn,mlp}.1/.2`; `x_embedder.proj.1`, `t_embedder.1.linear_1/2`,
+# `final_layer.linear`, `final_layer.adaln_modulation.1/.2`) with the LLM adapter inside it as
+# `llm_adapter.<AnimaTextConditioner's own names>`. model_lora_keys_unet has no Anima branch: only
+# `lora_unet_<X with _>` and `diffusion_model.<X>` for them. Its Qwen3 0.6B encoder (comfy/text_encoders/
+# anima.py, SD1ClipModel "qwen3_06b"): `text_encoders.qwen3_06b.transformer.model.<k>`.
+
+
+def anima_stems(family) -> set[str]:
+    from modules.model.keys.anima import anima_original_module_name
+
+    transformer = family.transformer
+    own = [anima_original_module_name(transformer, name) for name in _layers(transformer, convs=False)]
+    own += [f"llm_adapter.{k.removesuffix('.weight')}" for k in family.parts["text_conditioner"].state_dict()
+            if k.endswith(".weight")]
+    stems = {f"lora_unet_{k.replace('.', '_')}" for k in own} | {f"diffusion_model.{k}" for k in own}
+    return stems | text_encoder_stems(family.parts["text_encoder"], "qwen3_06b")
+
+
 # --- Chroma and SD3 -----------------------------------------------------------------------------
 # ComfyUI's Chroma (comfy/model_base.py `class Chroma(Flux)`, comfy/ldm/chroma/model.py) has
 # FLUX's blocks without their modulation layers (`img_in`, `txt_in`, double blocks' `img_attn.qkv`
@@ -389,7 +411,7 @@ MAPS = {"sd15": _sd_flux_all, "sdxl": _sd_flux_all, "flux": _sd_flux_all,
         "wan": wan_stems, "wan_i2v": wan_stems, "wan22_ti2v": wan_stems, "chroma": chroma_stems, "sd3": sd3_stems,
         # Wan 2.2 A14B (T2V and I2V): each expert's file is loaded onto one of ComfyUI's WanModels (both of
         # Wan 2.1 14B's shape)
-        "wan22": wan_stems, "wan22_i2v": wan_stems, "krea2": krea2_stems}
+        "wan22": wan_stems, "wan22_i2v": wan_stems, "krea2": krea2_stems, "anima": anima_stems}
 
 
 def stems(family) -> set[str] | None:
