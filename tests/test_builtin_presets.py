@@ -158,10 +158,14 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         # StableDiffusion3Pipeline.load_lora_weights reads diffusers-format files only (no converter
         # for sd-scripts' or OneTrainer's SD3 names); the SD3 presets save that format
         return
+    if trainer.family.diffusers_refuses(config.output.format):
+        return  # the family's key layout says diffusers' loader reads no file of this format (the run warns so)
     from diffusers import DiffusionPipeline
 
-    # Qwen-Image-Edit's Qwen2VLProcessor needs torchvision (not installed here); its LoRA loader does not
-    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus") else {}
+    # Qwen-Image-Edit's Qwen2VLProcessor and FIBO-2's Qwen3VLProcessor need torchvision (not installed here);
+    # their LoRA loaders do not
+    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus",
+                                                             "fibo2") else {}
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
     for (suffix, _), path in zip(file_sets, final):
         pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}", **trainer.family.diffusers_load_options(suffix))
