@@ -4,7 +4,7 @@ blocks, FLUX.2's VAE): the caption, text and latent encodings are BriaFibo2Pipel
 changes nothing, training learns under the flow target at the pipeline's shift, a sample is the
 pipeline's own image for the same prompt (CFG against its null caption), the diffusers file loads in
 `BriaFibo2Pipeline.load_lora_weights` with every adapter used and equal outputs, and the shared
-checks (quantized bases, offloading, resume, block order) hold."""
+checks (quantized bases, offloading half the transformer on the fake device, resume, block order) hold."""
 
 from __future__ import annotations
 
@@ -262,12 +262,61 @@ def test_a_skeleton_transformer_leaves_the_load_unchanged(family):
     loads_beside_a_skeleton_denoiser(family)  # what `launch.py cache` loads
 
 
-def test_fibo2_presets_are_listed_and_valid():
+def test_fibo2_presets_are_listed_and_valid_and_its_folder_is_told_by_its_pipeline(tiny_fibo2):
     from modules.config.loading import build_config
     from modules.config.presets import list_presets, load_preset_overlay
+    from modules.model.detect import detect_family
+
+    assert detect_family(tiny_fibo2) == "fibo2"  # model_index's BriaFibo2Pipeline
 
     names = [p.name for p in list_presets() if p.family == "fibo2"]
     assert {"FIBO-2 LoRA 16GB", "FIBO-2 LoRA 24GB"} <= set(names)
     for name in names:
         config = build_config([load_preset_overlay(name)])
         assert config.model.family == "fibo2" and config.output.format == "diffusers"
+
+
+class _RealArithmeticAttention:
+    """BriaFibo2AttnProcessor's computation with its rotary embedding in real products: the fake device
+    cannot run the complex view the processor's rotation makes."""
+
+    _attention_backend = None
+    _parallel_config = None
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, freqs_cis=None):
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        query, key, value = (projection(x).unflatten(-1, (attn.heads, -1)) for projection, x in
+                             ((attn.to_q, hidden_states), (attn.to_k, context), (attn.to_v, context)))
+        query, key = attn.norm_q(query), attn.norm_k(key)
+        if freqs_cis is not None:
+            query, key = _rotated(query, freqs_cis), _rotated(key, freqs_cis)
+        if attention_mask is not None and attention_mask.ndim == 2:
+            attention_mask = attention_mask[:, None, None, :]
+        out = dispatch_attention_fn(query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False)
+        return attn.to_out[0](out.flatten(2, 3))
+
+
+def _rotated(x, freqs_cis):
+    cos, sin = freqs_cis.real.unsqueeze(2), freqs_cis.imag.unsqueeze(2)
+    even, odd = x.float().reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(3).type_as(x)
+
+
+def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_fibo2, one_image, family,
+                                                                 monkeypatch):
+    from diffusers.models.transformers import transformer_bria_fibo2 as fibo2
+    from family_cross import offloaded_training_matches
+
+    latents = torch.randn(1, 8, 8, 8, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.tokenize(["a"]))
+    with torch.no_grad():
+        expected = family.denoise(latents, torch.tensor([0.5]), text)
+        family.transformer.set_attn_processor(_RealArithmeticAttention())
+        try:
+            assert torch.allclose(family.denoise(latents, torch.tensor([0.5]), text), expected, atol=1e-5)
+        finally:
+            family.transformer.set_attn_processor(fibo2.BriaFibo2AttnProcessor())
+    monkeypatch.setattr(fibo2.BriaFibo2Attention, "_default_processor_cls", _RealArithmeticAttention)
+    offloaded_training_matches(tiny_fibo2, one_image, tmp_path, "fibo2", "transformer", fake_device)
