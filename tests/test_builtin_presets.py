@@ -158,6 +158,8 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         # StableDiffusion3Pipeline.load_lora_weights reads diffusers-format files only (no converter
         # for sd-scripts' or OneTrainer's SD3 names); the SD3 presets save that format
         return
+    if trainer.family.diffusers_refuses(config.output.format):
+        return  # the family's key layout says diffusers' loader reads no file of this format (the run warns so)
     if config.model.family == "krea2" and config.output.format != "diffusers":
         # Krea2Pipeline.load_lora_weights reads diffusers files and ComfyUI-named peft ones (lora_A/lora_B, no
         # alpha): nothing of a kohya file, and it refuses a comfy one (tests/test_family_krea2.py); the Krea-2
@@ -169,8 +171,10 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         return
     from diffusers import DiffusionPipeline
 
-    # Qwen-Image-Edit's Qwen2VLProcessor needs torchvision (not installed here); its LoRA loader does not
-    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus") else {}
+    # Qwen-Image-Edit's Qwen2VLProcessor and FIBO-2's Qwen3VLProcessor need torchvision (not installed here);
+    # their LoRA loaders do not
+    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus",
+                                                             "fibo2") else {}
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
     for (suffix, _), path in zip(file_sets, final):
         pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}", **trainer.family.diffusers_load_options(suffix))

@@ -13,10 +13,16 @@ import torch
 from conftest import train_config
 
 from modules.adapters.adapter_set import build_adapter_set
-from modules.adapters.formats.files import check_output_format, diffusers_report, format_warnings, save_adapter_file
+from modules.adapters.formats.files import (
+    AdapterFileError,
+    check_output_format,
+    diffusers_report,
+    format_warnings,
+    save_adapter_file,
+)
 from modules.config.train_config import AdapterConfig
 
-FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2")
+FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2", "fibo2")
 FORMATS = ("kohya", "comfy", "diffusers")
 # (family, format) -> (the exception diffusers raises, why): the refusals docs/formats.md names
 REFUSED = {
@@ -56,6 +62,10 @@ def test_load_lora_weights_loads_what_the_run_does_not_warn_of(family, fmt, tmp_
     adapters = build_adapter_set(family, AdapterConfig(type="lora", rank=2, layer_preset="attn-mlp"), parts,
                                  torch.device("cpu"), fmt)
     try:
+        if fmt == "comfy" and not (family.key_layout.comfy or family.key_layout.comfy_is_kohya):
+            with pytest.raises(AdapterFileError, match="no ComfyUI key layout"):  # refused before training
+                check_output_format(fmt, adapters, family)
+            return
         check_output_format(fmt, adapters, family)
         warned = [w for w in format_warnings(fmt, adapters, family) if "load_lora_weights" in w]
         dropped = sum(int(m.group(1)) for w in warned if (m := re.search(r"will not load (\d+) of these", w)))
@@ -80,6 +90,10 @@ def test_load_lora_weights_loads_what_the_run_does_not_warn_of(family, fmt, tmp_
             return
         pipe.load_lora_weights(str(path))
         loaded = sum(isinstance(m, LoraLayer) for part in parts for m in getattr(pipe, part).modules())
+        if family.diffusers_refuses(fmt):  # read without an error, and nothing loaded (FIBO-2's kohya names)
+            assert loaded == 0 and report["applied"] == 0 and len(report["dropped"]) == total
+            assert any(family.diffusers_refuses(fmt) in w for w in warned), warned
+            return
         assert loaded == total - dropped, (loaded, total, warned)
         assert report["applied"] == loaded and report["total"] == total
     finally:
