@@ -325,6 +325,34 @@ def test_helper_session_reports_a_trainer_that_crashes(tmp_path):
     assert events[1] == {"event": "error", "message": "the trainer exited with code 1: boom: out of memory"}
 
 
+def test_a_wan22_run_brings_back_each_experts_file_and_the_attach_remembers_them(tmp_path):
+    """Wan 2.2 A14B saves one file per expert (<stem>-high_noise / -low_noise.safetensors): both
+    are this run's result and come back, after a reattach too (the session file keeps the suffixes)."""
+    from modules.config.loading import build_config
+    from modules.remote.run import PULLED_FOLDERS, RemoteRun
+    from modules.remote.ssh import SshTarget
+    from modules.trainer.outputs import saved_suffixes
+
+    config = build_config([{"model": {"family": "wan22", "parts": {"transformer": {"train": True},
+                                                                   "transformer_2": {"train": True}}},
+                            "workspace_dir": str(tmp_path / "ws")}])
+    run = RemoteRun(None, tmp_path / "ws", tmp_path / "out" / "lora.safetensors", "/box", 0, lambda text: None)
+    run.output_suffixes = tuple(saved_suffixes(config))
+    assert run.output_suffixes == ("-high_noise", "-low_noise")
+    run.target = SshTarget("user@box")
+    (tmp_path / "ws").mkdir()
+    run.save_session()
+    run = RemoteRun.from_session(tmp_path / "ws", lambda text: None)
+    listing = {"lora-high_noise.safetensors": [10, 1], "lora-low_noise.safetensors": [10, 1],
+               "lora-other.safetensors": [3, 1], "other-low_noise.safetensors": [3, 1]}
+    run.target = SimpleNamespace(helper_argv=lambda *argv: list(argv), run_json=lambda argv, what: {
+        **{f"/box/workspace/{name}": {} for name in PULLED_FOLDERS}, "/box/output": listing})
+    pulled = []
+    run._pull = lambda root, relatives, local_root: pulled.append((root, sorted(relatives)))
+    run.sync_results()
+    assert pulled == [("/box/output", ["lora-high_noise.safetensors", "lora-low_noise.safetensors"])]
+
+
 def test_a_sync_brings_back_an_output_folder_and_companions_and_nothing_else(tmp_path):
     """The box's output folder may hold other runs' results: only this output's files come back."""
     from modules.remote.run import PULLED_FOLDERS, RemoteRun

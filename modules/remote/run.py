@@ -62,6 +62,9 @@ class RemoteRun:
         self.local_workspace = Path(local_workspace).resolve()
         self.local_output = Path(local_output).resolve()
         self.requested_output = self.local_output  # output.path as configured (local_output may be name-2)
+        # what the final save writes after the output's stem (Wan 2.2's "-high_noise", "-low_noise":
+        # trainer/outputs.py saved_suffixes); "" is the output itself
+        self.output_suffixes: tuple[str, ...] = ("",)
         self.remote_dir = remote_dir  # absolute on the box
         self.offset = offset  # bytes of events.jsonl already relayed
         self.log = log or (lambda text: print(f"[remote] {text}", file=sys.stderr, flush=True))
@@ -103,7 +106,8 @@ class RemoteRun:
     def save_session(self) -> None:
         write_text(self.local_workspace / SESSION_FILE, json.dumps({
             "target": self.target.to_json(), "remote_dir": self.remote_dir, "offset": self.offset,
-            "local_output": str(self.local_output), "requested_output": str(self.requested_output)}, indent=2))
+            "local_output": str(self.local_output), "requested_output": str(self.requested_output),
+            "output_suffixes": list(self.output_suffixes)}, indent=2))
 
     @classmethod
     def from_session(cls, local_workspace: str | Path, log=None) -> RemoteRun:
@@ -116,6 +120,7 @@ class RemoteRun:
             run = cls(SshTarget(**data["target"]), local_workspace, data["local_output"], data["remote_dir"],
                       int(data.get("offset", 0)), log)
             run.requested_output = Path(data.get("requested_output", data["local_output"]))
+            run.output_suffixes = tuple(str(suffix) for suffix in data.get("output_suffixes", [""]))
             return run
         except (ValueError, KeyError, TypeError, AttributeError, RemoteError) as error:  # not JSON, not our fields
             problem = str(error) if isinstance(error, (ValueError, RemoteError)) else f"{type(error).__name__}: {error}"
@@ -136,10 +141,14 @@ class RemoteRun:
             f"{info['free_bytes'] / 2**30:.1f} GiB free in {remote_dir}")
         cls._check_box(target, info, config, send_model)
         # output.if_exists is settled here, for the local file the result is fetched to
+        from modules.trainer.outputs import saved_suffixes
+
+        suffixes = tuple(saved_suffixes(config))
         local_output = resolve_output(config.output_path, config.output.if_exists, Path(config.workspace_dir),
-                                      resume, lambda text: log(f"warning: {text}"))
+                                      resume, lambda text: log(f"warning: {text}"), suffixes)
         run = cls(target, config.workspace_dir, local_output, remote_dir, 0, log)
         run.requested_output = config.output_path.resolve()
+        run.output_suffixes = suffixes
         state = target.run_json(target.helper_argv(remote_dir, "status", run.run_dir), "checking for a run in progress")
         if state["state"] == "running":
             raise RemoteError(f"{target.label}: a run is still going in {run.run_dir}; reattach with "
@@ -396,12 +405,14 @@ class RemoteRun:
                 record_output(self.local_workspace, self.requested_output, self.local_output)  # a --resume replaces it
 
     def _is_output_file(self, rel: str) -> bool:
-        """A file of this run's result in the box's output folder: the output itself, the files of an
-        output folder (a fine-tune saved as diffusers), or a companion saved beside it (an embedding
-        trained alongside: <stem>.<placeholder>.safetensors)."""
+        """A file of this run's result in the box's output folder: the output itself, each file the save
+        writes for it (one per expert for Wan 2.2), the files of an output folder (a fine-tune saved as
+        diffusers), or a companion saved beside it (an embedding trained alongside:
+        <stem>.<placeholder>.safetensors)."""
         name = self.local_output.name
         stem = self.local_output.stem if self.local_output.suffix else name
-        return rel == name or rel.startswith(name + "/") or (
+        saved = {f"{stem}{suffix}{self.local_output.suffix}" for suffix in self.output_suffixes}  # Wan 2.2's experts
+        return rel == name or rel in saved or rel.startswith(name + "/") or (
             "/" not in rel and rel.startswith(stem + ".") and rel.endswith(".safetensors"))
 
     def _pull(self, remote_root: str, relatives: list[str], local_root: Path) -> None:
