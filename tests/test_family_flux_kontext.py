@@ -140,6 +140,29 @@ def test_a_missing_sample_control_is_named(family, tmp_path):
         family.sample(prompt, torch.device("cpu"))
 
 
+def test_the_runs_sample_event_names_the_control_images_it_was_made_from(tmp_path, tiny_kontext, pairs):
+    """What the GUI's gallery shows beside a sample (docs/run-protocol.md: `sample`'s control_images)."""
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.outputs import sample
+
+    class Samples(TrainCallbacks):
+        def __init__(self):
+            self.seen = []
+
+        def on_sample(self, path, control_images=None):
+            self.seen.append((path, control_images))
+
+    control = str(pairs / "control" / "000.png")
+    small = {"steps": 1, "width": 64, "height": 64}
+    config = train_config(tiny_kontext, pairs, tmp_path, paired(pairs), {"sampling": {"prompts": [
+        {"prompt": "make it red", "control_images": [control], **small}, {"prompt": "a plain one", **small}]}})
+    received = Samples()
+    trainer = GenericTrainer(config, callbacks=received)
+    trainer.start()
+    paths = sample(trainer)
+    assert received.seen == [(str(paths[0]), [control]), (str(paths[1]), None)]
+
+
 def test_load_lora_weights_loads_every_adapter_and_matches_the_hooked_model(family, tiny_kontext, tmp_path):
     from diffusers import FluxKontextPipeline
 

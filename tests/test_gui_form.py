@@ -99,6 +99,7 @@ NEEDS = {
     "data.crop_jitter": {"data.cache_latents": False},
     "data.color_jitter": {"data.cache_latents": False},
     "distributed.shard_parts": {"distributed.gpus": 2},  # sharding splits over 2 or more GPUs
+    "sampling.prompts[0].control_images": {"model.family": "flux2"},  # shown where prompts take images
 }
 for _part in ("unet", "text_encoder", "vae"):
     NEEDS[f"model.parts.{_part}.nf4_double_quant"] = {f"model.parts.{_part}.weight_dtype": "nf4"}

@@ -113,8 +113,9 @@ def subsection(parent, text: str, tooltip: str | None = None):
 class Field(ctk.CTkFrame):
     """A label, an input bound to `path`, and the path's validation message under it.
 
-    widget: entry | switch | option | combo | path | lines. For `path`, `path_mode` is dir, file,
-    save or file_or_dir. `choices(state)` gives the choices of an option/combo from the machine or
+    widget: entry | switch | option | combo | path | lines | images. For `path`, `path_mode` is dir,
+    file, save or file_or_dir; `images` (a list of image files, ui/image_list.py) takes `images(state)`:
+    (fewest, most, family label) or None. `choices(state)` gives the choices of an option/combo from the machine or
     the family (None: keep `values`, the schema's). `visible(sibling, value)` says whether the
     field applies now; when not, it is hidden (and shown again in its place when it does).
 
@@ -125,7 +126,7 @@ class Field(ctk.CTkFrame):
                  widget: str = "entry", values: list[str] | None = None, path_mode: str = "dir",
                  tooltip: str | None = None, width: int | None = None, filetypes=None,
                  unit: tuple[str, list[str]] | None = None, choices: Callable | None = None,
-                 visible: Callable | None = None, registry: dict | None = None):
+                 visible: Callable | None = None, registry: dict | None = None, images: Callable | None = None):
         super().__init__(parent, fg_color="transparent")
         self.cfg, self.path, self.kind = state, path, kind
         self.widget_kind = widget
@@ -175,9 +176,13 @@ class Field(ctk.CTkFrame):
             self.input.bind("<FocusOut>", self._text_to_var)
             self.var.trace_add("write", lambda *_: self._var_to_text())
             forward_wheel_to_page(self.input)
+        elif widget == "images":
+            from ui.image_list import ImageList
+
+            self.input = ImageList(self, self.var, lambda: images(self.cfg) if images is not None else None)
         else:
             raise ValueError(f"unknown widget {widget!r}")
-        stretch = widget in ("path", "lines") or (widget == "entry" and not numeric and not unit)
+        stretch = widget in ("path", "lines", "images") or (widget == "entry" and not numeric and not unit)
         self.input.grid(row=0, column=1, sticky="ew" if stretch else "w", padx=4, pady=2)
         self.error = ctk.CTkLabel(self, text="", text_color=ERROR_COLOR, anchor="w", justify="left", wraplength=520)
         text = tooltip or field_description(path)
@@ -227,6 +232,8 @@ class Field(ctk.CTkFrame):
             values = self._choices()
             if list(self.input.cget("values")) != values:
                 self.input.configure(values=values)
+        if self.widget_kind == "images":  # the family's limits (and files come and gone)
+            self.input.refresh()
         self._apply_visibility()
 
     def is_visible(self) -> bool:

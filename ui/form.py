@@ -136,6 +136,17 @@ def _family_has(value, attribute: str) -> bool | None:
     return getattr(get_family_declaration(family), attribute) if family in family_names() else None
 
 
+def _prompt_images(cfg) -> tuple[int, int, str] | None:
+    """(fewest, most, label): the control images the family's sample prompts take."""
+    from modules.config.families import family_names, get_family_declaration
+
+    family = cfg.get("model.family")
+    if family not in family_names():
+        return None
+    declaration = get_family_declaration(family)
+    return (*declaration.prompt_images, declaration.label)
+
+
 def _weight_dtypes(cfg) -> list[str]:
     from modules.config.train_config import weight_dtype_choices
 
@@ -157,6 +168,9 @@ CHOICES: dict[str, tuple[str, Callable]] = {
     "temp_device": ("combo", lambda cfg: _devices(cfg, False)),
 }
 
+# lists of image files, picked in a dialog and shown as thumbnails: (fewest, most, label) for the family
+IMAGE_LISTS: dict[str, Callable] = {"sampling.prompts[].control_images": _prompt_images}
+
 # Fields that apply only in some settings: shown when the rule holds. A rule gets `sibling(name)`
 # (a field next to this one) and `value(path)` (any path).
 VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
@@ -177,6 +191,10 @@ VISIBLE: dict[str, Callable[[Callable, Callable], bool]] = {
     # flow-matching families sample with their own scheduler; a guidance-distilled one with no negative prompt
     "sampling.scheduler": lambda s, v: _family_has(v, "flow_matching") is not True,
     "sampling.prompts[].negative_prompt": lambda s, v: _family_has(v, "negative_prompt") is not False,
+    # an edit or image-to-video family's prompts take control images; shown elsewhere only while a
+    # prompt still holds some (from another family), so that they can be removed
+    "sampling.prompts[].control_images": lambda s, v: bool(s("control_images"))
+    or (_family_has(v, "prompt_images") or (0, 1))[1] > 0,
 }
 
 NOT_EDITABLE = {"version"}  # the file format's version: written by the trainer, never a user choice
@@ -221,6 +239,9 @@ def build_field(tab, parent, path: str, name: str, annotation: Any, description:
     if key in CHOICES:
         widget, provider = CHOICES[key]
         options["choices"] = provider
+    elif key in IMAGE_LISTS:
+        widget = "images"
+        options["images"] = IMAGE_LISTS[key]
     elif key in PATHS:
         widget = "path"
         options["path_mode"] = PATHS[key]

@@ -231,7 +231,7 @@ class RunControl:
             self.set_status("   ".join(parts))
             run_tab.add_loss(step, loss)
         elif name == "sample":  # the run's own log (stderr) says what it wrote
-            run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config))
+            run_tab.add_sample(event["path"], sample_info(event["path"], self.run_config, event))
         elif name == "memory":  # measured peaks after step 2, beside the plan
             run_tab.show_memory(event)
             self.plan_panel.show_measured(event)

@@ -17,7 +17,7 @@ MAX_CHAIN = 50
 @dataclass
 class History:
     losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss)
-    samples: list[dict] = field(default_factory=list)  # {"path", "step", "prompt"}
+    samples: list[dict] = field(default_factory=list)  # {"path", "step", "prompt", "control_images"}
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -44,10 +44,13 @@ def read_config(run_dir: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def sample_info(path: str, config: dict) -> dict:
-    """{"path", "step", "prompt"} for a sample file, its step and prompt read from its name."""
+def sample_info(path: str, config: dict, event: dict | None = None) -> dict:
+    """{"path", "step", "prompt", "control_images"} for a sample file, its step and prompt read from its
+    name; its control images from its `sample` event (where the run said them: every prompt's, a
+    "sample now" one's too), else from the config's prompt it names."""
     match = SAMPLE_NAME.search(Path(path).name)
     step = prompt = None
+    controls: list[str] = []
     if match:
         step = int(match.group(1))
         prompts = (config.get("sampling") or {}).get("prompts") or []
@@ -56,7 +59,12 @@ def sample_info(path: str, config: dict) -> dict:
             prompt = "(sampled now)"
         elif index < len(prompts) and isinstance(prompts[index], dict):
             prompt = prompts[index].get("prompt")
-    return {"path": path, "step": step, "prompt": prompt}
+            controls = prompts[index].get("control_images") or []
+    said = (event or {}).get("control_images")
+    if isinstance(said, list):
+        controls = said
+    controls = [c for c in controls if isinstance(c, str)] if isinstance(controls, list) else []
+    return {"path": path, "step": step, "prompt": prompt, "control_images": controls}
 
 
 def run_dirs(runs: Path) -> list[Path]:
@@ -97,5 +105,6 @@ def history(run_dir: Path, include_own: bool = True) -> History:
             result.losses = [point for point in result.losses if point[0] < first]
             result.samples = [s for s in result.samples if s["step"] is None or s["step"] < first]
         result.losses += losses
-        result.samples += [sample_info(e["path"], config) for e in events if e.get("event") == "sample" and "path" in e]
+        result.samples += [sample_info(e["path"], config, e) for e in events
+                           if e.get("event") == "sample" and "path" in e]
     return result

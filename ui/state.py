@@ -352,6 +352,12 @@ class ConfigState:
                     problems.append(f"concepts[{index}].path: choose a folder of images")
                 elif not Path(folder).is_dir():
                     problems.append(f"concepts[{index}].path: {folder} is not a folder")
+        if self.config is not None:  # the sample prompts' control images, as the run's preflight says
+            from modules.config.families import get_family_declaration
+            from modules.config.prompt_control_images import prompt_control_problems
+
+            problems += prompt_control_problems(self.config.sampling.prompts,
+                                                get_family_declaration(self.config.model.family))
         modes = self.weight_dtypes()
         if modes is not None:
             for part, settings in (data.get("model", {}).get("parts") or {}).items():

@@ -46,8 +46,8 @@ class ConsoleCallbacks(TrainCallbacks):
             self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch + 1}/{p.epochs} loss {p.loss:.4f} "
                        f"lr {p.lr:.2e} {p.it_per_s:.2f} it/s eta {eta}")
 
-    def on_sample(self, path: str) -> None:
-        self._line(f"sample: {path}")
+    def on_sample(self, path: str, control_images: list[str] | None = None) -> None:
+        self._line(f"sample: {path}" + (f" (from {', '.join(control_images)})" if control_images else ""))
 
     def on_backup(self, path: str) -> None:
         self._line(f"backup: {path}")

@@ -79,7 +79,11 @@ def dispatch(event: dict, callbacks) -> None:
         fields = {k: (float("inf") if v is None and k in ("eta_s", "loss", "lr", "it_per_s") else v) for k, v in fields.items()}
         callbacks.on_progress(Progress(**fields))
     elif kind == "sample":
-        callbacks.on_sample(event["path"])
+        controls = event.get("control_images")
+        if isinstance(controls, list) and controls and all(isinstance(c, str) for c in controls):
+            callbacks.on_sample(event["path"], control_images=controls)
+        else:
+            callbacks.on_sample(event["path"])
     elif kind == "backup":
         callbacks.on_backup(event["path"])
     elif kind == "saved":

@@ -25,7 +25,9 @@ class TrainCallbacks:
 
     def on_progress(self, progress: Progress) -> None: ...
 
-    def on_sample(self, path: str) -> None: ...
+    def on_sample(self, path: str, control_images: list[str] | None = None) -> None:
+        """A sample written; `control_images`: the files its prompt started from (an edit or
+        image-to-video family's), passed only where there are some."""
 
     def on_backup(self, path: str) -> None: ...
 
@@ -66,8 +68,12 @@ class FanOut(TrainCallbacks):
     def on_progress(self, progress):
         self._all("on_progress", progress)
 
-    def on_sample(self, path):
-        self._all("on_sample", path)
+    def on_sample(self, path, control_images=None):
+        for receiver in self.receivers:  # without control images: as every receiver takes it
+            if control_images is None:
+                receiver.on_sample(path)
+            else:
+                receiver.on_sample(path, control_images=control_images)
 
     def on_backup(self, path):
         self._all("on_backup", path)

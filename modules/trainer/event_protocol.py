@@ -1,6 +1,7 @@
 """The run protocol (docs/run-protocol.md): one JSON event per line out, one JSON command per line in.
 
-Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path), backup (path),
+Events: started, progress (step, epoch, loss, lr, it_per_s, eta_s), sample (path; control_images where
+its prompt had some), backup (path),
 saved (path; consumers: per tool {applied, total, dropped} for adapter files), validation (step, loss),
 memory (step, measured: peaks in bytes, once after step 2), warning (message), error (message), finished. Commands: stop, sample, backup, save;
 `{"command": "sample", "prompt": {...}}` samples that one prompt (SamplePromptConfig's fields) now.
@@ -44,8 +45,8 @@ class JsonlEvents(TrainCallbacks):
         self.emit("progress", step=p.step, total_steps=p.total_steps, epoch=p.epoch, epochs=p.epochs,
                   loss=p.loss, lr=p.lr, it_per_s=p.it_per_s, eta_s=p.eta_s)
 
-    def on_sample(self, path: str) -> None:
-        self.emit("sample", path=path)
+    def on_sample(self, path: str, control_images: list[str] | None = None) -> None:
+        self.emit("sample", path=path, **({} if control_images is None else {"control_images": control_images}))
 
     def on_backup(self, path: str) -> None:
         self.emit("backup", path=path)

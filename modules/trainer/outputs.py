@@ -58,8 +58,11 @@ def sample(trainer: GenericTrainer, prompts: list[SamplePromptConfig] | None = N
         # (several processes: `stopping` is what they agreed at the boundary, so none stops alone)
         paths = sample_prompts(trainer.family, prompts, trainer.workspace / "samples", trainer.step, trainer.device,
                                names, write=trainer.ranks.main, stop=lambda: trainer.stopping, on_made=log_sample)
-    for path in paths:
-        trainer.callbacks.on_sample(str(path))
+    for path, prompt in zip(paths, prompts):  # (the paths are the first prompts': a stop drops the rest)
+        if prompt.control_images:  # what it was made from, for the gallery to show beside it
+            trainer.callbacks.on_sample(str(path), control_images=list(prompt.control_images))
+        else:
+            trainer.callbacks.on_sample(str(path))
     return paths
 
 

@@ -301,6 +301,7 @@ def _control_problems(config: TrainConfig) -> list[str | UserError]:
     """Control images where the family takes none (or more than it takes), and sample prompts'
     control images that are not there."""
     from modules.config.families import get_family_declaration
+    from modules.config.prompt_control_images import prompt_control_problems
     from modules.data.concepts import DataError
     from modules.data.pairs import check_controls
 
@@ -310,15 +311,7 @@ def _control_problems(config: TrainConfig) -> list[str | UserError]:
         check_controls(config, family, [(i, c) for i, c in enumerate(config.concepts) if c.enabled])
     except DataError as error:
         problems.append(error)
-    fewest, most = family.prompt_images
-    for index, prompt in enumerate(config.sampling.prompts):
-        where = f"sampling.prompts[{index}].control_images"
-        if len(prompt.control_images) > most:
-            problems.append(f"{where}: {len(prompt.control_images)} given; {family.label} takes {most or 'none'}")
-        elif len(prompt.control_images) < fewest and prompt.enabled:
-            problems.append(f"{where}: {len(prompt.control_images) or 'none'} given; {family.label} samples from "
-                            f"{fewest} image(s) (the first frame of its video)")
-        problems += [f"{where}: {path} not found" for path in prompt.control_images if not Path(path).is_file()]
+    problems += prompt_control_problems(config.sampling.prompts, family)
     return problems
 
 

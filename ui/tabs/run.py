@@ -1,4 +1,5 @@
-"""Run: the live loss curve, the latest samples (each with its step and prompt), and the run's log.
+"""Run: the live loss curve, the latest samples (each with its step and prompt, and the control images its
+prompt started from beside it, labelled "control"), and the run's log.
 After a resume or a reopen, the curve and gallery start from what the earlier runs left
 (ui/run_history.py)."""
 
@@ -9,10 +10,13 @@ from pathlib import Path
 import customtkinter as ctk
 
 from modules.sampling.video_writer import video_of_poster
+from ui.components import ERROR_COLOR
+from ui.image_list import picture_of, short_name
 from ui.video_playback import FramePlayer, open_with_system, read_frames
 
 GALLERY_SIZE = 4
 THUMB = 160
+CONTROL_THUMB = 56
 LOG_LINES = 2000
 
 
@@ -68,6 +72,7 @@ class RunTab(ctk.CTkFrame):
         self.sample_info: dict[str, dict] = {}
         self.players: dict = {}  # poster path -> FramePlayer of its video, once played
         self._images = []
+        self.controls_shown: dict[str, list[str]] = {}  # sample path -> the control images shown beside it
         self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.")
         self._empty.pack(padx=8, pady=8)
 
@@ -151,6 +156,7 @@ class RunTab(ctk.CTkFrame):
         for child in self.gallery.winfo_children():
             child.destroy()
         self._images = []
+        self.controls_shown = {}
         if not self.samples:
             self._empty = ctk.CTkLabel(self.gallery, text="Samples appear here while training.", wraplength=150)
             self._empty.pack(padx=8, pady=8)
@@ -167,14 +173,35 @@ class RunTab(ctk.CTkFrame):
             except OSError:
                 continue
             self._images.append(picture)
-            cell = ctk.CTkFrame(self.gallery, fg_color="transparent")
-            cell.grid(row=column // 2, column=column % 2, padx=4, pady=4)
+            outer = ctk.CTkFrame(self.gallery, fg_color="transparent")
+            outer.grid(row=column // 2, column=column % 2, padx=4, pady=4)
+            self._controls(outer, path)
+            cell = ctk.CTkFrame(outer, fg_color="transparent")
+            cell.pack(side="left", anchor="n")
             shown = ctk.CTkLabel(cell, text="", image=picture)
             shown.pack()
             ctk.CTkLabel(cell, text=self.caption(path), font=ctk.CTkFont(size=11), wraplength=THUMB).pack()
             video = video_of_poster(Path(path))
             if video is not None:
                 self._video_buttons(cell, shown, picture, path, video)
+
+    def _controls(self, outer, path: str) -> None:
+        """The control images the sample was made from, small, in a column left of it."""
+        controls = (self.sample_info.get(path) or {}).get("control_images") or []
+        if not controls:
+            return
+        column = ctk.CTkFrame(outer, fg_color="transparent")
+        column.pack(side="left", anchor="n", padx=(0, 4))
+        ctk.CTkLabel(column, text="control", font=ctk.CTkFont(size=10)).pack()
+        for control in controls:
+            picture = picture_of(control, CONTROL_THUMB)
+            if picture is None:  # moved or deleted since: named, in red
+                ctk.CTkLabel(column, text=f"missing:\n{short_name(control, 10)}", text_color=ERROR_COLOR,
+                             font=ctk.CTkFont(size=10), width=CONTROL_THUMB).pack(pady=1)
+                continue
+            self._images.append(picture)
+            ctk.CTkLabel(column, text="", image=picture).pack(pady=1)
+        self.controls_shown[path] = list(controls)
 
     def _video_buttons(self, cell, shown, poster, path: str, video: Path) -> None:
         """Play (in the cell, at thumbnail size) and Open (the system's player) under a video's poster."""
