@@ -68,7 +68,7 @@ def test_the_cache_holds_the_real_tokens_and_trains_as_the_padded_encoding(name,
     encoded = trimmed.family.encode_text(trimmed.family.tokenize([caption]))
     full_shape = tuple(encoded[tensor_name].shape[1:])
     real = int(encoded[mask_name][0].bool().sum())
-    assert 0 < real < full_shape[axis]
+    assert 0 < real < full_shape[axis], (real, full_shape)
     stored = _entry_bytes(written)
     real_shape = full_shape[:axis] + (real,) + full_shape[axis + 1:]
     assert stored[tensor_name] == (real_shape, 4 * torch.Size(real_shape).numel())  # float32, as all entries
