@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +175,7 @@ class FakeFamily:
 
     bucket_quantum = 32
     pixel_conditioning = ()  # nothing drawn from the pixels besides the latents
+    masked_text_padding = MappingProxyType({})  # text entries stored whole
     one_frame_note = None
     label = "Fake"
     image_parts = ("vae",)

@@ -74,6 +74,15 @@ class TensorCache:
         self.hits += 1
         return layout
 
+    def tensors(self, key: str, names: set[str]) -> dict[str, torch.Tensor] | None:
+        """Only the named tensors of an entry (a small one beside large ones: the rest is not read);
+        None when the entry is absent or unreadable, or lacks one of them."""
+        try:
+            with safe_open(str(self.path(key)), framework="pt") as opened:
+                return {name: opened.get_tensor(name) for name in names}
+        except (SafetensorError, OSError):
+            return None
+
     def count_stale(self) -> None:
         """An entry found (and counted as a hit) that is not what its key must hold: a miss, rebuilt."""
         self.hits -= 1

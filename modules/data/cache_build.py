@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 from modules.data.cache import TensorCache
-from modules.data.cache_layout import expected_latent_layout, fits, measure_grid, measure_text_layout
+from modules.data.cache_layout import Layout, expected_latent_layout, fits, measure_grid, measure_text_layout
 from modules.data.video import load_entry_pixels
 from modules.data.masks import latent_mask, load_mask
 from modules.data.pairs import text_controls
+from modules.data.text_padding import PaddingSpec, real_token_layout, real_tokens
 from modules.util.stopping import StopCheck, raise_if_stopping
 
 if TYPE_CHECKING:
@@ -192,7 +193,8 @@ def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
                 if group not in references:  # (once per group: the shapes a fresh encoding has)
                     references[group] = measure_text_layout(
                         family, entry.item.caption, text_controls(entry, False) if with_controls else None)
-                if fits(layout, references[group]):
+                expected = _stored_layout(cache, key, references[group], family.masked_text_padding)
+                if expected is not None and fits(layout, expected):
                     ready.add(key)
                     continue
                 cache.count_stale()
@@ -216,10 +218,25 @@ def fill_texts(entries: list[Entry], family: ModelFamily, cache: TensorCache,
                 tokens = family.tokenize(captions)
             encoded = family.encode_text(tokens)
             for row, key in enumerate(chunk):
-                writer.put(key, {name: t[row].float().cpu().clone() for name, t in encoded.items()})
+                stored = {name: t[row] for name, t in encoded.items()}
+                if family.masked_text_padding:  # only the real tokens (text_padding.py)
+                    stored = real_tokens(stored, family.masked_text_padding)
+                writer.put(key, {name: t.float().cpu().clone() for name, t in stored.items()})
                 ready.add(key)
             bar.update(len(chunk))
     finally:
         writer.close()
         bar.close()
     return ready
+
+
+def _stored_layout(cache: TensorCache, key: str, whole: Layout, spec: PaddingSpec) -> Layout | None:
+    """What the entry `key` must hold: a whole encoding's layout, or for a family that stores only
+    the real tokens, that layout cut to the counts of the entry's own masks (read alone: they are
+    small); None when its masks cannot be read (the entry is then encoded again)."""
+    if not spec:
+        return whole
+    masks = cache.tensors(key, {mask for mask, _ in spec.values()})
+    if masks is None or any(tuple(masks[mask].shape) != whole[mask][1] for mask in masks):
+        return None
+    return real_token_layout(whole, spec, {mask: int(t.bool().sum()) for mask, t in masks.items()})

@@ -9,7 +9,8 @@ The latent grid of a bucket is learned from the family itself, by encoding one s
 (the channels, and the downscale from its size): no family has to declare its VAE's geometry, and
 a patchifying one (FLUX.2: 128 channels at 1/16) is measured like the others. A text entry's
 layout is that of one caption encoded now (every family pads its tokens to a fixed length, so all
-captions give the same shapes; the batches stack them).
+captions give the same shapes; the batches stack them), cut to the entry's real tokens for a family
+whose cache stores only those (text_padding.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -59,15 +59,19 @@ class CachedTensors(Mapping):
     """A read-only mapping over cache entries, read lazily through a CacheReader: each served key
     names (cache key, tensor name) — or (cache key, None) for the entry's whole dict of tensors."""
 
-    def __init__(self, reader: CacheReader, cache: TensorCache, index: dict[str, tuple[str, str | None]]):
+    def __init__(self, reader: CacheReader, cache: TensorCache, index: dict[str, tuple[str, str | None]],
+                 finish: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None):
         self.reader = reader
         self.cache = cache
         self.index = index
+        self.finish = finish  # what a whole entry's dict goes through when served (the LRU holds it as stored)
 
     def __getitem__(self, key: str):
         cache_key, name = self.index[key]
         tensors = self.reader.entry(self.cache, cache_key)
-        return dict(tensors) if name is None else tensors[name]
+        if name is not None:
+            return tensors[name]
+        return dict(tensors) if self.finish is None else self.finish(dict(tensors))
 
     def __contains__(self, key: object) -> bool:
         return key in self.index

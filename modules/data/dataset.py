@@ -37,6 +37,7 @@ from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
 from modules.data.shares import batch_share
+from modules.data.text_padding import padded, stored_text_identity
 from modules.data.video import (ClipWindow, clip_windows, content_hash, frame_count_problem, is_video_concept,
                                 load_entry_pixels, probe)
 from modules.data.video import scan_options as video_scan_options
@@ -310,7 +311,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     latent_cache = TensorCache(cache_dir / "latents")
     text_cache = TensorCache(cache_dir / "text")
     image_identity = family.fingerprint(*family.image_parts)
-    text_identity = family.fingerprint(*family.text_parts) if cache_text else None
+    text_identity = stored_text_identity(family) if cache_text else None
     quantum = family.bucket_quantum
 
     entries: list[Entry] = []
@@ -377,8 +378,10 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     texts: Mapping = {}
     if cache_text:
         fill_texts(entries, family, text_cache, warn, stop)
+        spec = family.masked_text_padding
         texts = CachedTensors(reader, text_cache, {k: (k, None) for e in entries
-                                                   for k in (e.text_key, e.flipped_text_key) if k})
+                                                   for k in (e.text_key, e.flipped_text_key) if k},
+                              finish=(lambda row: padded(row, spec)) if spec else None)
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader,
                            pixel_conditioning)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),

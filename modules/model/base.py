@@ -70,6 +70,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # conditioning the family draws from each sample's own pixels besides its latents (an
     # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none
     pixel_conditioning: ClassVar[tuple[str, ...]] = ()
+    # encode_text tensors padded to a fixed window whose padding the denoiser masks out, so it
+    # changes nothing (the family's tests must show it): name -> (its mask's name, its token axis
+    # in one caption's tensor). The text cache stores only each caption's real tokens and the
+    # batches put them back in the window, zeros at the padding (modules/data/text_padding.py);
+    # empty: stored whole
+    masked_text_padding: ClassVar[dict[str, tuple[str, int]]] = {}
     # what a one-frame sample (a still image, a one-frame clip) trains, where the run should say it
     # once per concept (modules/data/data_notes.py); None: nothing to say
     one_frame_note: ClassVar[str | None] = None

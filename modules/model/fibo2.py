@@ -90,6 +90,9 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 8_127_342_213, "vae": 84_046_115}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    # (6, L, 3 x width) per caption: the text cache keeps its real tokens (tests/test_family_fibo2.py:
+    # padding changes nothing; tests/test_text_padding.py: the cache holds only them)
+    masked_text_padding = {"hidden_states": ("attention_mask", 1)}
 
     def load(self) -> None:
         from diffusers import AutoencoderKLFlux2, BriaFibo2Transformer2DModel

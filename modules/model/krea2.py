@@ -94,6 +94,9 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 12_820_073_036, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    # (L, 12, width) per caption: the text cache keeps its real tokens, the suffix's too, in order
+    # (tests/test_family_krea2.py: padding tokens are masked; tests/test_text_padding.py)
+    masked_text_padding = {"hidden_states": ("attention_mask", 0)}
 
     def load(self) -> None:
         from diffusers import AutoencoderKLQwenImage, Krea2Transformer2DModel
