@@ -136,6 +136,36 @@ def test_denoise_is_the_pipelines_transformer_call_and_predicts_the_target_alone
     assert (ours - other).abs().max() > 1e-4 and (ours - alone).abs().max() > 1e-4
 
 
+def test_a_transformer_taking_four_times_the_latent_channels_reads_2x2_patches(family, pipe):
+    """As the pipeline's `do_patching=True`: the target's and the references' 2x2 patches (FLUX's
+    packing), position ids per patch, the target's tokens unpacked back to latent cells."""
+    from diffusers import BriaFiboTransformer2DModel
+
+    torch.manual_seed(0)
+    patched = BriaFiboTransformer2DModel(**{**family.transformer.config, "in_channels": 64}).eval()
+    latents = torch.randn(1, 16, 4, 4, generator=torch.Generator().manual_seed(1))
+    control = _controls(2)[:, 0, :, :, :4]
+    text = family.encode_text(family.tokenize([INSTRUCTION]))
+    original = family.parts["transformer"]
+    family.parts["transformer"] = patched
+    try:
+        assert family.patching and family.sequence_length(latents) == 4
+        with torch.no_grad():
+            ours = family.denoise(latents, torch.tensor([0.5]), {**text, "control_latents": control[:, None]})
+    finally:
+        family.parts["transformer"] = original
+    with torch.no_grad():
+        embeds, _, text_ids, _, _, layers, _ = pipe.encode_prompt(INSTRUCTION, device=torch.device("cpu"),
+                                                                  guidance_scale=1.0)
+        ids = [pipe._prepare_latent_image_ids(1, 2, 2, "cpu", torch.float32) for _ in range(2)]
+        ids[1][..., 0] = 1
+        tokens = torch.cat([pipe._pack_latents(latents, 1, 16, 4, 4), pipe._pack_latents(control, 1, 16, 4, 4)], dim=1)
+        theirs = patched(hidden_states=tokens, timestep=torch.tensor([500.0]), encoder_hidden_states=embeds,
+                         text_encoder_layers=layers[len(layers) - 3:], txt_ids=text_ids[0], img_ids=torch.cat(ids),
+                         return_dict=False)[0]
+    assert torch.allclose(ours, pipe._unpack_latents(theirs[:, :4], 4, 4, 1), atol=1e-5)
+
+
 def test_a_sample_is_the_pipelines_own_edit_and_another_control_changes_it(family, pipe, pairs):
     from modules.config.train_config import SamplePromptConfig
     from modules.util.torch_utils import make_generator
