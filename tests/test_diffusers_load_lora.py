@@ -22,7 +22,7 @@ from modules.adapters.formats.files import (
 )
 from modules.config.train_config import AdapterConfig
 
-FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2", "fibo2")
+FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2", "fibo2", "fibo_edit")
 FORMATS = ("kohya", "comfy", "diffusers")
 # (family, format) -> (the exception diffusers raises, why): the refusals docs/formats.md names
 REFUSED = {
@@ -40,6 +40,8 @@ REFUSED = {
     ("krea2", "comfy"): (ValueError, "lora_down/lora_up/alpha: the file is refused, as the run warns"),
     # every key must name "lora": the Qwen3-VL adapters' alphas under text_encoders. do not
     ("krea2", "kohya"): (ValueError, "text-encoder alphas: the file is refused, as the run warns"),
+    # FIBO Edit's FLUX loader reads lora_unet_ names as FLUX.1's original layers and raises on FIBO's
+    ("fibo_edit", "kohya"): (ValueError, "diffusers names under kohya prefixes: refused, as the run warns"),
 }
 
 
@@ -87,6 +89,9 @@ def test_load_lora_weights_loads_what_the_run_does_not_warn_of(family, fmt, tmp_
             if why.startswith("ComfyUI"):
                 assert report["applied"] == 0 and len(report["dropped"]) == total
                 assert any("load_lora_weights refuses ComfyUI's ldm-named layout" in w for w in warned), warned
+            if family.diffusers_refuses(fmt):  # the key layout says so: warned, nothing counted as applied
+                assert report["applied"] == 0 and len(report["dropped"]) == total
+                assert any(family.diffusers_refuses(fmt) in w for w in warned), warned
             return
         pipe.load_lora_weights(str(path))
         loaded = sum(isinstance(m, LoraLayer) for part in parts for m in getattr(pipe, part).modules())

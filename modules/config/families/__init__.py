@@ -17,7 +17,7 @@ ModelFamily = type
 # the built-in declarations, one module each in this package
 BUILTIN = ("sd15", "sdxl", "flux", "flux_kontext", "z_image", "sd3", "chroma", "flux2", "qwen_image", "qwen_image_edit",
            "qwen_image_edit_plus", "wan", "wan_i2v", "wan22", "wan22_i2v", "wan22_ti2v",
-           "krea2", "anima", "fibo2")
+           "krea2", "anima", "fibo2", "fibo_edit")
 
 # name -> its declaration module (built in, imported on first use), or the class registered at runtime
 _FAMILIES: dict[str, str | type[ModelFamily]] = {name: f"{__name__}.{name}" for name in BUILTIN}
