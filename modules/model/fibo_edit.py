@@ -96,6 +96,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 3_075_098_624, "transformer": 8_285_836_848, "vae": 704_688_668}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    # (layers, 2048, width) per caption, masked: the text cache keeps its real tokens (tests/test_family_fibo_edit.py:
+    # the padded window predicts as the unpadded prompt; tests/test_text_padding.py: the cache holds only them)
+    masked_text_padding = {"hidden_states": ("attention_mask", 1)}
 
     def load(self) -> None:
         from diffusers import AutoencoderKLWan, BriaFiboTransformer2DModel
