@@ -1,5 +1,5 @@
 """The text cache of a family whose padding is masked (ModelFamily.masked_text_padding: FIBO-2,
-FIBO Edit and Krea-2, whose own tests show the padding changes nothing) holds each caption's real tokens only,
+FIBO Edit, Krea-2 and Qwen-Image (its edit models too), whose own tests show the padding changes nothing) holds each caption's real tokens only,
 and training on it equals training on the whole padded encodings: the adapter after two steps is
 the same, entries written whole are not read as trimmed ones (their keys differ), and a second run
 reuses the trimmed entries."""
@@ -14,7 +14,7 @@ from safetensors import safe_open
 from modules.data.text_padding import padded, real_tokens
 
 FAMILIES = {"fibo2": "modules.model.fibo2:Fibo2Family", "krea2": "modules.model.krea2:Krea2Family",
-            "fibo_edit": "modules.model.fibo_edit:FiboEditFamily"}
+            "fibo_edit": "modules.model.fibo_edit:FiboEditFamily", "qwen_image": "modules.model.qwen_image:QwenImageFamily"}
 
 
 def _family_class(name):

@@ -84,6 +84,10 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 7_070_619_136, "transformer": 20_430_401_088, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    # (512, 3584) per caption, the real tokens first and zeros after (encode_text): the text cache keeps
+    # the real ones and the batch re-pads with zeros, the same tensors (tests/test_text_padding.py); the
+    # edit families' captions, control image tokens included, the same way
+    masked_text_padding = {"hidden_states": ("attention_mask", 0)}
     # ComfyUI's Qwen-Image embedding key (comfy/text_encoders/qwen_image.py: Qwen25_7BVLITokenizer's
     # embedding_key 'qwen25_7b', 3584 wide)
     embedding_slots = {"text_encoder": ("tokenizer", "qwen25_7b")}
