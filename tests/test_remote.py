@@ -353,6 +353,25 @@ def test_a_wan22_run_brings_back_each_experts_file_and_the_attach_remembers_them
     assert pulled == [("/box/output", ["lora-high_noise.safetensors", "lora-low_noise.safetensors"])]
 
 
+def test_a_remote_run_sends_the_sample_prompts_images(tmp_path, tiny_model, shape_images):
+    """An edit or image-to-video prompt's control images go to the box with the concepts, and the box's
+    config points at them there (its preflight and sampling read them); a missing one is named here."""
+    from modules.remote.run import RemoteRun
+    from modules.remote.ssh import RemoteError
+
+    image = sorted(shape_images.glob("*.png"))[0]
+    prompts = {"sampling": {"prompts": [{"prompt": "a"}, {"prompt": "b", "control_images": [str(image)]}]}}
+    config = train_config(tiny_model, shape_images, tmp_path, prompts)
+    run = RemoteRun(None, tmp_path / "ws", tmp_path / "out.safetensors", "/box")
+    pairs, data = run._plan(config, False)
+    assert data["sampling"]["prompts"][1]["control_images"] == [f"/box/data/prompts/1-0-{image.name}"]
+    assert (str(image), f"data/prompts/1-0-{image.name}") in [(p, rel) for p, rel, _, _ in pairs]
+    missing = train_config(tiny_model, shape_images, tmp_path, {"sampling": {"prompts": [
+        {"prompt": "b", "control_images": [str(tmp_path / "gone.png")]}]}})
+    with pytest.raises(RemoteError, match=r"^sampling.prompts\[0\].control_images\[0\]: .*gone.png is not a file here"):
+        run._plan(missing, False)
+
+
 def test_a_sync_brings_back_an_output_folder_and_companions_and_nothing_else(tmp_path):
     """The box's output folder may hold other runs' results: only this output's files come back."""
     from modules.remote.run import PULLED_FOLDERS, RemoteRun

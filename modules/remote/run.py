@@ -234,6 +234,14 @@ class RemoteRun:
                     raise RemoteError(f"embeddings[{index}].path: {embedding.path} is not a file here")
                 pairs += _local_pairs(source.resolve(), f"data/embeddings/{index}-{source.name}")
                 data["embeddings"][index]["path"] = f"{rd}/data/embeddings/{index}-{source.name}"
+        for index, prompt in enumerate(config.sampling.prompts):  # an edit or image-to-video prompt's images
+            for number, image in enumerate(prompt.control_images):
+                source = Path(image).expanduser()
+                if not source.is_file():
+                    raise RemoteError(f"sampling.prompts[{index}].control_images[{number}]: {image} is not a file here")
+                relative = f"data/prompts/{index}-{number}-{source.name}"
+                pairs += _local_pairs(source.resolve(), relative)
+                data["sampling"]["prompts"][index]["control_images"][number] = f"{rd}/{relative}"
         data["workspace_dir"] = self.remote_workspace
         data["cache_dir"] = None
         data["output"]["path"] = self.remote_output
