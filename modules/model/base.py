@@ -120,6 +120,9 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # files share their key names (Wan 2.1 and the TI2V 5B's 48-channel patch embedding); a family
     # whose shape holds is chosen before one that names none
     single_file_shape: ClassVar[tuple[str, int, int] | None] = None
+    # families whose single files are this family's too (Wan 2.2 A14B: each expert's file is a Wan 2.1
+    # 14B transformer file, detected as `wan`): a file detected as theirs is no mismatch (a folder is)
+    single_files_of: ClassVar[tuple[str, ...]] = ()
     # textual-inversion embeddings (modules/methods/embedding.py): per text part, the attribute that
     # holds its tokenizer and the part's key in an A1111/ComfyUI embedding file (ComfyUI's
     # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b, qwen3_8b, qwen25_7b); empty: none taken. A family

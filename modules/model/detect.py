@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from modules.config.families import family_names, get_family_class
@@ -146,6 +146,8 @@ def family_mismatch(path: str | Path, family: str) -> str | None:
     is, or when its files say nothing (the loader then names the problem). The trainer's preflight
     and the GUI (as soon as a model is chosen) show the same line."""
     detected = detect_model(path)
+    if detected is not None and Path(path).is_file() and detected.family in get_family_class(family).single_files_of:
+        detected = replace(detected, family=family)
     if detected is not None and detected.part and detected.family == family:
         return (f"model.base: {path} holds only a {detected.kind.removesuffix(' file')}; model.base is the file "
                 f"of the {get_family_class(family).denoiser_part} (or a diffusers folder): give this file as "

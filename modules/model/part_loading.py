@@ -102,7 +102,11 @@ class PartLoading:
             return self._own_part_stream(part)
         if self._single_file_stream is None:
             self._single_file_stream = open_single_file(self.single_file)
-            self._check_single_file_parts()
+            try:
+                self._check_single_file_parts()
+            except ModelLoadError:  # checked again on the next open, not taken as passed
+                self._single_file_stream = None
+                raise
         return self._single_file_stream
 
     def _own_part_stream(self, part: str):

@@ -60,6 +60,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 5_680_910_336, "transformer": 1_418_996_800, "vae": 126_892_531}
     text_parts = ("text_encoder",)
     image_parts = ("vae",)
+    transformer_parts = ("transformer",)  # the parts a transformer single file may hold (wan22: both experts)
 
     @classmethod
     def released_variant(cls, preset_name: str) -> str | None:
@@ -88,7 +89,7 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     def part_folder(self, part: str):
         # a single transformer file is built from the shipped config of the size it holds (1.3B, 14B)
         folder = super().part_folder(part)
-        if part != "transformer" or not self.from_single_file(part):
+        if part not in self.transformer_parts or not self.from_single_file(part):
             return folder
         from modules.loading.diffusers_folder import ModelLoadError
         from modules.model import wan_single_file
@@ -97,8 +98,9 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
             stream = self.single_file_stream(part)
         except ModelLoadError:  # an unreadable file: the load itself says so, naming it
             return folder
+        where = "model.base" if self.part_file(part) == self.single_file else f"model.parts.{part}.path"
         return wan_single_file.transformer_config_folder(
-            folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape))
+            folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape), where=where)
 
     @property
     def transformer(self):

@@ -20,7 +20,14 @@ model_index.json: 0.875 in the released folder). Training follows that split on 
   `load_lora_weights(..., load_into_transformer_2=True)`). A backup holds both (the low-noise
   expert's adapters by the prefix `lora_unet2_`).
 
-Single files are not read for this family yet: model.base is a diffusers folder.
+Single files as ComfyUI ships them (wan2.2_t2v_high_noise_14B_*.safetensors and ..._low_noise_...: each
+expert a Wan 2.1 14B transformer file, bare or under `model.diffusion_model.`): model.base is the
+high-noise expert's file and `model.parts.transformer_2.path` the low-noise expert's (UMT5 and VAE from
+`model.parts.<part>.path` as for Wan 2.1); each is converted as wan_single_file.py converts a Wan 2.1
+file and built from the released config of its expert (resources/model_configs/<family>/transformer*/,
+by the header's width, blocks and input channels), and the boundary ratio and scheduler come from
+that config folder. A base file with no low-noise path, or an expert's file of another shape, is
+named before any weight loads.
 """
 
 from __future__ import annotations
@@ -50,7 +57,9 @@ class Wan22Family(WanFamily):
     pipeline_classes = ("WanPipeline",)
     single_file_signature = None  # a Wan single file is a Wan 2.1 transformer (family `wan`)
     single_file_part_signatures = {}
-    diffusers_folder = "Wan2.2-T2V-A14B-Diffusers"  # the released folder (named when a single file is given)
+    single_files_of = ("wan",)  # each expert's file is a Wan 2.1 14B transformer file (detected as `wan`)
+    transformer_parts = EXPERTS
+    low_noise_file_example = "wan2.2_t2v_low_noise_14B_fp16.safetensors"
     kohya_base_version = "wan_2.2_t2v_a14b"
     modelspec_architecture = "wan-2.2-t2v-a14b/lora"
     key_layout = WAN22_KEYS
@@ -107,12 +116,8 @@ class Wan22Family(WanFamily):
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
         from transformers import AutoTokenizer, UMT5EncoderModel
 
-        from modules.loading.diffusers_folder import ModelLoadError
-
         if self.single_file is not None:
-            raise ModelLoadError(f"model.base: {self.single_file.name} is a single file; {self.label} is read from a "
-                                 f"diffusers folder ({self.diffusers_folder}: transformer/, transformer_2/, "
-                                 "model_index.json with its boundary_ratio)")
+            self.single_file_stream()  # which parts the files hold, and the experts' shapes, before any weight
         self.parts["text_encoder"] = self.load_part("text_encoder", UMT5EncoderModel)
         for expert in EXPERTS:
             self.parts[expert] = self.load_part(expert, WanTransformer3DModel)
@@ -122,10 +127,29 @@ class Wan22Family(WanFamily):
             str(self.support_folder("scheduler")), local_files_only=True)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.support_folder("tokenizer")), local_files_only=True)
 
+    def single_file_part(self, part: str):
+        from modules.model import wan_single_file
+
+        return wan_single_file.single_file_part(HIGH_NOISE if part in EXPERTS else part)
+
+    def _check_single_file_parts(self) -> None:
+        # model.base holds one expert (the high-noise one); the low-noise expert has its own file
+        from modules.loading.diffusers_folder import ModelLoadError
+
+        if not self.config.model.parts[LOW_NOISE].path:
+            raise ModelLoadError(
+                f"model.parts.{LOW_NOISE}.path: model.base {self.single_file.name} is one expert's file (the "
+                f"high-noise one's); name the low-noise expert's file here (ComfyUI's "
+                f"{self.low_noise_file_example}) or a diffusers {LOW_NOISE}/ folder")
+        super()._check_single_file_parts()
+        for expert in EXPERTS:
+            self.part_folder(expert)  # an expert's file of another shape (1.3B, 5B, I2V) is named here
+
     def _boundary_ratio(self) -> float:
         from modules.loading.diffusers_folder import ModelLoadError
 
-        index_path = Path(self.config.model.base) / "model_index.json"
+        index_path = (self.model_config_folder() if self.single_file is not None
+                      else Path(self.config.model.base)) / "model_index.json"
         try:
             ratio = json.loads(index_path.read_text(encoding="utf-8")).get("boundary_ratio")
         except (OSError, ValueError) as error:

@@ -12,7 +12,9 @@ both experts and no image encoder, from `sampling.prompts[].control_images[0]`.
 
 Told from Wan 2.1 I2V (the same pipeline class) by model_index.json's `transformer_2` and
 `boundary_ratio` before any weight loads, and from Wan 2.2 T2V A14B by the pipeline class. Adapter
-keys are Wan 2.2 A14B's (keys/wan22.py); single files are not read for this family.
+keys are Wan 2.2 A14B's (keys/wan22.py); single files as for wan22 (ComfyUI's
+wan2.2_i2v_high_noise_14B_*.safetensors as model.base, the low-noise file as
+`model.parts.transformer_2.path`: 36-channel Wan 2.1 14B-layout transformers).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from modules.model.wan_first_frame import WanFirstFrame
 class Wan22I2VFamily(WanFirstFrame, Wan22Family):
     declaration = DECLARATION  # name, label, parts: modules/config/families/wan22_i2v.py
     pipeline_classes = ("WanImageToVideoPipeline",)
-    diffusers_folder = "Wan2.2-I2V-A14B-Diffusers"
+    low_noise_file_example = "wan2.2_i2v_low_noise_14B_fp16.safetensors"
     kohya_base_version = "wan_2.2_i2v_a14b"
     modelspec_architecture = "wan-2.2-i2v-a14b/lora"
     # two experts of Wan 2.1 14B's shape with 36 input channels (resources/model_configs/wan22_i2v/,

@@ -90,10 +90,11 @@ def transformer_shape(keys, shape_of) -> tuple[int, int, int]:
     return width, max(blocks, default=-1) + 1, channels
 
 
-def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int) -> Path:
+def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, where: str = "model.base") -> Path:
     """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
-    has this width, block count and input channels; ModelLoadError naming what the file holds when
-    none has (a file without a patch embedding: `folder`, and the load names what is missing)."""
+    has this width, block count and input channels (`folder` itself first); ModelLoadError at `where`
+    naming what the file holds when none has (a file without a patch embedding: `folder`, and the load
+    names what is missing)."""
     from modules.loading.diffusers_folder import ModelLoadError
 
     if not width:
@@ -109,6 +110,6 @@ def transformer_config_folder(folder: Path, width: int, blocks: int, channels: i
         if shape == (width, blocks, channels):
             return candidate
     kind = {16: "text-to-video", 36: "image-to-video"}.get(channels, f"{channels} input channels")
-    raise ModelLoadError(f"model.base: the file holds a Wan transformer {width} wide with {blocks} blocks "
+    raise ModelLoadError(f"{where}: the file holds a Wan transformer {width} wide with {blocks} blocks "
                          f"({kind}); no config in {folder.parent}/transformer*/ has that architecture: set "
-                         "model.parts.transformer.path to a diffusers transformer/ folder of the model")
+                         f"model.parts.{folder.name}.path to a diffusers {folder.name}/ folder of the model")
