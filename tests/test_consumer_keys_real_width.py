@@ -20,7 +20,7 @@ from modules.plan.architecture import build_architecture
 from modules.saving.consumers import comfyui, forge
 from modules.saving.consumers.check import module_stems
 
-FAMILIES = ("sd15", "sdxl", "flux", "chroma", "sd3", "z_image", "flux2", "flux2-dev", "qwen_image", "wan", "krea2")
+FAMILIES = ("sd15", "sdxl", "flux", "chroma", "sd3", "z_image", "flux2", "flux2-dev", "qwen_image", "wan", "krea2", "anima")
 # the two key layouts a kohya file has: LoRA stacked onto an original fused layer (q/k/v as one
 # `..._qkv` key), and one key per diffusers module (LoHa here; LoKr, DoRA and OFT name their keys
 # as LoHa or LoRA do: test_consumer_keys.py checks every algorithm on tiny models)

@@ -22,7 +22,7 @@ from modules.adapters.formats.files import (
 )
 from modules.config.train_config import AdapterConfig
 
-FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2", "fibo2", "fibo_edit")
+FAMILIES = ("sd15", "sdxl", "flux", "z_image", "flux2", "qwen_image", "chroma", "sd3", "wan", "krea2", "fibo2", "fibo_edit", "anima")
 FORMATS = ("kohya", "comfy", "diffusers")
 # (family, format) -> (the exception diffusers raises, why): the refusals docs/formats.md names
 REFUSED = {
@@ -42,6 +42,9 @@ REFUSED = {
     ("krea2", "kohya"): (ValueError, "text-encoder alphas: the file is refused, as the run warns"),
     # FIBO Edit's FLUX loader reads lora_unet_ names as FLUX.1's original layers and raises on FIBO's
     ("fibo_edit", "kohya"): (ValueError, "diffusers names under kohya prefixes: refused, as the run warns"),
+    # AnimaModularPipeline's loader wants "lora" in every key: ComfyUI-named files' alphas are not
+    ("anima", "kohya"): (ValueError, "alphas without 'lora': the file is refused, as the run warns"),
+    ("anima", "comfy"): (ValueError, "alphas without 'lora': the file is refused, as the run warns"),
 }
 
 

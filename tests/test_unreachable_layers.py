@@ -20,6 +20,7 @@ FAMILIES = {  # family -> (module, class, text parts, the part whose last block 
     "z_image": ("modules.model.z_image", "ZImageFamily", ["text_encoder"], "text_encoder"),
     # the tiny Krea-2 taps hidden states 1 and 2 of its three layers (the released one 2..35 of 36)
     "krea2": ("modules.model.krea2", "Krea2Family", ["text_encoder"], "text_encoder"),
+    "anima": ("modules.model.anima", "AnimaFamily", ["text_encoder"], None),
 }
 
 
