@@ -63,7 +63,7 @@ def measure(model: Path, images: Path, work: Path, size: str, method: str, mode:
         "workspace_dir": str(work / "ws"), "output": {"path": str(work / "out.safetensors")},
         "tensorboard": False, "sampling": {"prompts": []}}, METHODS[method]])
     plan = plan_run(config, None, None)
-    memory = torch.fakegpu
+    memory = torch.get_device_module("fakegpu")  # registered by tests/fake_device.py
     memory.reset_peak_memory_stats()
     before = memory.memory_allocated()
     trainer = GenericTrainer(config, TrainCallbacks())
