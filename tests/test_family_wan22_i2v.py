@@ -9,12 +9,11 @@ and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import fixed_loss, train_config
 from family_cross import initializes_and_steps, offloaded_training_matches, perturbed_adapters, resumed_training_matches
-from PIL import Image
+from sliding_clips import sliding_clip_concept
 
 from modules.adapters.formats.files import format_warnings, save_adapter_file
 
@@ -22,25 +21,10 @@ EXPERTS = ("transformer", "transformer_2")
 LOW_NOISE_ONLY = {"model": {"family": "wan22_i2v", "parts": {"transformer": {"train": False}}}}
 
 
-def _frame(i: int, side: int = 16, colour: int = 255) -> Image.Image:
-    """A square sliding right over a gradient (i: the frame)."""
-    y, x = np.mgrid[0:side, 0:side]
-    frame = np.stack([x * 255 // side, y * 255 // side, np.full_like(x, 60)], axis=-1).astype(np.uint8)
-    frame[4:8, i * 2:i * 2 + 4] = colour
-    return Image.fromarray(frame)
-
-
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory):
     """A video concept (one captioned 5-frame clip as a frame folder) and a still image elsewhere."""
-    folder = tmp_path_factory.mktemp("wan22-i2v-clips")
-    (folder / "slide").mkdir()
-    for i in range(5):
-        _frame(i).save(folder / "slide" / f"{i:04d}.png")
-    (folder / "slide.txt").write_text("a square sliding right")
-    still = tmp_path_factory.mktemp("wan22-i2v-still") / "start.png"
-    _frame(0, colour=0).save(still)
-    return folder, still
+    return sliding_clip_concept(tmp_path_factory, "wan22-i2v", 16)
 
 
 @pytest.fixture(scope="module")

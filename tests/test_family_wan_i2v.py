@@ -9,35 +9,20 @@ sample prompt with an image writes a video, and one without is refused before th
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from conftest import fixed_loss, train_config
 from family_cross import perturbed_adapters
+from sliding_clips import sliding_clip_concept
 from PIL import Image
 
 from modules.adapters.formats.files import format_warnings, save_adapter_file
 
 
-def _frame(i: int, side: int = 32, colour: int = 255) -> Image.Image:
-    """A square sliding right over a gradient (i: the frame)."""
-    y, x = np.mgrid[0:side, 0:side]
-    frame = np.stack([x * 255 // side, y * 255 // side, np.full_like(x, 60)], axis=-1).astype(np.uint8)
-    frame[8:16, i * 4:i * 4 + 8] = colour
-    return Image.fromarray(frame)
-
-
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory):
-    """A video concept: one 5-frame clip as a frame folder, captioned; and a still image elsewhere."""
-    folder = tmp_path_factory.mktemp("i2v-clips")
-    (folder / "slide").mkdir()
-    for i in range(5):
-        _frame(i).save(folder / "slide" / f"{i:04d}.png")
-    (folder / "slide.txt").write_text("a square sliding right")
-    still = tmp_path_factory.mktemp("i2v-still") / "start.png"
-    _frame(0, colour=0).save(still)
-    return folder, still
+    """A video concept (one captioned 5-frame clip as a frame folder) and a still image elsewhere."""
+    return sliding_clip_concept(tmp_path_factory, "i2v", 32)
 
 
 @pytest.fixture(scope="module")
