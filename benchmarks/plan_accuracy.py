@@ -16,6 +16,7 @@ Prints one table row per run: planned, measured, planned/measured. Not a GPU fig
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -64,6 +65,7 @@ def measure(model: Path, images: Path, work: Path, size: str, method: str, mode:
         "tensorboard": False, "sampling": {"prompts": []}}, METHODS[method]])
     plan = plan_run(config, None, None)
     memory = torch.get_device_module("fakegpu")  # registered by tests/fake_device.py
+    gc.collect()  # the last run's tensors freed during this one would lower its peak over `before`
     memory.reset_peak_memory_stats()
     before = memory.memory_allocated()
     trainer = GenericTrainer(config, TrainCallbacks())
