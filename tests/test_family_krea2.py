@@ -293,14 +293,12 @@ def test_the_transformer_runs_its_blocks_in_the_listed_order(family):
     blocks_run_in_listed_order(family, "text_encoder", lambda: family.encode_text(family.tokenize(["a"])))
 
 
-def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_krea2, shape_images, family):
-    """An original-layout Krea 2 transformer file (`blocks.0.attn.wq`, `txtfusion.`, `last.modulation.lin`,
-    under model.diffusion_model.) converted by diffusers' converter; text encoder and VAE from folders."""
+def _original_layout_file(path, tiny_krea2, family):
+    """The tiny transformer written as an original-layout Krea 2 file (`blocks.0.attn.wq`, `txtfusion.`,
+    `last.modulation.lin`, under model.diffusion_model.)."""
     from safetensors.torch import load_file, save_file
 
-    from modules.model.detect import detect_family
     from modules.model.keys.krea2 import krea2_original_module_name
-    from modules.model.krea2 import Krea2Family
 
     folder = load_file(str(next((tiny_krea2 / "transformer").glob("*.safetensors"))))
     original = {}
@@ -321,18 +319,45 @@ def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_kr
                 name, tensor = name.replace("scale_shift_table", "mod.lin"), tensor.reshape(-1)
         original["model.diffusion_model." + name] = tensor.contiguous()
     assert not any("transformer_blocks" in k or "scale_shift_table" in k for k in original)
-    save_file(original, str(tmp_path / "krea2.safetensors"))
-    assert detect_family(tmp_path / "krea2.safetensors") == "krea2"
-    assert detect_family(tiny_krea2) == "krea2"
-    config = train_config(tmp_path / "krea2.safetensors", shape_images, tmp_path, {"model": {
+    save_file(original, str(path))
+    return path
+
+
+def _load_single_file(path, tiny_krea2, shape_images, tmp_path):
+    from modules.model.krea2 import Krea2Family
+
+    config = train_config(path, shape_images, tmp_path, {"model": {
         "family": "krea2", "parts": {"text_encoder": {"path": str(tiny_krea2 / "text_encoder")},
                                      "vae": {"path": str(tiny_krea2 / "vae")}}}})
     from_file = Krea2Family(config)
-    from_file.model_configs_dir = tiny_krea2  # the tiny model's part configs and model index
+    from_file.model_configs_dir = tiny_krea2  # the tiny model's part configs and model index (Raw's)
     from_file.load()
+    return from_file
+
+
+def test_the_single_transformer_file_loads_the_folders_tensors(tmp_path, tiny_krea2, shape_images, family):
+    """An original-layout Krea 2 transformer file converted by diffusers' converter; text encoder and VAE
+    from folders."""
+    from modules.model.detect import detect_family
+
+    path = _original_layout_file(tmp_path / "krea2.safetensors", tiny_krea2, family)
+    assert detect_family(path) == "krea2"
+    assert detect_family(tiny_krea2) == "krea2"
+    from_file = _load_single_file(path, tiny_krea2, shape_images, tmp_path)
+    assert not from_file.is_distilled  # Raw's model index, and the file's name says nothing else
     ours, theirs = from_file.transformer.state_dict(), family.transformer.state_dict()
     assert set(ours) == set(theirs)
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@pytest.mark.parametrize("name", ["turbo.safetensors", "krea2_turbo_bf16.safetensors", "Krea-2-Distilled.safetensors"])
+def test_a_distilled_single_file_is_told_apart_by_its_name(tmp_path, tiny_krea2, shape_images, family, name):
+    """The Turbo (distilled) checkpoint has Raw's keys and shapes, and a single file is read with Raw's
+    model index: the file's name (Krea's turbo.safetensors, ComfyUI's krea2_turbo_*) marks it distilled,
+    so training draws times at the fixed shift and the pipeline samples as distilled, as from the folder."""
+    path = _original_layout_file(tmp_path / name, tiny_krea2, family)
+    turbo = _load_single_file(path, tiny_krea2, shape_images, tmp_path)
+    assert turbo.is_distilled and turbo.pipeline().config.is_distilled  # the shift: the test above
 
 
 def test_sample_runs_cfg_from_the_live_modules(family, monkeypatch):

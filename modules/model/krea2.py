@@ -30,7 +30,9 @@ Only the language model of Qwen3-VL is loaded (Qwen3VLTextModel, 4.02B): the vis
 touches a text prompt. Its layers after the last tapped one never reach the loss (no adapters).
 Adapter key names: modules/model/keys/krea2.py. A single transformer file (the original Krea 2
 layout, bare or under `model.diffusion_model.`) is converted by diffusers' Krea 2 converter and
-read as the base model (the released model index); text encoder and VAE come from folders.
+read as the base model (the released model index); text encoder and VAE come from folders. The
+distilled (Turbo) file has Raw's keys: a transformer file named *turbo* or *distill* is read as
+distilled (fixed shift, no CFG at cfg 1), any other as Raw.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ MAX_TEXT_TOKENS = 512
 DEFAULT_SELECT_LAYERS = (2, 5, 8, 11, 14, 17, 20, 23, 26, 29, 32, 35)
 # the distilled checkpoint's fixed timestep shift (Krea2Pipeline.__call__)
 DISTILLED_MU = 1.15
+# a single file of the distilled checkpoint has Raw's keys and shapes; only its name tells it apart
+# (Krea's own turbo.safetensors, ComfyUI's krea2_turbo_*; "distilled" in community names)
+DISTILLED_FILE_WORDS = ("turbo", "distill")
 
 
 def _text_encoder_key(key: str) -> str:
@@ -110,7 +115,7 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
         self.load_flow_scheduler()
         index = self._model_index()
         self.select_layers = tuple(index.get("text_encoder_select_layers") or DEFAULT_SELECT_LAYERS)
-        self.is_distilled = bool(index.get("is_distilled", False))
+        self.is_distilled = bool(index.get("is_distilled", False)) or self._distilled_file()
         self.patch_size = int(index.get("patch_size", 2))
         self._check_select_layers()
         folder = self.support_folder("tokenizer")
@@ -126,6 +131,11 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
             return json.loads(index.read_text(encoding="utf-8"))
         except ValueError as error:
             raise ModelLoadError(f"model.base: cannot read {index}: {error}") from None
+
+    def _distilled_file(self) -> bool:
+        # a single transformer file is read with the released (Raw) model index: its name decides
+        file = self.part_file("transformer")
+        return file is not None and any(word in file.stem.lower() for word in DISTILLED_FILE_WORDS)
 
     def _check_select_layers(self) -> None:
         taps, layers = len(self.select_layers), self.transformer.config.num_text_layers
