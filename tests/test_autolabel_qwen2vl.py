@@ -1,5 +1,5 @@
-"""Qwen2-VL captions (issue 30 item 2) with tiny random Qwen2-VL and Qwen2.5-VL models built offline
-from their transformers configs (modules/autolabel/tiny_models.py), on the path `launch.py caption`
+"""Qwen-VL captions (issue 30 item 2) with tiny random Qwen2-VL, Qwen2.5-VL and Qwen3-VL models built
+offline from their transformers configs (modules/autolabel/tiny_models.py), on the path `launch.py caption`
 and the dataset tool's Auto-caption take: the `chat` kind chosen from the folder, its loader,
 caption_images (the command's own wiring, its events and stdin stop: tests/test_autolabel.py, with
 BLIP). torchvision is not installed here, so the processor is the image-only one
@@ -115,11 +115,12 @@ def test_a_stop_request_ends_the_run_between_images(qwen, tmp_path):
     assert "stopped after 1 of 4 images" in report.summary()
 
 
-def test_qwen2_5_vl_captions_every_image_through_the_same_kind(tiny_labellers, tmp_path):
-    folder = tiny_labellers("qwen2_5_vl")
+@pytest.mark.parametrize("model, processor", [("qwen2_5_vl", "Qwen2_5_VLProcessor"), ("qwen3_vl", "Qwen3VLProcessor")])
+def test_qwen2_5_vl_and_qwen3_vl_caption_every_image_through_the_same_kind(tiny_labellers, tmp_path, model, processor):
+    folder = tiny_labellers(model)
     kind = kind_for(folder)
     captioner = kind.load(folder, "cpu", "float32")
-    assert kind.name == "chat" and type(captioner.processor).__name__ == "Qwen2_5_VLProcessor"
+    assert kind.name == "chat" and type(captioner.processor).__name__ == processor
     images = images_in(tmp_path, ["red", "blue", "green"])
     report = caption_images(images, captioner, "describe this {name} image", "overwrite", batch_size=3,
                             max_new_tokens=4)

@@ -1,6 +1,6 @@
 """Tiny random labelling models, built offline from transformers configs (for tests and trying the
-tools without a download): BLIP, BLIP-2 and Florence-2 captioners, LLaVA, Qwen2-VL and
-Qwen2.5-VL chat captioners and a CLIPSeg masker, each a folder from_pretrained reads, with a
+tools without a download): BLIP, BLIP-2 and Florence-2 captioners, LLaVA, Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL chat captioners and a CLIPSeg masker, each a folder from_pretrained reads, with a
 tokenizer built from a word list; and a WD14-layout tagger, an ONNX graph of known scores (its
 tags: TINY_WD14_TAGS).
 
@@ -136,7 +136,7 @@ QWEN2_VL_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _tiny_qwen_vl(out: str | Path, config_class, model_class, vision_config: dict) -> Path:
+def _tiny_qwen_vl(out: str | Path, config_class, model_class, vision_config: dict, **text_config) -> Path:
     """A Qwen-VL in a released checkpoint's layout: config.json and weights, preprocessor_config.json
     (Qwen2VLImageProcessor's settings, 8 px patches merged 2x2: a 48x40 image is 6 image tokens),
     the tokenizer's files and chat_template.jinja; no video processor config (the released Qwen2-VL
@@ -161,7 +161,8 @@ def _tiny_qwen_vl(out: str | Path, config_class, model_class, vision_config: dic
                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, bos_token_id=None,
                          eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
                          # multimodal rotary positions: (time, height, width) sections of the 8 frequencies
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}),
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          **text_config.pop("rope_parameters", {})}, **text_config),
         vision_config=dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
                            **vision_config),
         image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
@@ -188,6 +189,18 @@ def make_tiny_qwen2_5_vl(out: str | Path) -> Path:
     return _tiny_qwen_vl(out, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                          dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=32,
                               fullatt_block_indexes=[1]))
+
+
+def make_tiny_qwen3_vl(out: str | Path) -> Path:
+    """Qwen3-VL: learned vision positions (a 4x4 grid, interpolated to the image's), the first vision
+    block's features added to the language model's first layers (deepstack), interleaved rotary
+    sections, as the released configs set them."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    return _tiny_qwen_vl(out, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                         dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16,
+                              deepstack_visual_indexes=[0]),
+                         head_dim=16, rope_parameters={"mrope_interleaved": True})
 
 
 def make_tiny_clipseg(out: str | Path) -> Path:
