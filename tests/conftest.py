@@ -76,7 +76,7 @@ def shape_images(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_labellers(tmp_path_factory):
     """Tiny random labelling models (modules/autolabel/tiny_models.py), each built once: get("blip"),
-    get("llava"), get("clipseg")."""
+    get("llava"), get("qwen2_vl"), get("clipseg")."""
     from modules.autolabel import tiny_models
 
     built: dict[str, Path] = {}

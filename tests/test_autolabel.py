@@ -1,6 +1,6 @@
 """Auto-captioning and generated masks (issue 30, items 2 and 3) with tiny random models built
-offline (modules/autolabel/tiny_models.py): BLIP, BLIP-2 and a LLaVA chat captioner (a tiny Qwen2-VL's
-processor needs torchvision, which is not installed), and a CLIPSeg masker."""
+offline (modules/autolabel/tiny_models.py): BLIP, BLIP-2 and a LLaVA chat captioner (Qwen2-VL and
+Qwen2.5-VL: tests/test_autolabel_qwen2vl.py), and a CLIPSeg masker."""
 
 from __future__ import annotations
 

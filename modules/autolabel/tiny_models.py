@@ -1,14 +1,12 @@
 """Tiny random labelling models, built offline from transformers configs (for tests and trying the
-tools without a download): BLIP, BLIP-2 and Florence-2 captioners, a LLaVA chat captioner and a CLIPSeg masker, each a
-folder from_pretrained reads, with a tokenizer built from a word list; and a WD14-layout tagger,
-an ONNX graph of known scores (its tags: TINY_WD14_TAGS).
+tools without a download): BLIP, BLIP-2 and Florence-2 captioners, LLaVA, Qwen2-VL,
+Qwen2.5-VL and Qwen3-VL chat captioners and a CLIPSeg masker, each a folder from_pretrained reads, with a
+tokenizer built from a word list; and a WD14-layout tagger, an ONNX graph of known scores (its
+tags: TINY_WD14_TAGS).
 
 A random model's first choice is often a special token, which decodes to an empty caption; the
 captioners' generation configs here forbid those (and ask for a few tokens at least) so that a
-test sees a caption for every image. Real checkpoints keep their own generation configs.
-
-A tiny Qwen2-VL cannot be built here: its processor requires a video processor, which transformers
-provides only with torchvision installed (not a requirement of this project)."""
+test sees a caption for every image. Real checkpoints keep their own generation configs."""
 
 from __future__ import annotations
 
@@ -126,6 +124,83 @@ def make_tiny_llava(out: str | Path) -> Path:
     model.save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+# ChatML with Qwen-VL's vision tokens, as the released Qwen2-VL / Qwen2.5-VL templates lay a user turn
+# out (theirs also open with a default system message and can number images; neither matters here)
+QWEN2_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_qwen_vl(out: str | Path, config_class, model_class, vision_config: dict, **text_config) -> Path:
+    """A Qwen-VL in a released checkpoint's layout: config.json and weights, preprocessor_config.json
+    (Qwen2VLImageProcessor's settings, 8 px patches merged 2x2: a 48x40 image is 6 image tokens),
+    the tokenizer's files and chat_template.jinja; no video processor config (the released Qwen2-VL
+    folders have none either). Written part by part, as their processor classes cannot be built
+    without torchvision (modules/autolabel/image_only_processor.py)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+               "<|video_pad|>"]
+    roles = ["system", "user", "assistant"]
+    tokenizer, vocab = _word_tokenizer(special, roles + ["describe", "this", "image", "."] + WORDS,
+                                       eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                       additional_special_tokens=special[1:])
+    (out / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE, encoding="utf-8")
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(min_pixels=16 * 16, max_pixels=64 * 64, patch_size=8, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(out)
+    config = config_class(
+        text_config=dict(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, bos_token_id=None,
+                         eos_token_id=vocab["<|im_end|>"], pad_token_id=vocab["<|endoftext|>"],
+                         # multimodal rotary positions: (time, height, width) sections of the 8 frequencies
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                          **text_config.pop("rope_parameters", {})}, **text_config),
+        vision_config=dict(depth=2, num_heads=2, patch_size=8, spatial_merge_size=2, temporal_patch_size=2,
+                           **vision_config),
+        image_token_id=vocab["<|image_pad|>"], video_token_id=vocab["<|video_pad|>"],
+        vision_start_token_id=vocab["<|vision_start|>"], vision_end_token_id=vocab["<|vision_end|>"])
+    _seeded()
+    model = model_class(config)
+    _no_special_starts(model, [vocab[token] for token in special + ["[UNK]"] + roles], eos=vocab["<|im_end|>"])
+    model.save_pretrained(out)
+    return out
+
+
+def make_tiny_qwen2_vl(out: str | Path) -> Path:
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    return _tiny_qwen_vl(out, Qwen2VLConfig, Qwen2VLForConditionalGeneration,
+                         dict(embed_dim=16, hidden_size=32, mlp_ratio=2))  # hidden_size: the language model's
+
+
+def make_tiny_qwen2_5_vl(out: str | Path) -> Path:
+    """Qwen2.5-VL: its vision tower attends within windows (32 px: 2x2 merged patches) but in the blocks
+    `fullatt_block_indexes` names."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    return _tiny_qwen_vl(out, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+                         dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, window_size=32,
+                              fullatt_block_indexes=[1]))
+
+
+def make_tiny_qwen3_vl(out: str | Path) -> Path:
+    """Qwen3-VL: learned vision positions (a 4x4 grid, interpolated to the image's), the first vision
+    block's features added to the language model's first layers (deepstack), interleaved rotary
+    sections, as the released configs set them."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    return _tiny_qwen_vl(out, Qwen3VLConfig, Qwen3VLForConditionalGeneration,
+                         dict(hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16,
+                              deepstack_visual_indexes=[0]),
+                         head_dim=16, rope_parameters={"mrope_interleaved": True})
 
 
 def make_tiny_clipseg(out: str | Path) -> Path:

@@ -28,7 +28,11 @@ def load_pretrained(loader, folder: Path, what: str, **options):
     logging.disable_progress_bar()  # a bar per load, in the run's log
     try:
         return loader.from_pretrained(str(folder), local_files_only=True, **options)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as error:
+    except ImportError as error:  # a class that needs an optional package: transformers' message names both
+        first = str(error).strip().split(". ")[0].replace("\n", " ") or type(error).__name__
+        raise LabelModelError(f"{folder}: its {what} needs a package that is not installed ({first})",
+                              field="--model") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise LabelModelError(f"{folder}: its {what} does not load ({first})", field="--model") from None
 

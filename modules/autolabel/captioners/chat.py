@@ -1,14 +1,17 @@
-"""Chat vision-language models (Qwen2-VL/Qwen2.5-VL, LLaVA, and any image-text-to-text checkpoint
-whose processor has a chat template): the prompt is the user's message beside the image, and the
-caption is the answer, without the prompt."""
+"""Chat vision-language models (Qwen2-VL/Qwen2.5-VL/Qwen3-VL, LLaVA, and any image-text-to-text
+checkpoint whose processor has a chat template): the prompt is the user's message beside the image,
+and the caption is the answer, without the prompt. The processor loads without torchvision too
+(modules/autolabel/image_only_processor.py: Qwen-VL processors would otherwise want its video
+processor)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from modules.autolabel.captioners import CaptionerKind, register
+from modules.autolabel.image_only_processor import load_processor
 from modules.autolabel.model_folder import has_chat_template
-from modules.autolabel.transformers_models import load_model, load_pretrained, model_inputs
+from modules.autolabel.transformers_models import load_model, model_inputs
 
 
 def takes(config: dict, folder: Path) -> bool:
@@ -19,9 +22,9 @@ def takes(config: dict, folder: Path) -> bool:
 
 class ChatCaptioner:
     def __init__(self, folder: Path, device: str, dtype: str):
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
-        self.processor = load_pretrained(AutoProcessor, folder, "processor")
+        self.processor = load_processor(folder)
         self.processor.tokenizer.padding_side = "left"  # new tokens follow every prompt of a batch directly
         self.model = load_model(AutoModelForImageTextToText, folder, device, dtype)
 
