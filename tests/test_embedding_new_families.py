@@ -8,6 +8,7 @@ sample conditioning."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ import torch
 from conftest import fixed_loss, train_config
 from safetensors.torch import load_file
 
+from modules.config.errors import ConfigError
 from modules.config.families import get_family_class
 from modules.methods.embedding import EmbeddingMethod
 from modules.model.components.embedding_tokens import token_embedding
@@ -140,3 +142,56 @@ def test_a_sample_prompt_is_conditioned_as_training_encodes_it(run):
     else:
         expected = next(iter(ours.values()))
     torch.testing.assert_close(sampled, expected, atol=1e-5, rtol=0)
+
+
+def embedded_family(family_name, tiny_family_model, images, workspace, placeholder=PLACEHOLDER):
+    """A freshly loaded tiny model with an untrained 2-vector embedding set up (as a run sets it up)."""
+    config = train_config(tiny_family_model(family_name), images, workspace, {"model": {"family": family_name}},
+                          {"embeddings": [{"placeholder": placeholder, "init_text": "ab", "vectors": 2}]})
+    family = get_family_class(family_name)(config)
+    family.load()
+    return family, frozen_method(family, config)
+
+
+def test_a_fibo2_placeholder_survives_the_json_caption_cleaning(tiny_family_model, shape_images, tmp_path):
+    """A JSON caption is cleaned (empty values and scores dropped) and reserialized as the pipeline does;
+    the placeholder inside one of its values reaches Qwen3-VL as both its tokens, in training and in a
+    sample prompt."""
+    family, method = embedded_family("fibo2", tiny_family_model, shape_images, tmp_path)
+    caption = json.dumps({"short_description": f"a {PLACEHOLDER} circle", "style_medium": "", "aesthetic_score": 7})
+    first = family.tokenizer.convert_tokens_to_ids(PLACEHOLDER)
+    ids = family.tokenize(method.expand_captions([caption]))["input_ids"]
+    assert (ids >= first).sum() == 2
+    cleaned = json.dumps({"short_description": f"a {PLACEHOLDER} {PLACEHOLDER}_1 circle"}, separators=(",", ":"))
+    assert torch.equal(ids, family._tokenize_as_given([cleaned])["input_ids"])
+    ours = encoded(family, method, caption)
+    sampled = sampled_text(family, caption)
+    torch.testing.assert_close(sampled, ours["hidden_states"][:, :, :int(ours["attention_mask"].sum())],
+                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family_name, placeholder", [("fibo_edit", "<form-é>"), ("fibo2", '<say"so>')])
+def test_a_placeholder_the_caption_handling_rewrites_is_refused(family_name, placeholder, tiny_family_model,
+                                                                shape_images, tmp_path):
+    """FIBO Edit puts a plain caption in a JSON object serialized ASCII-only, so `é` becomes `\\u00e9`;
+    FIBO-2 reserializes a JSON caption, so a quote in a value comes back as `\\"`. Such a placeholder
+    would never reach the encoder (and never train, unseen by the first-step guard)."""
+    label = get_family_class(family_name).label
+    with pytest.raises(ConfigError, match=rf"embeddings\[0\]\.placeholder '{placeholder}': the {label} caption"):
+        embedded_family(family_name, tiny_family_model, shape_images, tmp_path, placeholder=placeholder)
+
+
+def test_anima_reads_an_embedding_token_as_one_t5_pad_id_as_comfyui_does(tiny_family_model, shape_images, tmp_path):
+    """The LLM adapter's T5 queries: ComfyUI's Anima tokenizer gives an embedding's vectors on its T5
+    side too, and AnimaTEModel turns each into the T5 pad id; the text around it is tokenized apart.
+    A caption without a placeholder is the tokenizer's own, as the pipeline's."""
+    family, method = embedded_family("anima", tiny_family_model, shape_images, tmp_path)
+    t5 = family.t5_tokenizer
+    tokens = family.tokenize(method.expand_captions([PROMPT]))
+    words = [t5(word, add_special_tokens=False).input_ids for word in ("a", "circle")]
+    expected = words[0] + [t5.pad_token_id] * 2 + words[1] + [t5.eos_token_id]
+    assert tokens["t5_input_ids"][0, :len(expected)].tolist() == expected
+    assert tokens["t5_attention_mask"][0].sum() == len(expected)
+    plain = family.tokenize(["a red circle"])["t5_input_ids"]
+    assert torch.equal(plain, t5(["a red circle"], padding="max_length", max_length=family.max_sequence_length,
+                                 truncation=True, return_tensors="pt").input_ids)

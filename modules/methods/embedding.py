@@ -86,18 +86,21 @@ class EmbeddingMethod(TrainingMethod):
         template = family.tokenize([""])  # the prompt template around a caption, before any new token
         first_ids: dict[str, int] = {}
         added: dict[int, int] = {}  # id(tokenizer) -> its first new id (a tokenizer shared by parts gets them once)
+        new_ids: list[set[int]] = [set() for _ in self.embeddings]  # per embedding: its ids in every tokenizer
         for part, tokenizer in tokenizers.items():
             if id(tokenizer) not in added:
                 ids = []
                 for index, (embedding, start) in enumerate(zip(self.embeddings, starts)):
                     tokens = placeholder_tokens(embedding.placeholder, next(iter(start.values())).shape[0])
                     ids += add_tokens(tokenizer, tokens, f"embeddings[{index}].placeholder")
+                    new_ids[index].update(ids[-len(tokens):])
                 added[id(tokenizer)] = ids[0]
             first_ids[part] = added[id(tokenizer)]
         self._check_template(template, tokenizers)
         for embedding, start in zip(self.embeddings, starts):
             self.vectors.append({part: nn.Parameter(tensor.to(self.device), requires_grad=embedding.train)
                                  for part, tensor in start.items()})
+        self._check_reach(new_ids)
         for part in self.slots:
             self.hooks.append(AddedTokenRows(tables[part], first_ids[part], [v[part] for v in self.vectors]))
 
@@ -115,6 +118,21 @@ class EmbeddingMethod(TrainingMethod):
         raise ValueError(f"{', '.join(culprits)}: the placeholder is part of the {self.family.label} prompt template "
                          f"around each caption, so its new token would split the template's words and shift its "
                          f"tokens; choose a placeholder unlike any word, e.g. <my-style>")
+
+    def _check_reach(self, new_ids: list[set[int]]) -> None:
+        """Each placeholder's tokens reach the encoders through what the family does to a caption (FIBO
+        Edit puts plain text in a JSON object, FIBO-2 reserializes a JSON caption): a placeholder the
+        caption handling rewrote (a non-ASCII one escaped, a quote in JSON) would never be looked up and
+        so never train, without the first-step guard seeing it (it guards the looked-up ones)."""
+        for index, embedding in enumerate(self.embeddings):
+            for caption in self.family.embedding_probe_captions(embedding.placeholder):
+                tokens = self.family.tokenize(self.expand_captions([caption]))
+                seen = {int(i) for key, ids in tokens.items() if key.startswith("input_ids") for i in ids.flatten()}
+                if not new_ids[index] <= seen:
+                    raise ValueError(f"embeddings[{index}].placeholder {embedding.placeholder!r}: the {self.family.label} "
+                                     f"caption {caption!r} reaches the text encoder without the placeholder's tokens "
+                                     f"(the family rewrites it before tokenizing); choose a placeholder of ASCII "
+                                     f"letters, digits and <>-_, e.g. <my-style>")
 
     def vector_counts(self) -> dict[str, int]:
         return {e.placeholder: next(iter(v.values())).shape[0] for e, v in zip(self.embeddings, self.vectors)}

@@ -158,6 +158,10 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         return self._tokenize_as_given([trained_caption(c) for c in captions])
 
+    def embedding_probe_captions(self, placeholder: str) -> list[str]:
+        # a JSON caption is cleaned and reserialized (trained_caption): the placeholder in one of its values too
+        return [placeholder, json.dumps({"short_description": f"a {placeholder} photo"})]
+
     def _tokenize_as_given(self, texts: list[str]) -> dict[str, torch.Tensor]:
         template = _pipeline_facts().PROMPT_TEMPLATE
         tokens = self.tokenizer([template.format(text) for text in texts], padding="max_length",
