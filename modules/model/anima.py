@@ -12,6 +12,8 @@ cross-attending to the Qwen3 states), CosmosTransformer3DModel and the Qwen-Imag
   masks hide the padding, so the real tokens' embeddings are the same (tests/test_family_anima.py);
   an empty caption gives an all-masked Qwen3 source either way. The adapter runs in encode_text, so
   its output is what the text cache holds; training the adapter (or Qwen3) runs it every step.
+  An embedding trains into Qwen3's table; on the T5 side each of its tokens is the T5 pad id, as
+  ComfyUI reads an embedding for Anima (`t5_tokens`; the pipeline's text step takes the same ids).
 - latents: the VAE's mode of (B, 3, 1, H, W) frames, normalised per channel by `latents_mean` /
   `latents_std`, as Qwen-Image's; the transformer takes (B, C, 1, h, w) and a zero padding mask.
 - rectified flow: the transformer takes sigma itself (the pipeline passes t / 1000) and predicts
@@ -177,8 +179,9 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
     def t5_tokens(self, captions: list[str], length: int, padding: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, mask) of the captions through the T5 tokenizer: the LLM adapter's queries. An embedding's
         token is one T5 pad id, as ComfyUI's Anima encoder reads it (its T5 tokenizer gives the embedding's
-        vectors, which AnimaTEModel replaces by the pad id); the text between is tokenized word-group by
-        word-group, as ComfyUI does. Without embedding tokens: the tokenizer on the caption, as the pipeline."""
+        vectors, which AnimaTEModel replaces by the pad id); the text between is tokenized piece by piece,
+        as ComfyUI splits a prompt at an embedding. Without embedding tokens: the tokenizer on the caption,
+        as the pipeline."""
         tokenizer = self.t5_tokenizer
         tokens = self._embedding_tokens()
         if not any(token in caption for caption in captions for token in tokens):
