@@ -28,8 +28,8 @@ class EmbeddingConfig(StrictModel):
     path: str | None = Field(None, description="An embedding file (.safetensors, A1111/ComfyUI layout: "
                              "emb_params for SD1.5; clip_l/clip_g for SDXL; clip_l/t5xxl for FLUX.1, plus "
                              "clip_g for SD3; t5xxl for Chroma; qwen3_4b for Z-Image and FLUX.2 klein 4B, qwen3_8b "
-                             "for klein 9B; qwen25_7b for Qwen-Image) to start from, or to use frozen when train "
-                             "is off.")
+                             "for klein 9B; qwen25_7b for Qwen-Image; qwen3_06b for Anima; qwen3vl_4b for Krea-2 and "
+                             "FIBO-2; smollm3_3b for FIBO Edit) to start from, or to use frozen when train is off.")
     learning_rate: float | None = Field(None, gt=0, le=MAX_LEARNING_RATE,
         description="This embedding's learning rate; empty: "
                                         "optimizer.lr.")

@@ -1,7 +1,8 @@
 """The embedding method: textual inversion. Each entry of `embeddings` becomes new tokens in every
 text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G; SD3: CLIP-L, CLIP-G and T5;
 FLUX.1: CLIP-L and T5; Chroma: T5; Z-Image and FLUX.2 [klein]: Qwen3; Qwen-Image: Qwen2.5-VL's
-language model; the family's `embedding_slots`), initialised
+language model; Anima: Qwen3 0.6B; Krea-2 and FIBO-2: Qwen3-VL-4B's language model; FIBO Edit: SmolLM3;
+the family's `embedding_slots`), initialised
 from its init text or read from its file; only those vectors train, the model stays frozen.
 
 It is the main method with `method.type: embedding`, and a companion of the adapter or fine-tune
@@ -86,18 +87,21 @@ class EmbeddingMethod(TrainingMethod):
         template = family.tokenize([""])  # the prompt template around a caption, before any new token
         first_ids: dict[str, int] = {}
         added: dict[int, int] = {}  # id(tokenizer) -> its first new id (a tokenizer shared by parts gets them once)
+        new_ids: list[set[int]] = [set() for _ in self.embeddings]  # per embedding: its ids in every tokenizer
         for part, tokenizer in tokenizers.items():
             if id(tokenizer) not in added:
                 ids = []
                 for index, (embedding, start) in enumerate(zip(self.embeddings, starts)):
                     tokens = placeholder_tokens(embedding.placeholder, next(iter(start.values())).shape[0])
                     ids += add_tokens(tokenizer, tokens, f"embeddings[{index}].placeholder")
+                    new_ids[index].update(ids[-len(tokens):])
                 added[id(tokenizer)] = ids[0]
             first_ids[part] = added[id(tokenizer)]
         self._check_template(template, tokenizers)
         for embedding, start in zip(self.embeddings, starts):
             self.vectors.append({part: nn.Parameter(tensor.to(self.device), requires_grad=embedding.train)
                                  for part, tensor in start.items()})
+        self._check_reach(new_ids)
         for part in self.slots:
             self.hooks.append(AddedTokenRows(tables[part], first_ids[part], [v[part] for v in self.vectors]))
 
@@ -115,6 +119,21 @@ class EmbeddingMethod(TrainingMethod):
         raise ValueError(f"{', '.join(culprits)}: the placeholder is part of the {self.family.label} prompt template "
                          f"around each caption, so its new token would split the template's words and shift its "
                          f"tokens; choose a placeholder unlike any word, e.g. <my-style>")
+
+    def _check_reach(self, new_ids: list[set[int]]) -> None:
+        """Each placeholder's tokens reach the encoders through what the family does to a caption (FIBO
+        Edit puts plain text in a JSON object, FIBO-2 reserializes a JSON caption): a placeholder the
+        caption handling rewrote (a non-ASCII one escaped, a quote in JSON) would never be looked up and
+        so never train, without the first-step guard seeing it (it guards the looked-up ones)."""
+        for index, embedding in enumerate(self.embeddings):
+            for caption in self.family.embedding_probe_captions(embedding.placeholder):
+                tokens = self.family.tokenize(self.expand_captions([caption]))
+                seen = {int(i) for key, ids in tokens.items() if key.startswith("input_ids") for i in ids.flatten()}
+                if not new_ids[index] <= seen:
+                    raise ValueError(f"embeddings[{index}].placeholder {embedding.placeholder!r}: the {self.family.label} "
+                                     f"caption {caption!r} reaches the text encoder without the placeholder's tokens "
+                                     f"(the family rewrites it before tokenizing); choose a placeholder of ASCII "
+                                     f"letters, digits and <>-_, e.g. <my-style>")
 
     def vector_counts(self) -> dict[str, int]:
         return {e.placeholder: next(iter(v.values())).shape[0] for e, v in zip(self.embeddings, self.vectors)}

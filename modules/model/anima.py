@@ -12,6 +12,8 @@ cross-attending to the Qwen3 states), CosmosTransformer3DModel and the Qwen-Imag
   masks hide the padding, so the real tokens' embeddings are the same (tests/test_family_anima.py);
   an empty caption gives an all-masked Qwen3 source either way. The adapter runs in encode_text, so
   its output is what the text cache holds; training the adapter (or Qwen3) runs it every step.
+  An embedding trains into Qwen3's table; on the T5 side each of its tokens is the T5 pad id, as
+  ComfyUI reads an embedding for Anima (`t5_tokens`; the pipeline's text step takes the same ids).
 - latents: the VAE's mode of (B, 3, 1, H, W) frames, normalised per channel by `latents_mean` /
   `latents_std`, as Qwen-Image's; the transformer takes (B, C, 1, h, w) and a zero padding mask.
 - rectified flow: the transformer takes sigma itself (the pipeline passes t / 1000) and predicts
@@ -27,6 +29,8 @@ Single files: ComfyUI's anima-*.safetensors (the DiT and the LLM adapter; single
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -58,6 +62,21 @@ def _text_encoder_key(key: str) -> str:
     return key.removeprefix("model.")
 
 
+def _text_encoder_step(family: AnimaFamily):
+    """AnimaTextEncoderStep with the family's T5 ids (an embedding's tokens as T5 pad ids, as training
+    reads them); its Qwen3 states are the step's own."""
+    from diffusers.modular_pipelines.anima.encoders import AnimaTextEncoderStep
+
+    class FamilyT5Ids(AnimaTextEncoderStep):
+        @staticmethod
+        def _get_t5_prompt_ids(components, prompt, max_sequence_length, device):
+            ids, mask = family.t5_tokens([prompt] if isinstance(prompt, str) else prompt, max_sequence_length,
+                                         "longest")
+            return ids.to(device), mask.to(device)
+
+    return FamilyT5Ids()
+
+
 def _quiet(blocks) -> None:
     """No progress bar from any block of a modular pipeline (the denoise loop sits three levels down)."""
     for block in getattr(blocks, "sub_blocks", {}).values():
@@ -78,6 +97,8 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
     nominal_part_parameters = {"text_encoder": 596_049_920, "text_conditioner": 134_663_680,
                                "transformer": 1_956_405_248, "vae": 126_892_531}
     text_parts = ("text_encoder", "text_conditioner")
+    # textual inversion into Qwen3 0.6B's token table, under ComfyUI's Anima key (comfy/text_encoders/anima.py)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen3_06b")}
     image_parts = ("vae",)
     # ComfyUI's anima-*.safetensors (the DiT with its llm_adapter); a Cosmos-Predict2 file has no llm_adapter
     single_file_signature = (r"^(model\.diffusion_model\.|diffusion_model\.|net\.)?llm_adapter\.", None)
@@ -144,10 +165,44 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         length = self.max_sequence_length
         qwen = self.tokenizer(captions, padding="max_length", max_length=length, truncation=True,
                               padding_side="right", return_tensors="pt")
-        t5 = self.t5_tokenizer(captions, padding="max_length", max_length=length, truncation=True,
-                               return_tensors="pt")
+        t5_ids, t5_mask = self.t5_tokens(captions, length, "max_length")
         return {"input_ids": qwen.input_ids, "attention_mask": qwen.attention_mask,
-                "t5_input_ids": t5.input_ids, "t5_attention_mask": t5.attention_mask}
+                "t5_input_ids": t5_ids, "t5_attention_mask": t5_mask}
+
+    def _embedding_tokens(self) -> list[str]:
+        """The tokens the embeddings gave the Qwen tokenizer (each placeholder written out), longest first."""
+        placeholders = [embedding.placeholder for embedding in self.config.embeddings]
+        tokens = [token for token in self.tokenizer.get_added_vocab()
+                  if any(token == p or re.fullmatch(re.escape(p) + r"_\d+", token) for p in placeholders)]
+        return sorted(tokens, key=len, reverse=True)
+
+    def t5_tokens(self, captions: list[str], length: int, padding: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, mask) of the captions through the T5 tokenizer: the LLM adapter's queries. An embedding's
+        token is one T5 pad id, as ComfyUI's Anima encoder reads it (its T5 tokenizer gives the embedding's
+        vectors, which AnimaTEModel replaces by the pad id); the text between is tokenized piece by piece,
+        as ComfyUI splits a prompt at an embedding. Without embedding tokens: the tokenizer on the caption,
+        as the pipeline."""
+        tokenizer = self.t5_tokenizer
+        tokens = self._embedding_tokens()
+        if not any(token in caption for caption in captions for token in tokens):
+            t5 = tokenizer(captions, padding=padding, max_length=length, truncation=True, return_tensors="pt")
+            return t5.input_ids, t5.attention_mask
+        pieces = re.compile(f"({'|'.join(map(re.escape, tokens))})")
+        rows = []
+        for caption in captions:
+            ids = []
+            for index, piece in enumerate(pieces.split(caption)):
+                if index % 2:  # an embedding token
+                    ids.append(tokenizer.pad_token_id)
+                elif piece.strip():
+                    ids += tokenizer(piece.strip(), add_special_tokens=False).input_ids
+            rows.append(ids[:length - 1] + [tokenizer.eos_token_id])  # truncated as the tokenizer truncates
+        width = length if padding == "max_length" else max(len(row) for row in rows)
+        ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, row_ids in enumerate(rows):
+            ids[row, :len(row_ids)], mask[row, :len(row_ids)] = torch.tensor(row_ids), 1
+        return ids, mask
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder, conditioner = self.parts["text_encoder"], self.parts["text_conditioner"]
@@ -185,6 +240,7 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         from diffusers import AnimaAutoBlocks, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler
 
         blocks = AnimaAutoBlocks()
+        blocks.sub_blocks["text_encoder"] = _text_encoder_step(self)
         _quiet(blocks)  # (the pipeline's set_progress_bar_config reaches its direct sub-blocks only)
         pipe = blocks.init_pipeline()  # (a copy of the blocks, their settings kept)
         pipe.update_components(

@@ -324,6 +324,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
             return text
         return write_out_added_tokens(text, getattr(self, next(iter(self.embedding_slots.values()))[0]))
 
+    def embedding_probe_captions(self, placeholder: str) -> list[str]:
+        """Captions that show whether an embedding's placeholder survives what the family does to a
+        caption before it tokenizes it (the embedding method refuses one that does not): the
+        placeholder alone; a family that rewrites some captions adds one of each form it rewrites."""
+        return [placeholder]
+
     @abstractmethod
     def run_sampling_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> Image.Image:
         """One image from the family's diffusers pipeline built on the live modules."""

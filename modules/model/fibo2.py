@@ -89,6 +89,9 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
     # Qwen3-VL-4B's language model (no vision tower, no lm_head), FLUX.2's 32-channel VAE
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 8_127_342_213, "vae": 84_046_115}
     text_parts = ("text_encoder",)
+    # textual inversion into Qwen3-VL-4B's token table; ComfyUI has no FIBO: the key is the one its Krea 2
+    # encoder reads for the same language model (comfy/text_encoders/krea2.py)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen3vl_4b")}
     image_parts = ("vae",)
     # (6, L, 3 x width) per caption: the text cache keeps its real tokens (tests/test_family_fibo2.py:
     # padding changes nothing; tests/test_text_padding.py: the cache holds only them)
@@ -155,6 +158,10 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
     def tokenize(self, captions: list[str]) -> dict[str, torch.Tensor]:
         return self._tokenize_as_given([trained_caption(c) for c in captions])
 
+    def embedding_probe_captions(self, placeholder: str) -> list[str]:
+        # a JSON caption is cleaned and reserialized (trained_caption): the placeholder in one of its values too
+        return [placeholder, json.dumps({"short_description": f"a {placeholder} photo"})]
+
     def _tokenize_as_given(self, texts: list[str]) -> dict[str, torch.Tensor]:
         template = _pipeline_facts().PROMPT_TEMPLATE
         tokens = self.tokenizer([template.format(text) for text in texts], padding="max_length",
@@ -213,6 +220,7 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
         """One prompt's bundles as training encodes them, cut to its real tokens (what the pipeline's
         encode_prompt gives a single prompt: no padding, no mask). The pipeline cleans the prompt's JSON
         caption, not the negative prompt's."""
+        prompt = self.written_out_prompt(prompt)  # an embedding's placeholder written out, as captions are
         tokens = self._tokenize_as_given([prompt]) if negative else self.tokenize([prompt])
         text = self.encode_text(tokens)
         length = int(text["attention_mask"][0].sum())

@@ -95,6 +95,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     # block), SmolLM3-3B (embeddings tied to its head), the Wan 2.2 VAE
     nominal_part_parameters = {"text_encoder": 3_075_098_624, "transformer": 8_285_836_848, "vae": 704_688_668}
     text_parts = ("text_encoder",)
+    # textual inversion into SmolLM3's token table (tied to its head, which is never run); ComfyUI has no
+    # FIBO and no SmolLM3 key: named as its keys name an encoder (model and size, as qwen3_4b)
+    embedding_slots = {"text_encoder": ("tokenizer", "smollm3_3b")}
     image_parts = ("vae",)
     # (layers, 2048, width) per caption, masked: the text cache keeps its real tokens (tests/test_family_fibo_edit.py:
     # the padded window predicts as the unpadded prompt; tests/test_text_padding.py: the cache holds only them)
@@ -263,7 +266,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
             references = {"image": fitted_control_images(prompt.control_images, prompt.width, prompt.height,
                                                          self.control_images, self.label)}
         return self.pipeline()(
-            prompt=edit_caption(prompt.prompt), negative_prompt=prompt.negative_prompt or None,
+            # an embedding's placeholder written out as its tokens, as captions are (the pipeline does not)
+            prompt=edit_caption(self.written_out_prompt(prompt.prompt)),
+            negative_prompt=self.written_out_prompt(prompt.negative_prompt) or None,
             guidance_scale=prompt.cfg,
             num_inference_steps=prompt.steps, width=prompt.width, height=prompt.height,
             generator=make_generator(device, prompt.seed), max_sequence_length=self.max_sequence_length,

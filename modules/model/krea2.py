@@ -98,6 +98,8 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
     # Krea-2: 28 blocks at 6144 wide; Qwen3-VL-4B's language model; Qwen-Image's VAE
     nominal_part_parameters = {"text_encoder": 4_022_468_096, "transformer": 12_820_073_036, "vae": 126_892_531}
     text_parts = ("text_encoder",)
+    # textual inversion into Qwen3-VL-4B's token table, under ComfyUI's Krea 2 key (comfy/text_encoders/krea2.py)
+    embedding_slots = {"text_encoder": ("tokenizer", "qwen3vl_4b")}
     image_parts = ("vae",)
     # (L, 12, width) per caption: the text cache keeps its real tokens, the suffix's too, in order
     # (tests/test_family_krea2.py: padding tokens are masked; tests/test_text_padding.py)
