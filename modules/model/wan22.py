@@ -141,9 +141,7 @@ class Wan22Family(WanFamily):
                 f"model.parts.{LOW_NOISE}.path: model.base {self.single_file.name} is one expert's file (the "
                 f"high-noise one's); name the low-noise expert's file here (ComfyUI's "
                 f"{self.low_noise_file_example}) or a diffusers {LOW_NOISE}/ folder")
-        super()._check_single_file_parts()
-        for expert in EXPERTS:
-            self.part_folder(expert)  # an expert's file of another shape (1.3B, 5B, I2V) is named here
+        super()._check_single_file_parts()  # then each expert's shape (WanFamily)
 
     def _boundary_ratio(self) -> float:
         from modules.loading.diffusers_folder import ModelLoadError

@@ -23,9 +23,17 @@ import json
 import re
 from pathlib import Path
 
-# a key only a Wan transformer file has: its blocks' self/cross attention under the original names
-# (Cosmos-Predict2's DiT, Anima's, names its blocks' attention so too: its adaLN modulation tells it apart)
-SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", r"\.adaln_modulation_self_attn\.")
+_BLOCK_ATTENTION = r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\."
+# Cosmos-Predict2's DiT (Anima's) names its blocks' attention so too: its adaLN modulation tells it apart
+_COSMOS = r"\.adaln_modulation_self_attn\."
+# Wan 2.1 I2V 14B's CLIP image embedder (`img_emb.proj`: LayerNorm, Linear, GELU, Linear, LayerNorm) and its
+# blocks' image cross-attention (`cross_attn.k_img` / `v_img` / `norm_k_img`); Wan 2.2 I2V A14B has neither
+IMAGE_KEYS = r"^(model\.diffusion_model\.)?(img_emb\.|blocks\.\d+\.cross_attn\.(k_img|v_img|norm_k_img)\.)"
+# a key only a Wan transformer file has (its blocks' self/cross attention under the original names), and
+# the keys it lacks: a text-to-video (or Wan 2.2) transformer has no image embedder
+SIGNATURE = (_BLOCK_ATTENTION, f"{_COSMOS}|{IMAGE_KEYS}")
+# a Wan 2.1 I2V 14B transformer file: the Wan blocks with the image embedder
+IMAGE_SIGNATURE = (r"^(model\.diffusion_model\.)?img_emb\.proj\.", _COSMOS)
 # the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
 # blocks past the first (T5 has it in block 0 only)
 PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",
@@ -81,20 +89,26 @@ def single_file_part(part: str):
     }.get(part)
 
 
-def transformer_shape(keys, shape_of) -> tuple[int, int, int]:
-    """(width, block count, input channels) of the transformer in a file, from its header (the
-    patch embedding is (width, channels, 1, 2, 2): 16 for text-to-video, 36 for image-to-video)."""
-    patch = next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?patch_embedding\.weight$", k)), None)
+def transformer_shape(keys, shape_of) -> tuple[int, int, int, int]:
+    """(width, block count, input channels, image embedding width) of the transformer in a file, from
+    its header: the patch embedding is (width, channels, 1, 2, 2), 16 channels for text-to-video, 36
+    for image-to-video; Wan 2.1 I2V's image embedder's first Linear `img_emb.proj.1` is (image width,
+    image width), 1280 for CLIP ViT-H/14 (0: no image embedder, as in Wan 2.2 I2V's experts)."""
+    def key(pattern):
+        return next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?" + pattern + "$", k)), None)
+
+    patch, image = key(r"patch_embedding\.weight"), key(r"img_emb\.proj\.1\.weight")
     blocks = {int(m.group(1)) for k in keys if (m := re.match(r"^(?:model\.diffusion_model\.)?blocks\.(\d+)\.", k))}
     width, channels = shape_of(patch)[:2] if patch else (0, 0)
-    return width, max(blocks, default=-1) + 1, channels
+    return width, max(blocks, default=-1) + 1, channels, (shape_of(image)[1] if image else 0)
 
 
-def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, where: str = "model.base") -> Path:
+def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, image_width: int = 0,
+                              where: str = "model.base") -> Path:
     """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
-    has this width, block count and input channels (`folder` itself first); ModelLoadError at `where`
-    naming what the file holds when none has (a file without a patch embedding: `folder`, and the load
-    names what is missing)."""
+    has this width, block count, input channels and image embedding width (`image_dim`; 0: none)
+    (`folder` itself first); ModelLoadError at `where` naming what the file holds when none has (a
+    file without a patch embedding: `folder`, and the load names what is missing)."""
     from modules.loading.diffusers_folder import ModelLoadError
 
     if not width:
@@ -106,10 +120,12 @@ def transformer_config_folder(folder: Path, width: int, blocks: int, channels: i
             continue
         config = json.loads(config_path.read_text(encoding="utf-8"))
         shape = (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers"),
-                 config.get("in_channels"))
-        if shape == (width, blocks, channels):
+                 config.get("in_channels"), config.get("image_dim") or 0)
+        if shape == (width, blocks, channels, image_width):
             return candidate
     kind = {16: "text-to-video", 36: "image-to-video"}.get(channels, f"{channels} input channels")
+    if image_width:
+        kind += f", with an image embedder {image_width} wide"
     raise ModelLoadError(f"{where}: the file holds a Wan transformer {width} wide with {blocks} blocks "
                          f"({kind}); no config in {folder.parent}/transformer*/ has that architecture: set "
                          f"model.parts.{folder.name}.path to a diffusers {folder.name}/ folder of the model")
