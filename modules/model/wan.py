@@ -90,8 +90,19 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
 
     def _check_single_file_parts(self) -> None:
         super()._check_single_file_parts()
-        for part in self.transformer_parts:
-            self.part_folder(part)  # a transformer file of a shape no released config has (1.3B, 5B, I2V) is named here
+        for spec in self.part_specs:  # the parts' own files too (a low-noise expert's, a VAE's), opened and checked
+            if self.config.model.parts[spec.name].path and self.from_single_file(spec.name):
+                self.single_file_stream(spec.name)
+
+    def check_part_file(self, part: str, stream, where: str) -> None:
+        # a transformer file of a shape no released config has (1.3B, 5B, I2V), a VAE file of the other Wan VAE
+        from modules.model import wan_single_file
+
+        if part in self.transformer_parts:
+            wan_single_file.transformer_config_folder(
+                super().part_folder(part), *wan_single_file.transformer_shape(stream.keys(), stream.shape), where=where)
+        elif part == "vae":
+            wan_single_file.check_vae_file(stream, super().part_folder(part), where, self.label)
 
     def part_folder(self, part: str):
         # a single transformer file is built from the shipped config of the size it holds (1.3B, 14B)

@@ -34,10 +34,13 @@ IMAGE_KEYS = r"^(model\.diffusion_model\.)?(img_emb\.|blocks\.\d+\.cross_attn\.(
 SIGNATURE = (_BLOCK_ATTENTION, f"{_COSMOS}|{IMAGE_KEYS}")
 # a Wan 2.1 I2V 14B transformer file: the Wan blocks with the image embedder
 IMAGE_SIGNATURE = (r"^(model\.diffusion_model\.)?img_emb\.proj\.", _COSMOS)
-# the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
-# blocks past the first (T5 has it in block 0 only)
-PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",
+# the Wan 2.1 VAE file's flat decoder list of resnets (the Wan 2.2 VAE nests them per stage:
+# VAE22_SIGNATURE); UMT5's relative attention bias in blocks past the first (T5 has it in block 0 only)
+PART_SIGNATURES = {"vae": r"^decoder\.upsamples\.\d+\.residual\.0\.gamma$",
                    "text_encoder": r"^encoder\.block\.[1-9]\d*\.layer\.0\.SelfAttention\.relative_attention_bias\."}
+# the Wan 2.2 VAE's (Wan2.2_VAE.pth, ComfyUI's wan2.2_vae): each stage a residual block holding its resnets
+# and its resample in one list, `encoder.downsamples.S.downsamples.J`, `decoder.upsamples.S.upsamples.J`
+VAE22_SIGNATURE = r"^(encoder\.downsamples|decoder\.upsamples)\.\d+\.(down|up)samples\.\d+\.residual\.0\.gamma$"
 
 TRANSFORMER_PREFIXES = ("model.diffusion_model.", "blocks.", "head.", "patch_embedding.", "text_embedding.",
                         "time_embedding.", "time_projection.", "img_emb.")
@@ -73,6 +76,56 @@ def wan_vae_to_diffusers(state: dict, model) -> dict:
             new = new.replace(old, renamed)
         out[new] = tensor
     return out
+
+
+# a Wan 2.2 stage's list entry J: a resnet (`residual`, `shortcut`) or, last, the stage's resample
+_STAGE22 = re.compile(r"^(encoder|decoder)\.(down|up)samples\.(\d+)\.(?:down|up)samples\.(\d+)\."
+                      r"(residual|shortcut|resample|time_conv)\.")
+
+
+def wan22_vae_to_diffusers(state: dict, model=None) -> dict:
+    """Original-layout Wan 2.2 VAE keys -> AutoencoderKLWan's with `is_residual` (the renames of
+    diffusers' scripts/convert_wan_to_diffusers.py `convert_vae_22`; diffusers 0.42's single-file
+    loader has no Wan 2.2 VAE converter): a stage's entry J is `resnets.J`, its resample the block's
+    `downsampler` / `upsampler`; the shortcut's AvgDown3D / DupUp3D hold no weights. The rest is
+    named as in the Wan 2.1 VAE."""
+    out = {}
+    for key, tensor in state.items():
+        if match := _STAGE22.match(key):
+            coder, direction, stage, index, kind = match.groups()
+            inner = f"resnets.{index}.{kind}." if kind in ("residual", "shortcut") else f"{direction}sampler.{kind}."
+            new = f"{coder}.{direction}_blocks.{stage}.{inner}{key[match.end():]}"
+        else:
+            new = key
+            for pattern, replacement in _VAE_NAMES:
+                new = re.sub(pattern, replacement, new)
+        for old, renamed in _RESIDUAL:
+            new = new.replace(old, renamed)
+        out[new] = tensor
+    return out
+
+
+def vae_kind(residual: bool, latent_channels: int) -> str:
+    known = {(False, 16): "the Wan 2.1 VAE (16 latent channels)",
+             (True, 48): "the Wan 2.2 VAE (48 latent channels, residual stages)"}
+    return known.get((residual, latent_channels),
+                     f"a Wan VAE of {latent_channels} latent channels{', residual stages' if residual else ''}")
+
+
+def check_vae_file(stream, folder: Path, where: str, label: str) -> None:
+    """ModelLoadError at `where` when the VAE in the single file `stream` is not the one the config of
+    `folder` builds: its layout (Wan 2.2's nested stages or Wan 2.1's flat lists) and its latent
+    channels (`conv2`, the post-quant conv, is z_dim x z_dim), read from the header."""
+    from modules.loading.diffusers_folder import ModelLoadError
+
+    keys = stream.keys()
+    residual = any(re.match(VAE22_SIGNATURE, k) for k in keys)
+    channels = stream.shape("conv2.weight")[0] if "conv2.weight" in keys else 0
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    wanted = (bool(config.get("is_residual")), config.get("z_dim", 16))
+    if channels and (residual, channels) != wanted:
+        raise ModelLoadError(f"{where}: {stream.path.name} holds {vae_kind(residual, channels)}; {label} decodes with "
+                             f"{vae_kind(*wanted)}: name that VAE's single file or its diffusers vae/ folder here")
 
 
 def single_file_part(part: str):
