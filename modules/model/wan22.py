@@ -52,6 +52,19 @@ def unshifted(sigma: float, shift: float) -> float:
     return sigma / (shift - (shift - 1) * sigma)
 
 
+def _holds_names_with(path: Path, prefix: str) -> bool:
+    """Whether an adapter file has a key under `prefix` (the low-noise expert's own, `lora_unet2_`, as a
+    backup holds its adapters), read from a safetensors header; other files are taken as one expert's."""
+    from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
+
+    if path.suffix != ".safetensors" or not path.is_file():
+        return False
+    try:
+        return any(key.startswith(prefix) for key in SafetensorsStream(path).keys())
+    except (SafetensorsError, OSError):  # the loader names an unreadable file
+        return False
+
+
 class Wan22Family(WanFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan22.py
     pipeline_classes = ("WanPipeline",)
@@ -106,6 +119,29 @@ class Wan22Family(WanFamily):
         others = {p: p for p in trained_parts if p not in EXPERTS}  # the text encoder's: in the first file
         return [(EXPERT_FILE_SUFFIXES[e], {e: HIGH_NOISE, **(others if i == 0 else {})})
                 for i, e in enumerate(experts)]
+
+    def init_from_files(self, path: Path, trained_parts: list[str]) -> list[tuple[Path, dict[str, str]]] | None:
+        """A start file written for one expert (a lone Wan transformer's adapter: this family's saved
+        `-high_noise` / `-low_noise` files, or a Wan 2.1 LoRA) starts the trained experts: the one
+        trained expert whichever expert it was written for; with both trained, a file named for one
+        expert starts that one, and its sibling file (the other suffix, beside it) the other, where it
+        exists; a file named for neither starts both. The text encoder's adapters are in the first
+        file, as adapter_files writes them. A file with the low-noise expert's own keys (`lora_unet2_`,
+        a backup's layout) holds the run's adapters as they are (None)."""
+        experts = [e for e in EXPERTS if e in trained_parts]
+        if not experts or _holds_names_with(path, f"{self.spec(LOW_NOISE).adapter_prefix}_"):
+            return None
+        named = next((e for e, suffix in EXPERT_FILE_SUFFIXES.items() if path.stem.endswith(suffix)), None)
+        if len(experts) == 1:
+            files = [(path, experts[0])]
+        elif named is None:
+            files = [(path, expert) for expert in EXPERTS]
+        else:
+            stem = path.stem[: -len(EXPERT_FILE_SUFFIXES[named])]
+            siblings = [(path.with_name(f"{stem}{EXPERT_FILE_SUFFIXES[e]}{path.suffix}"), e) for e in EXPERTS]
+            files = [(file, e) for file, e in siblings if file == path or file.is_file()]
+        others = {p: p for p in trained_parts if p not in EXPERTS}
+        return [(file, {expert: HIGH_NOISE, **(others if i == 0 else {})}) for i, (file, expert) in enumerate(files)]
 
     def diffusers_load_options(self, suffix: str) -> dict:
         return {"load_into_transformer_2": True} if suffix == EXPERT_FILE_SUFFIXES[LOW_NOISE] else {}
