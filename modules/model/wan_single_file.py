@@ -12,9 +12,12 @@ with diffusers' on the released VAE (tests/test_wan_single_file.py). The UMT5 fi
 renames. Every part then streams through the family's weight mode like a folder does
 (ModelFamily.load_part), keep-in-fp32 and skip lists included.
 
-Which released transformer a file holds (1.3B or 14B) is read from its header (the width of
-`patch_embedding` and the block count) before any weight loads; the part is built from the
-matching config of resources/model_configs/wan/.
+Which released transformer a file holds (1.3B or 14B; the I2V 14B with its image embedder, a Wan 2.2
+expert, the TI2V 5B) is read from its header (the width of `patch_embedding`, its input channels, the
+block count and the image embedder's width) before any weight loads; the part is built from the
+matching config of resources/model_configs/<family>/. The Wan 2.2 VAE's file (the TI2V 5B's, nested
+stages, 48 latent channels) converts by wan22_vae_to_diffusers; either Wan VAE's file where the
+other is wanted is named from its header (check_vae_file).
 """
 
 from __future__ import annotations
