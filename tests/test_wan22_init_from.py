@@ -85,3 +85,20 @@ def test_which_files_start_which_expert(tiny_wan22, shape_images, tmp_path, save
     save_file({"lora_unet2_blocks_0_self_attn_q.lora_up.weight": torch.zeros(1)}, str(backup))
     assert family.init_from_files(backup, list(EXPERTS)) is None
     assert family.init_from_files(lone, ["text_encoder"]) is None  # no expert trains
+
+
+def test_a_remote_run_sends_the_other_experts_file_too(tmp_path, tiny_wan22, shape_images, saved):
+    """The box's run finds the sibling beside the named file, as here: both go to data/init/."""
+    from modules.remote.run import RemoteRun
+
+    _, folder = saved
+    config = train_config(tiny_wan22, shape_images, tmp_path, {
+        "model": {"family": "wan22"}, "adapter": {"init_from": str(folder / "lora-low_noise.safetensors")}})
+    pairs, data = RemoteRun(None, tmp_path / "ws", tmp_path / "out.safetensors", "/box")._plan(config, False)
+    assert {rel for _, rel, _, _ in pairs if rel.startswith("data/init/")} == {
+        "data/init/lora-high_noise.safetensors", "data/init/lora-low_noise.safetensors"}
+    assert data["adapter"]["init_from"] == "/box/data/init/lora-low_noise.safetensors"
+    one_expert = config.model_copy(deep=True)
+    one_expert.model.parts["transformer"].train = False  # only the named file starts the run
+    pairs, _ = RemoteRun(None, tmp_path / "ws", tmp_path / "out.safetensors", "/box")._plan(one_expert, False)
+    assert {rel for _, rel, _, _ in pairs if rel.startswith("data/init/")} == {"data/init/lora-low_noise.safetensors"}

@@ -120,7 +120,8 @@ class Wan22Family(WanFamily):
         return [(EXPERT_FILE_SUFFIXES[e], {e: HIGH_NOISE, **(others if i == 0 else {})})
                 for i, e in enumerate(experts)]
 
-    def init_from_files(self, path: Path, trained_parts: list[str]) -> list[tuple[Path, dict[str, str]]] | None:
+    @classmethod
+    def init_from_files(cls, path: Path, trained_parts: list[str]) -> list[tuple[Path, dict[str, str]]] | None:
         """A start file written for one expert (a lone Wan transformer's adapter: this family's saved
         `-high_noise` / `-low_noise` files, or a Wan 2.1 LoRA) starts the trained experts: the one
         trained expert whichever expert it was written for; with both trained, a file named for one
@@ -129,7 +130,7 @@ class Wan22Family(WanFamily):
         file, as adapter_files writes them. A file with the low-noise expert's own keys (`lora_unet2_`,
         a backup's layout) holds the run's adapters as they are (None)."""
         experts = [e for e in EXPERTS if e in trained_parts]
-        if not experts or _holds_names_with(path, f"{self.spec(LOW_NOISE).adapter_prefix}_"):
+        if not experts or _holds_names_with(path, f"{cls.spec(LOW_NOISE).adapter_prefix}_"):
             return None
         named = next((e for e, suffix in EXPERT_FILE_SUFFIXES.items() if path.stem.endswith(suffix)), None)
         if len(experts) == 1:
