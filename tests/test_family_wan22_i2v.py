@@ -200,7 +200,7 @@ def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with
                                   dict.fromkeys(("text_encoder", *EXPERTS, "vae"), "bfloat16")).family
     counted = {e: sum(p.numel() for p in released.parts[e].parameters()) for e in EXPERTS}
     assert counted == {e: released.nominal_part_parameters[e] for e in EXPERTS}
-    assert released.boundary_ratio == 0.9 and released.noise_scheduler.config.flow_shift == 5.0
+    assert released.boundary_ratio == 0.9 and released.noise_scheduler.config.flow_shift == 3.0
     no_image = train_config(tiny, clips[0], tmp_path, {"model": {"family": "wan22_i2v"},
                                                        "sampling": {"prompts": [{"prompt": "a", "frames": 5}]}})
     assert any(p.startswith("sampling.prompts[0].control_images: none given; Wan 2.2 I2V A14B samples from 1")

@@ -11,8 +11,14 @@ import pytest
 import torch
 from conftest import train_config
 
-# diffusers WanTransformer3DModel names -> Wan-AI's (the inverse of convert_wan_transformer_to_diffusers)
-_TRANSFORMER = (("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
+# diffusers WanTransformer3DModel names -> Wan-AI's (the inverse of convert_wan_transformer_to_diffusers);
+# the I2V 14B's image embedder first (its norm2 is not a block's), and its blocks' image cross-attention
+_TRANSFORMER = (("condition_embedder.image_embedder.norm1.", "img_emb.proj.0."),
+                ("condition_embedder.image_embedder.ff.net.0.proj.", "img_emb.proj.1."),
+                ("condition_embedder.image_embedder.ff.net.2.", "img_emb.proj.3."),
+                ("condition_embedder.image_embedder.norm2.", "img_emb.proj.4."),
+                (".add_k_proj.", ".k_img."), (".add_v_proj.", ".v_img."), (".norm_added_k.", ".norm_k_img."),
+                ("condition_embedder.time_embedder.linear_1.", "time_embedding.0."),
                 ("condition_embedder.time_embedder.linear_2.", "time_embedding.2."),
                 ("condition_embedder.text_embedder.linear_1.", "text_embedding.0."),
                 ("condition_embedder.text_embedder.linear_2.", "text_embedding.2."),

@@ -18,6 +18,7 @@ from modules.adapters.formats.files import (
     network_metadata,
     save_adapter_file,
 )
+from modules.adapters.formats.init_from import load_per_part_files
 from modules.adapters.formats.layers import adopt_file_layers
 from modules.adapters.layer_selection import trained_parts
 from modules.config.train_config import TrainConfig
@@ -38,7 +39,9 @@ class AdapterMethod(TrainingMethod):
         config, callbacks = self.config, self.trainer.callbacks
         self.adapters = build_adapter_set(self.family, config.adapter, self.trained_parts(), self.device,
                                           config.output.format)
-        if config.adapter.init_from:  # the file's layers beyond the selection train too (formats/layers.py)
+        per_part = (self.family.init_from_files(Path(config.adapter.init_from), self.trained_parts())
+                    if config.adapter.init_from else None)
+        if config.adapter.init_from and per_part is None:  # the file's layers beyond the selection train too
             adopted = adopt_file_layers(config.adapter.init_from, self.adapters, self.family, config.adapter,
                                         self.trained_parts(), self.device, config.output.format)
             if adopted:
@@ -49,7 +52,9 @@ class AdapterMethod(TrainingMethod):
             check_output_format(config.output.format, adapters, self.family)  # before training, not at the end
             for warning in format_warnings(config.output.format, adapters, self.family):
                 callbacks.on_warning(warning)
-        if config.adapter.init_from:
+        if per_part is not None:  # one file per part (Wan 2.2's experts: formats/init_from.py)
+            callbacks.on_warning(load_per_part_files(per_part, self.adapters, self.family))
+        elif config.adapter.init_from:
             load_adapter_file(config.adapter.init_from, self.adapters, self.family)
 
     def file_sets(self) -> list[tuple[str, AdapterSet]]:

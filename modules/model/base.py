@@ -209,6 +209,15 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         alone (output.if_exists checks every file before the model loads)."""
         return [("", {part: part for part in trained_parts})]
 
+    @classmethod
+    def init_from_files(cls, path: Path, trained_parts: list[str]) -> list[tuple[Path, dict[str, str]]] | None:
+        """Where `adapter.init_from` `path` is a file of one of several parts (as `adapter_files` writes
+        them: Wan 2.2's one expert under a lone transformer's names): per start file, {trained part:
+        the part its adapters are written as}. None: the file holds the run's adapters under their
+        own names (the default). Known from the config and the files' headers (a remote run sends
+        each start file)."""
+        return None
+
     def diffusers_load_options(self, suffix: str) -> dict:
         """The `load_lora_weights` options that load the saved file of `adapter_files`' `suffix` into
         the right component of the family's diffusers pipeline (Wan 2.2's low-noise file:

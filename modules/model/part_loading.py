@@ -124,6 +124,7 @@ class PartLoading:
             if not part_keys(stream, layout):
                 raise ModelLoadError(f"{where}: {path.name} holds no {part} weights (its keys are not a {self.label} "
                                      f"{part}'s); name the {part}'s single file or its diffusers folder here")
+            self.check_part_file(part, stream, where)
             streams[part] = stream
         return streams[part]
 
@@ -144,6 +145,14 @@ class PartLoading:
                                + (f" or a single {spec.name} file" if layout else "") + " here")
         if missing:
             raise ModelLoadError("; ".join(missing))
+        for spec in self.part_specs:
+            if not self.config.model.parts[spec.name].path:
+                self.check_part_file(spec.name, stream, "model.base")
+
+    def check_part_file(self, part: str, stream, where: str) -> None:
+        """Before any weight loads: ModelLoadError at `where` when the single file `stream` (which holds
+        `part`'s keys) holds a variant of the part the family's config does not build, as its header
+        shows (Wan: a transformer of another size or kind, the other Wan VAE). Nothing by default."""
 
     def weight_mode(self, part: str) -> str:
         mode = self.weight_modes.get(part, self.config.model.parts[part].weight_dtype)

@@ -72,6 +72,8 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
         from transformers import AutoTokenizer, UMT5EncoderModel
 
+        if self.single_file is not None:
+            self.single_file_stream()  # which parts the file holds, and its transformer's shape, before any weight
         self.parts["text_encoder"] = self.load_part("text_encoder", UMT5EncoderModel)
         self.parts["transformer"] = self.load_part("transformer", WanTransformer3DModel)
         self.parts["vae"] = self.load_part("vae", AutoencoderKLWan)
@@ -86,6 +88,22 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
 
         return wan_single_file.single_file_part(part)
 
+    def _check_single_file_parts(self) -> None:
+        super()._check_single_file_parts()
+        for spec in self.part_specs:  # the parts' own files too (a low-noise expert's, a VAE's), opened and checked
+            if self.config.model.parts[spec.name].path and self.from_single_file(spec.name):
+                self.single_file_stream(spec.name)
+
+    def check_part_file(self, part: str, stream, where: str) -> None:
+        # a transformer file of a shape no released config has (1.3B, 5B, I2V), a VAE file of the other Wan VAE
+        from modules.model import wan_single_file
+
+        if part in self.transformer_parts:
+            wan_single_file.transformer_config_folder(
+                super().part_folder(part), *wan_single_file.transformer_shape(stream.keys(), stream.shape), where=where)
+        elif part == "vae":
+            wan_single_file.check_vae_file(stream, super().part_folder(part), where, self.label)
+
     def part_folder(self, part: str):
         # a single transformer file is built from the shipped config of the size it holds (1.3B, 14B)
         folder = super().part_folder(part)
@@ -94,11 +112,16 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
         from modules.loading.diffusers_folder import ModelLoadError
         from modules.model import wan_single_file
 
+        from modules.loading.single_file import open_single_file
+
+        from_base = self.part_file(part) == self.single_file
         try:
-            stream = self.single_file_stream(part)
+            # the base file's header alone: which parts it holds is checked after (and asks this method)
+            stream = (self._single_file_stream or open_single_file(self.single_file)) if from_base else (
+                self.single_file_stream(part))
         except ModelLoadError:  # an unreadable file: the load itself says so, naming it
             return folder
-        where = "model.base" if self.part_file(part) == self.single_file else f"model.parts.{part}.path"
+        where = "model.base" if from_base else f"model.parts.{part}.path"
         return wan_single_file.transformer_config_folder(
             folder, *wan_single_file.transformer_shape(stream.keys(), stream.shape), where=where)
 

@@ -52,6 +52,19 @@ def unshifted(sigma: float, shift: float) -> float:
     return sigma / (shift - (shift - 1) * sigma)
 
 
+def _holds_names_with(path: Path, prefix: str) -> bool:
+    """Whether an adapter file has a key under `prefix` (the low-noise expert's own, `lora_unet2_`, as a
+    backup holds its adapters), read from a safetensors header; other files are taken as one expert's."""
+    from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
+
+    if path.suffix != ".safetensors" or not path.is_file():
+        return False
+    try:
+        return any(key.startswith(prefix) for key in SafetensorsStream(path).keys())
+    except (SafetensorsError, OSError):  # the loader names an unreadable file
+        return False
+
+
 class Wan22Family(WanFamily):
     declaration = DECLARATION  # name, label, parts, layer presets: modules/config/families/wan22.py
     pipeline_classes = ("WanPipeline",)
@@ -107,6 +120,30 @@ class Wan22Family(WanFamily):
         return [(EXPERT_FILE_SUFFIXES[e], {e: HIGH_NOISE, **(others if i == 0 else {})})
                 for i, e in enumerate(experts)]
 
+    @classmethod
+    def init_from_files(cls, path: Path, trained_parts: list[str]) -> list[tuple[Path, dict[str, str]]] | None:
+        """A start file written for one expert (a lone Wan transformer's adapter: this family's saved
+        `-high_noise` / `-low_noise` files, or a Wan 2.1 LoRA) starts the trained experts: the one
+        trained expert whichever expert it was written for; with both trained, a file named for one
+        expert starts that one, and its sibling file (the other suffix, beside it) the other, where it
+        exists; a file named for neither starts both. The text encoder's adapters are in the first
+        file, as adapter_files writes them. A file with the low-noise expert's own keys (`lora_unet2_`,
+        a backup's layout) holds the run's adapters as they are (None)."""
+        experts = [e for e in EXPERTS if e in trained_parts]
+        if not experts or _holds_names_with(path, f"{cls.spec(LOW_NOISE).adapter_prefix}_"):
+            return None
+        named = next((e for e, suffix in EXPERT_FILE_SUFFIXES.items() if path.stem.endswith(suffix)), None)
+        if len(experts) == 1:
+            files = [(path, experts[0])]
+        elif named is None:
+            files = [(path, expert) for expert in EXPERTS]
+        else:
+            stem = path.stem[: -len(EXPERT_FILE_SUFFIXES[named])]
+            siblings = [(path.with_name(f"{stem}{EXPERT_FILE_SUFFIXES[e]}{path.suffix}"), e) for e in EXPERTS]
+            files = [(file, e) for file, e in siblings if file == path or file.is_file()]
+        others = {p: p for p in trained_parts if p not in EXPERTS}
+        return [(file, {expert: HIGH_NOISE, **(others if i == 0 else {})}) for i, (file, expert) in enumerate(files)]
+
     def diffusers_load_options(self, suffix: str) -> dict:
         return {"load_into_transformer_2": True} if suffix == EXPERT_FILE_SUFFIXES[LOW_NOISE] else {}
 
@@ -141,9 +178,7 @@ class Wan22Family(WanFamily):
                 f"model.parts.{LOW_NOISE}.path: model.base {self.single_file.name} is one expert's file (the "
                 f"high-noise one's); name the low-noise expert's file here (ComfyUI's "
                 f"{self.low_noise_file_example}) or a diffusers {LOW_NOISE}/ folder")
-        super()._check_single_file_parts()
-        for expert in EXPERTS:
-            self.part_folder(expert)  # an expert's file of another shape (1.3B, 5B, I2V) is named here
+        super()._check_single_file_parts()  # then each expert's shape (WanFamily)
 
     def _boundary_ratio(self) -> float:
         from modules.loading.diffusers_folder import ModelLoadError

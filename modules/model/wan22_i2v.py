@@ -14,7 +14,8 @@ Told from Wan 2.1 I2V (the same pipeline class) by model_index.json's `transform
 `boundary_ratio` before any weight loads, and from Wan 2.2 T2V A14B by the pipeline class. Adapter
 keys are Wan 2.2 A14B's (keys/wan22.py); single files as for wan22 (ComfyUI's
 wan2.2_i2v_high_noise_14B_*.safetensors as model.base, the low-noise file as
-`model.parts.transformer_2.path`: 36-channel Wan 2.1 14B-layout transformers).
+`model.parts.transformer_2.path`: 36-channel Wan 2.1 14B-layout transformers), told from Wan 2.1
+T2V files by the 36 channels and from Wan 2.1 I2V 14B files by their lack of an image embedder.
 """
 
 from __future__ import annotations
@@ -22,12 +23,17 @@ from __future__ import annotations
 from modules.config.families.wan22_i2v import DECLARATION
 from modules.model.wan22 import HIGH_NOISE, LOW_NOISE, Wan22Family
 from modules.model.wan_first_frame import WanFirstFrame
+from modules.model.wan_single_file import SIGNATURE
 
 
 class Wan22I2VFamily(WanFirstFrame, Wan22Family):
     declaration = DECLARATION  # name, label, parts: modules/config/families/wan22_i2v.py
     pipeline_classes = ("WanImageToVideoPipeline",)
     low_noise_file_example = "wan2.2_i2v_low_noise_14B_fp16.safetensors"
+    # each expert's file: Wan 2.1's keys without its image embedder, the patch embedding taking 36 channels
+    # (so it is not taken for a Wan 2.1 T2V file, nor a Wan 2.1 I2V one, which has `img_emb.`)
+    single_file_signature = SIGNATURE
+    single_file_shape = (r"^(model\.diffusion_model\.)?patch_embedding\.weight$", 1, 36)
     kohya_base_version = "wan_2.2_i2v_a14b"
     modelspec_architecture = "wan-2.2-i2v-a14b/lora"
     # two experts of Wan 2.1 14B's shape with 36 input channels (resources/model_configs/wan22_i2v/,

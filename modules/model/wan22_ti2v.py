@@ -19,7 +19,9 @@ differently for it (diffusers 0.42, pipelines/wan/):
 Told apart from Wan 2.1 before any weight loads by its model_index.json (`expand_timesteps` true),
 for a transformer folder alone by its 48 input channels, for a transformer single file (Wan-AI's
 original, ComfyUI's wan2.2_ti2v_5B_*; converted as Wan 2.1's) by its patch embedding's 48 input
-channels in the header; the VAE then comes from a diffusers vae/ folder (model.parts.vae.path).
+channels in the header. The Wan 2.2 VAE's own file (Wan2.2_VAE.pth's original layout, as ComfyUI's
+wan2.2_vae.safetensors holds it) is `model.parts.vae.path`, converted by wan_single_file.py; a Wan 2.1
+VAE file there is named, from its header, before any weight loads.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from modules.config.families.wan22_ti2v import DECLARATION
 from modules.model.noise import Prediction
 from modules.model.wan import WanFamily
-from modules.model.wan_single_file import SIGNATURE
+from modules.model.wan_single_file import SIGNATURE, VAE22_SIGNATURE, VAE_PREFIXES, wan22_vae_to_diffusers
 from modules.sampling.control_images import fitted_control_images
 from modules.util.torch_utils import make_generator
 
@@ -53,7 +55,8 @@ class Wan22TI2VFamily(WanFamily):
     # its transformer file has Wan 2.1's key names; its patch embedding takes the 48 latent channels
     single_file_signature = SIGNATURE
     single_file_shape = (r"^(model\.diffusion_model\.)?patch_embedding\.weight$", 1, 48)
-    single_file_part_signatures = {}  # a lone UMT5 or VAE file reads as Wan 2.1's (the UMT5 is the same)
+    # its own VAE's file (a lone UMT5 file reads as Wan 2.1's: the UMT5 is the same)
+    single_file_part_signatures = {"vae": VAE22_SIGNATURE}
     kohya_base_version = "wan_2.2_ti2v_5b"
     modelspec_architecture = "wan-2.2-ti2v-5b/lora"
     # counted from resources/model_configs/wan22_ti2v/ on the meta device (SOURCES.md)
@@ -62,9 +65,13 @@ class Wan22TI2VFamily(WanFamily):
     video_fps = 24.0  # Wan 2.2's frame rate (its 121-frame clips are 5 s)
 
     def single_file_part(self, part: str):
-        # the transformer file (Wan-AI's, ComfyUI's wan2.2_ti2v_5B_*) and a UMT5 file as for Wan 2.1;
-        # the Wan 2.2 VAE's original layout has no converter here (nor in diffusers 0.42): a vae/ folder
-        return None if part == "vae" else super().single_file_part(part)
+        # the transformer file (Wan-AI's, ComfyUI's wan2.2_ti2v_5B_*) and a UMT5 file as for Wan 2.1; the
+        # Wan 2.2 VAE's file (Wan2.2_VAE.pth's keys, ComfyUI's wan2.2_vae) in its own layout
+        if part == "vae":
+            from modules.loading.single_file import SingleFilePart
+
+            return SingleFilePart(VAE_PREFIXES, wan22_vae_to_diffusers)
+        return super().single_file_part(part)
 
     # --- training ----------------------------------------------------------------------------
 

@@ -12,7 +12,18 @@ transformer blocks (wan.py), conditioned on a first frame as WanImageToVideoPipe
   counting 512 text tokens from the end (`image_context_length = length - 512`).
 
 Adapter keys are Wan 2.1's (keys/wan.py, which names the image cross-attention layers
-`cross_attn.k_img` / `v_img`); single files are not read for I2V.
+`cross_attn.k_img` / `v_img`).
+
+Single files: the transformer as Wan-AI's original release and ComfyUI's
+wan2.1_i2v_480p_14B_*.safetensors / ..._720p_... hold it (Wan 2.1's 14B keys, bare or under
+`model.diffusion_model.`, plus the image cross-attention `cross_attn.k_img` / `v_img` /
+`norm_k_img` and the image embedder `img_emb.proj.*`), converted as wan_single_file.py converts a
+Wan 2.1 file (diffusers' converter maps those keys too). Its image embedder tells it from a T2V file
+and from a Wan 2.2 I2V A14B expert (36 channels, no image embedder) before any weight loads; the
+header's width, blocks, input channels and image embedding width pick the config of
+resources/model_configs/wan_i2v/transformer*/. The UMT5 and VAE files are Wan 2.1's
+(`model.parts.<part>.path`); the CLIP vision tower comes from a diffusers image_encoder/ folder
+(`model.parts.image_encoder.path`), the 480p and 720p folders ship the same one.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import torch
 from modules.config.families.wan_i2v import DECLARATION
 from modules.model.wan import MAX_TEXT_TOKENS, WanFamily
 from modules.model.wan_first_frame import WanFirstFrame
+from modules.model.wan_single_file import IMAGE_SIGNATURE
 
 
 def _unwrapped_clip_key(key: str) -> str:
@@ -35,8 +47,8 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
     # Wan 2.2's A14B I2V folders use the same pipeline class, with two experts and no image encoder
     pipeline_config = {"boundary_ratio": None}
     denoiser_config = {"_class_name": "WanTransformer3DModel", "in_channels": 36}
-    single_file_signature = None  # a Wan I2V single file is not read (use the Diffusers folder)
-    single_file_part_signatures = {}
+    single_file_signature = IMAGE_SIGNATURE  # Wan 2.1's blocks with the image embedder (`img_emb.`)
+    single_file_part_signatures = {}  # a lone UMT5 or VAE file reads as Wan 2.1's (the same parts)
     kohya_base_version = "wan_2.1_i2v"
     modelspec_architecture = "wan-2.1-i2v-14b/lora"
     # the I2V 14B transformer (the T2V 14B's plus its image embedder and image cross-attention) and
@@ -49,6 +61,8 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
     def load(self) -> None:
         from transformers import CLIPImageProcessorPil, CLIPVisionModel
 
+        if self.single_file is not None:
+            self.single_file_stream()  # the transformer file's parts and shape, before the image encoder loads
         # the released folders hold it as transformers 4 saved it, under `vision_model.`
         self.parts["image_encoder"] = self.load_part("image_encoder", CLIPVisionModel, rename=_unwrapped_clip_key)
         super().load()  # the other parts, then the scheduler and tokenizer

@@ -12,9 +12,12 @@ with diffusers' on the released VAE (tests/test_wan_single_file.py). The UMT5 fi
 renames. Every part then streams through the family's weight mode like a folder does
 (ModelFamily.load_part), keep-in-fp32 and skip lists included.
 
-Which released transformer a file holds (1.3B or 14B) is read from its header (the width of
-`patch_embedding` and the block count) before any weight loads; the part is built from the
-matching config of resources/model_configs/wan/.
+Which released transformer a file holds (1.3B or 14B; the I2V 14B with its image embedder, a Wan 2.2
+expert, the TI2V 5B) is read from its header (the width of `patch_embedding`, its input channels, the
+block count and the image embedder's width) before any weight loads; the part is built from the
+matching config of resources/model_configs/<family>/. The Wan 2.2 VAE's file (the TI2V 5B's, nested
+stages, 48 latent channels) converts by wan22_vae_to_diffusers; either Wan VAE's file where the
+other is wanted is named from its header (check_vae_file).
 """
 
 from __future__ import annotations
@@ -23,13 +26,24 @@ import json
 import re
 from pathlib import Path
 
-# a key only a Wan transformer file has: its blocks' self/cross attention under the original names
-# (Cosmos-Predict2's DiT, Anima's, names its blocks' attention so too: its adaLN modulation tells it apart)
-SIGNATURE = (r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\.", r"\.adaln_modulation_self_attn\.")
-# the VAE file's first middle resnet (diffusers' own Wan VAE sign); UMT5's relative attention bias in
-# blocks past the first (T5 has it in block 0 only)
-PART_SIGNATURES = {"vae": r"^decoder\.middle\.0\.residual\.0\.gamma$",
+_BLOCK_ATTENTION = r"^(model\.diffusion_model\.)?blocks\.\d+\.(self_attn|cross_attn)\."
+# Cosmos-Predict2's DiT (Anima's) names its blocks' attention so too: its adaLN modulation tells it apart
+_COSMOS = r"\.adaln_modulation_self_attn\."
+# Wan 2.1 I2V 14B's CLIP image embedder (`img_emb.proj`: LayerNorm, Linear, GELU, Linear, LayerNorm) and its
+# blocks' image cross-attention (`cross_attn.k_img` / `v_img` / `norm_k_img`); Wan 2.2 I2V A14B has neither
+IMAGE_KEYS = r"^(model\.diffusion_model\.)?(img_emb\.|blocks\.\d+\.cross_attn\.(k_img|v_img|norm_k_img)\.)"
+# a key only a Wan transformer file has (its blocks' self/cross attention under the original names), and
+# the keys it lacks: a text-to-video (or Wan 2.2) transformer has no image embedder
+SIGNATURE = (_BLOCK_ATTENTION, f"{_COSMOS}|{IMAGE_KEYS}")
+# a Wan 2.1 I2V 14B transformer file: the Wan blocks with the image embedder
+IMAGE_SIGNATURE = (r"^(model\.diffusion_model\.)?img_emb\.proj\.", _COSMOS)
+# the Wan 2.1 VAE file's flat decoder list of resnets (the Wan 2.2 VAE nests them per stage:
+# VAE22_SIGNATURE); UMT5's relative attention bias in blocks past the first (T5 has it in block 0 only)
+PART_SIGNATURES = {"vae": r"^decoder\.upsamples\.\d+\.residual\.0\.gamma$",
                    "text_encoder": r"^encoder\.block\.[1-9]\d*\.layer\.0\.SelfAttention\.relative_attention_bias\."}
+# the Wan 2.2 VAE's (Wan2.2_VAE.pth, ComfyUI's wan2.2_vae): each stage a residual block holding its resnets
+# and its resample in one list, `encoder.downsamples.S.downsamples.J`, `decoder.upsamples.S.upsamples.J`
+VAE22_SIGNATURE = r"^(encoder\.downsamples|decoder\.upsamples)\.\d+\.(down|up)samples\.\d+\.residual\.0\.gamma$"
 
 TRANSFORMER_PREFIXES = ("model.diffusion_model.", "blocks.", "head.", "patch_embedding.", "text_embedding.",
                         "time_embedding.", "time_projection.", "img_emb.")
@@ -67,6 +81,56 @@ def wan_vae_to_diffusers(state: dict, model) -> dict:
     return out
 
 
+# a Wan 2.2 stage's list entry J: a resnet (`residual`, `shortcut`) or, last, the stage's resample
+_STAGE22 = re.compile(r"^(encoder|decoder)\.(down|up)samples\.(\d+)\.(?:down|up)samples\.(\d+)\."
+                      r"(residual|shortcut|resample|time_conv)\.")
+
+
+def wan22_vae_to_diffusers(state: dict, model=None) -> dict:
+    """Original-layout Wan 2.2 VAE keys -> AutoencoderKLWan's with `is_residual` (the renames of
+    diffusers' scripts/convert_wan_to_diffusers.py `convert_vae_22`; diffusers 0.42's single-file
+    loader has no Wan 2.2 VAE converter): a stage's entry J is `resnets.J`, its resample the block's
+    `downsampler` / `upsampler`; the shortcut's AvgDown3D / DupUp3D hold no weights. The rest is
+    named as in the Wan 2.1 VAE."""
+    out = {}
+    for key, tensor in state.items():
+        if match := _STAGE22.match(key):
+            coder, direction, stage, index, kind = match.groups()
+            inner = f"resnets.{index}.{kind}." if kind in ("residual", "shortcut") else f"{direction}sampler.{kind}."
+            new = f"{coder}.{direction}_blocks.{stage}.{inner}{key[match.end():]}"
+        else:
+            new = key
+            for pattern, replacement in _VAE_NAMES:
+                new = re.sub(pattern, replacement, new)
+        for old, renamed in _RESIDUAL:
+            new = new.replace(old, renamed)
+        out[new] = tensor
+    return out
+
+
+def vae_kind(residual: bool, latent_channels: int) -> str:
+    known = {(False, 16): "the Wan 2.1 VAE (16 latent channels)",
+             (True, 48): "the Wan 2.2 VAE (48 latent channels, residual stages)"}
+    return known.get((residual, latent_channels),
+                     f"a Wan VAE of {latent_channels} latent channels{', residual stages' if residual else ''}")
+
+
+def check_vae_file(stream, folder: Path, where: str, label: str) -> None:
+    """ModelLoadError at `where` when the VAE in the single file `stream` is not the one the config of
+    `folder` builds: its layout (Wan 2.2's nested stages or Wan 2.1's flat lists) and its latent
+    channels (`conv2`, the post-quant conv, is z_dim x z_dim), read from the header."""
+    from modules.loading.diffusers_folder import ModelLoadError
+
+    keys = stream.keys()
+    residual = any(re.match(VAE22_SIGNATURE, k) for k in keys)
+    channels = stream.shape("conv2.weight")[0] if "conv2.weight" in keys else 0
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    wanted = (bool(config.get("is_residual")), config.get("z_dim", 16))
+    if channels and (residual, channels) != wanted:
+        raise ModelLoadError(f"{where}: {stream.path.name} holds {vae_kind(residual, channels)}; {label} decodes with "
+                             f"{vae_kind(*wanted)}: name that VAE's single file or its diffusers vae/ folder here")
+
+
 def single_file_part(part: str):
     """Where `part` sits in a Wan single file (the transformer's, the VAE's or the UMT5 file)."""
     from diffusers.loaders import single_file_utils as convert
@@ -81,20 +145,26 @@ def single_file_part(part: str):
     }.get(part)
 
 
-def transformer_shape(keys, shape_of) -> tuple[int, int, int]:
-    """(width, block count, input channels) of the transformer in a file, from its header (the
-    patch embedding is (width, channels, 1, 2, 2): 16 for text-to-video, 36 for image-to-video)."""
-    patch = next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?patch_embedding\.weight$", k)), None)
+def transformer_shape(keys, shape_of) -> tuple[int, int, int, int]:
+    """(width, block count, input channels, image embedding width) of the transformer in a file, from
+    its header: the patch embedding is (width, channels, 1, 2, 2), 16 channels for text-to-video, 36
+    for image-to-video; Wan 2.1 I2V's image embedder's first Linear `img_emb.proj.1` is (image width,
+    image width), 1280 for CLIP ViT-H/14 (0: no image embedder, as in Wan 2.2 I2V's experts)."""
+    def key(pattern):
+        return next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?" + pattern + "$", k)), None)
+
+    patch, image = key(r"patch_embedding\.weight"), key(r"img_emb\.proj\.1\.weight")
     blocks = {int(m.group(1)) for k in keys if (m := re.match(r"^(?:model\.diffusion_model\.)?blocks\.(\d+)\.", k))}
     width, channels = shape_of(patch)[:2] if patch else (0, 0)
-    return width, max(blocks, default=-1) + 1, channels
+    return width, max(blocks, default=-1) + 1, channels, (shape_of(image)[1] if image else 0)
 
 
-def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, where: str = "model.base") -> Path:
+def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, image_width: int = 0,
+                              where: str = "model.base") -> Path:
     """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
-    has this width, block count and input channels (`folder` itself first); ModelLoadError at `where`
-    naming what the file holds when none has (a file without a patch embedding: `folder`, and the load
-    names what is missing)."""
+    has this width, block count, input channels and image embedding width (`image_dim`; 0: none)
+    (`folder` itself first); ModelLoadError at `where` naming what the file holds when none has (a
+    file without a patch embedding: `folder`, and the load names what is missing)."""
     from modules.loading.diffusers_folder import ModelLoadError
 
     if not width:
@@ -106,10 +176,12 @@ def transformer_config_folder(folder: Path, width: int, blocks: int, channels: i
             continue
         config = json.loads(config_path.read_text(encoding="utf-8"))
         shape = (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers"),
-                 config.get("in_channels"))
-        if shape == (width, blocks, channels):
+                 config.get("in_channels"), config.get("image_dim") or 0)
+        if shape == (width, blocks, channels, image_width):
             return candidate
     kind = {16: "text-to-video", 36: "image-to-video"}.get(channels, f"{channels} input channels")
+    if image_width:
+        kind += f", with an image embedder {image_width} wide"
     raise ModelLoadError(f"{where}: the file holds a Wan transformer {width} wide with {blocks} blocks "
                          f"({kind}); no config in {folder.parent}/transformer*/ has that architecture: set "
                          f"model.parts.{folder.name}.path to a diffusers {folder.name}/ folder of the model")

@@ -53,6 +53,17 @@ def _local_pairs(source: Path, remote_prefix: str) -> list[tuple[str, str, int, 
             for rel, (size, mtime) in helper.manifest(str(source)).items()]
 
 
+def _start_files(config: TrainConfig, source: Path) -> list[Path]:
+    """adapter.init_from and the files beside it the family starts other parts from (Wan 2.2: the
+    other expert's `-low_noise` / `-high_noise` file), by their names there."""
+    from modules.adapters.layer_selection import trained_parts
+    from modules.config.families import get_family_class
+
+    family = get_family_class(config.model.family)
+    plan = family.init_from_files(source, trained_parts(config, family)) or []
+    return [source, *dict.fromkeys(path for path, _ in plan if path != source)]
+
+
 class RemoteRun:
     """One run on one box. `start` (or `attach`), then iterate `events()`; `send_command` from any thread."""
 
@@ -225,7 +236,8 @@ class RemoteRun:
             source = Path(config.adapter.init_from).expanduser()
             if not source.is_file():
                 raise RemoteError(f"adapter.init_from: {config.adapter.init_from} is not a file here")
-            pairs += _local_pairs(source.resolve(), f"data/init/{source.name}")
+            for start in _start_files(config, source):  # with the files beside it that start other parts
+                pairs += _local_pairs(start.resolve(), f"data/init/{start.name}")
             data["adapter"]["init_from"] = f"{rd}/data/init/{source.name}"
         for index, embedding in enumerate(config.embeddings):
             if embedding.path:

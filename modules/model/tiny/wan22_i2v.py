@@ -23,7 +23,7 @@ def make_tiny_model(out: str | Path, seed: int = 0) -> Path:
     out = Path(out)
     torch.manual_seed(seed)
     components, transformer_config = tiny_wan_components(out, {"in_channels": 36})
-    components["scheduler"] = UniPCMultistepScheduler.from_pretrained(str(_CONFIGS / "scheduler"))  # (flow_shift 5)
+    components["scheduler"] = UniPCMultistepScheduler.from_pretrained(str(_CONFIGS / "scheduler"))  # (flow_shift 3)
     boundary = json.loads((_CONFIGS / "model_index.json").read_text(encoding="utf-8"))["boundary_ratio"]
     pipe = WanImageToVideoPipeline(**components, transformer=WanTransformer3DModel(**transformer_config),
                                    transformer_2=WanTransformer3DModel(**transformer_config), boundary_ratio=boundary)
