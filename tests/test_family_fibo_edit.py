@@ -228,8 +228,9 @@ def test_offloading_half_the_transformer_trains_the_same_adapter_on_pairs(fake_d
     offloaded_training_matches(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", fake_device, paired(pairs))
 
 
-def test_an_fp8_transformer_trains_on_pairs(tmp_path, tiny_fibo_edit, pairs):
-    initializes_and_steps(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", "float8", False, paired(pairs))
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_a_quantized_transformer_trains_on_pairs(tmp_path, tiny_fibo_edit, pairs, mode):
+    initializes_and_steps(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", mode, False, paired(pairs))
 
 
 def test_load_lora_weights_loads_every_adapter_and_matches_the_hooked_model(family, tiny_fibo_edit, tmp_path):
