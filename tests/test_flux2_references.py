@@ -1,7 +1,8 @@
 """FLUX.2 with reference images (issue 29 item 2: multi-reference editing as Flux2KleinPipeline
 and Flux2Pipeline take `image=`), on the tiny klein model: the references join the sequence where
-the pipeline puts them, condition the prediction of the target alone, train from paired concepts (the loss falls; resumed, offloaded and fp8/nf4 runs on pairs as plain ones),
-and condition the sample."""
+the pipeline puts them, condition the prediction of the target alone, train from paired concepts
+(the loss falls; resumed, offloaded and fp8/nf4 runs on pairs as plain ones), and condition the
+sample."""
 
 from __future__ import annotations
 
