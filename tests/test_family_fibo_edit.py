@@ -88,7 +88,8 @@ def test_encodings_are_the_pipelines(family, pipe):
         if isinstance(theirs, dict):  # as BriaFiboEditPipeline.__call__ turns a dict prompt into text
             theirs = json.dumps(theirs)
         with torch.no_grad():
-            embeds, _, _, mask, _, layers, _ = pipe.encode_prompt([theirs], device=torch.device("cpu"), guidance_scale=1)
+            embeds, _, _, mask, _, layers, _ = pipe.encode_prompt([theirs], device=torch.device("cpu"),
+                                                                  guidance_scale=1)
         real = int(mask[0].sum())
         assert int(text["attention_mask"][0].sum()) == real and (real == 1) == (caption == "")
         hidden = text["hidden_states"][:, :, :real]
