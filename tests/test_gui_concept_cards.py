@@ -222,6 +222,11 @@ def test_an_edit_pair_concept_shows_its_pairs_their_controls_and_what_training_s
     pump(app, lambda: _window_done(window) and window.slot["position"] == 1, timeout=20, what="the second pair")
     names = [tile.master.winfo_children()[1].cget("text") for tile in window.slot["control_tiles"]]
     assert names == ["control 1: control/002.png", "control 2: control_2/002.png"]
+    tool = concepts.open_dataset_tool(0)  # "Captions…": the targets' captions, which training reads
+    try:
+        assert tool.folder == tmp_path / "pairs" / "target" and len(tool.images) == 3
+    finally:
+        tool.destroy()
     window.hide()
     assert app.callback_errors == []
 

@@ -231,6 +231,8 @@ class ConceptsTab(Tab):
         if not folder or not Path(folder).is_dir():
             self.app.set_status(f"concepts[{index}].path: choose a folder of images first.")
             return None
+        if (concept.get("controls") or {}).get("source") == "folders":  # an edit concept's captions: its targets'
+            folder = str(Path(folder) / "target")
         tool = DatasetTool(self.app, folder, bool(concept.get("include_subfolders")))
         tool.bind("<Destroy>", lambda event: event.widget is tool and self._captions_edited(index), add="+")
         return tool
