@@ -2,7 +2,8 @@
 the VL encoder sees the control images as the pipelines' encode_prompt shows them (template, image
 tokens, 64 dropped), the text cache keys on the controls (and a mirrored pair has its own encoding),
 the controls' latents join the sequence as the pipelines put them with their img_shapes and only the
-target is predicted, the loss falls, a different control changes the sample, the files load in
+target is predicted, the loss falls (Edit on one control, Plus on two), resumed, half-offloaded and
+fp8/nf4 runs on pairs work as plain ones, a different control changes the sample, the files load in
 QwenImageEditPipeline / QwenImageEditPlusPipeline.load_lora_weights with every adapter used and equal
 outputs, and every saved stem is one ComfyUI maps (its Qwen-Image map: ComfyUI runs both edit models
 as its QwenImage model)."""
