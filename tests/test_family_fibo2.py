@@ -74,8 +74,7 @@ def test_encodings_are_the_pipelines(family, pipe):
     captions = [json.dumps(CAPTION), "a blue square on green"]
     text = family.encode_text(family.tokenize(captions))
     with torch.no_grad():
-        theirs, mask = pipe._get_qwen_prompt_embeds(pipe.text_encoder, pipe.processor,
-                                                    [trained_caption(c) for c in captions])
+        theirs, mask = pipe.encode_prompt([trained_caption(c) for c in captions], device=torch.device("cpu"))
     ours = text["hidden_states"]
     assert ours.shape == (2, 6, family.max_sequence_length, 3 * 16) and theirs.shape[:2] == (2, 6)
     for i in range(2):

@@ -88,7 +88,8 @@ def test_encodings_are_the_pipelines(family, pipe):
         if isinstance(theirs, dict):  # as BriaFiboEditPipeline.__call__ turns a dict prompt into text
             theirs = json.dumps(theirs)
         with torch.no_grad():
-            embeds, layers, mask = pipe.get_prompt_embeds([theirs], device=torch.device("cpu"))
+            embeds, _, _, mask, _, layers, _ = pipe.encode_prompt([theirs], device=torch.device("cpu"),
+                                                                  guidance_scale=1)
         real = int(mask[0].sum())
         assert int(text["attention_mask"][0].sum()) == real and (real == 1) == (caption == "")
         hidden = text["hidden_states"][:, :, :real]
@@ -228,8 +229,9 @@ def test_offloading_half_the_transformer_trains_the_same_adapter_on_pairs(fake_d
     offloaded_training_matches(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", fake_device, paired(pairs))
 
 
-def test_an_fp8_transformer_trains_on_pairs(tmp_path, tiny_fibo_edit, pairs):
-    initializes_and_steps(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", "float8", False, paired(pairs))
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_a_quantized_transformer_trains_on_pairs(tmp_path, tiny_fibo_edit, pairs, mode):
+    initializes_and_steps(tiny_fibo_edit, pairs, tmp_path, "fibo_edit", "transformer", mode, False, paired(pairs))
 
 
 def test_load_lora_weights_loads_every_adapter_and_matches_the_hooked_model(family, tiny_fibo_edit, tmp_path):

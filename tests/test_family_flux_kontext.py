@@ -205,8 +205,9 @@ def test_offloading_half_the_transformer_trains_the_same_adapter_on_pairs(fake_d
     offloaded_training_matches(tiny_kontext, pairs, tmp_path, "flux_kontext", "transformer", fake_device, paired(pairs))
 
 
-def test_an_fp8_transformer_trains_on_pairs(tmp_path, tiny_kontext, pairs):
-    initializes_and_steps(tiny_kontext, pairs, tmp_path, "flux_kontext", "transformer", "float8", False, paired(pairs))
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_a_quantized_transformer_trains_on_pairs(tmp_path, tiny_kontext, pairs, mode):
+    initializes_and_steps(tiny_kontext, pairs, tmp_path, "flux_kontext", "transformer", mode, False, paired(pairs))
 
 
 def test_resume_on_pairs_equals_an_uninterrupted_run(tmp_path, tiny_kontext, pairs):

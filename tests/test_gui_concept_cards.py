@@ -2,7 +2,8 @@
 its concept's image count and a thumbnail of its first image; clicking it opens the concept's
 window; a field changed there changes the config (and the card); the augmentation preview
 mirrors every second draw when flip is on and draws anew on Re-roll; a folder of 1,000 images is
-read without freezing the window."""
+read without freezing the window; an edit concept (sibling folders or a manifest) shows its pairs,
+each target with its controls, and what training skips."""
 
 from __future__ import annotations
 
@@ -173,4 +174,87 @@ def test_a_folder_of_a_thousand_images_is_read_without_freezing_the_window(app, 
     # the window answered all along (a read on the Tk thread would stall it for the whole read)
     assert took > 2.0  # the read was slow: on the Tk thread it would stall the window that long
     assert longest < 1.0, f"the window stalled {longest:.2f} s while reading 1,000 images (read took {took:.1f} s)"
+    assert app.callback_errors == []
+
+
+def _window_done(window) -> bool:
+    slot = window.slot
+    return bool(slot["items"]) and slot["picture"] is not None and len(slot["control_pictures"]) == len(
+        slot["items"][slot["position"]].controls)
+
+
+def test_an_edit_pair_concept_shows_its_pairs_their_controls_and_what_training_skips(app, tmp_path):
+    """A folders-mode concept (target/, control/, control_2/): the card counts pairs, not the files of
+    its folders (0 before: the concept folder itself holds no image; with subfolders the controls
+    counted as images without captions); the window shows each target with its controls, named by
+    folder, and the sample training skips for a missing control."""
+    import shutil
+
+    from modules.data.synthetic_images import write_edit_pairs
+
+    write_edit_pairs(tmp_path / "pairs", count=3)
+    shutil.copytree(tmp_path / "pairs" / "control", tmp_path / "pairs" / "control_2")
+    (tmp_path / "pairs" / "control_2" / "001.png").unlink()  # its sample is skipped, as training skips it
+    fresh(app)
+    app.tabview.set("Concepts")
+    concepts = app.tabs["Concepts"]
+    concepts.add(str(tmp_path / "pairs"))
+    edit(app, "Concepts", "concepts[0].include_subfolders", True)
+    # as a plain concept, every file of its folders is an image (the controls without captions)
+    pump(app, lambda: _card_done(app) and concepts.cards[0]["count"].cget("text") == "8 images\n5 without a caption",
+         timeout=20, what="the card of the plain reading")
+    edit(app, "Concepts", "concepts[0].controls.source", "folders")
+    pump(app, lambda: "pairs" in concepts.cards[0]["count"].cget("text"), timeout=20, what="the card of the pairs")
+    card = concepts.cards[0]
+    assert card["count"].cget("text") == "2 pairs (a target and 2 control images each)\n1 skipped (see Statistics)"
+    window = concepts.open(0)
+    pump(app, lambda: _window_done(window), timeout=20, what="the first pair and its controls")
+    stats = window.stats.cget("text")
+    assert stats.splitlines()[:2] == ["2 pairs (a target and 2 control images each)", "Sizes: 64x64: 2"]
+    assert f"Skipped: {tmp_path / 'pairs' / 'target' / '001.png'}: no control image 001.* in " \
+           f"{tmp_path / 'pairs' / 'control_2'}" in stats
+    assert "Without a caption: 0" in stats  # the targets' captions (the controls have none, and need none)
+    names = [tile.master.winfo_children()[1].cget("text") for tile in window.slot["control_tiles"]]
+    assert names == ["control 1: control/000.png", "control 2: control_2/000.png"]
+    assert window.slot["caption"].cget("text").startswith("1/2  000.png")
+    assert all(str(tile._label.cget("image")) in app.image_names() for tile in window.slot["control_tiles"])
+    concepts.browse(0, 1)  # ▶: the next pair, with its own controls
+    pump(app, lambda: _window_done(window) and window.slot["position"] == 1, timeout=20, what="the second pair")
+    names = [tile.master.winfo_children()[1].cget("text") for tile in window.slot["control_tiles"]]
+    assert names == ["control 1: control/002.png", "control 2: control_2/002.png"]
+    tool = concepts.open_dataset_tool(0)  # "Captions…": the targets' captions, which training reads
+    try:
+        assert tool.folder == tmp_path / "pairs" / "target" and len(tool.images) == 3
+    finally:
+        tool.destroy()
+    window.hide()
+    assert app.callback_errors == []
+
+
+def test_a_manifest_concept_counts_its_lines_pairs_and_names_a_bad_line(app, tmp_path):
+    import json
+
+    from modules.data.synthetic_images import write_edit_pairs
+
+    write_edit_pairs(tmp_path / "pairs", count=2)
+    manifest = tmp_path / "pairs" / "pairs.jsonl"
+    lines = [json.dumps({"target": f"target/00{i}.png", "control": f"control/00{i}.png", "caption": "make it red"})
+             for i in range(2)]
+    manifest.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    fresh(app)
+    concepts = app.tabs["Concepts"]
+    concepts.add(str(tmp_path / "pairs"))
+    edit(app, "Concepts", "concepts[0].controls.source", "manifest")
+    pump(app, lambda: _card_done(app) and "pair" in concepts.cards[0]["count"].cget("text"), timeout=20,
+         what="the card of the manifest's pairs")
+    assert concepts.cards[0]["count"].cget("text") == "2 pairs (a target and 1 control image each)"
+    window = concepts.open(0)
+    pump(app, lambda: _window_done(window), timeout=20, what="the first pair and its control")
+    assert "Trained caption: make it red" in window.slot["caption"].cget("text")
+    manifest.write_text(lines[0] + "\n{\"target\": \n", encoding="utf-8")
+    concepts._captions_edited(0)  # read again (as after the dataset tool closes)
+    pump(app, lambda: "line 2" in concepts.cards[0]["count"].cget("text"), timeout=20, what="the bad line named")
+    assert concepts.cards[0]["count"].cget("text").startswith(f"controls.manifest: {manifest} line 2 is not JSON")
+    assert window.slot["control_tiles"] == []  # no pair shown: no controls left over from the last one
+    window.hide()
     assert app.callback_errors == []

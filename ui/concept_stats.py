@@ -1,16 +1,21 @@
-"""What a concept's folder holds, read the way training reads it (modules/data/concepts.py's
-scan): the items with their captions, each image's size (from its header, EXIF rotation applied),
-the aspect buckets they fall into, and how many have no caption. Runs on a worker thread
-(ui/background.py): a folder of a thousand images takes a second or more to read."""
+"""What a concept's folder holds, read the way training reads it (modules/data/pairs.py's scan:
+plain images, or an edit concept's targets with their control images from sibling folders or a
+manifest): the items with their captions, each image's size (from its header, EXIF rotation
+applied), the aspect buckets they fall into, how many have no caption, and the samples training
+skips (a control missing or unreadable). Runs on a worker thread (ui/background.py): a folder of a
+thousand images takes a second or more to read."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
 from modules.config.train_config import CaptionConfig, ConceptConfig
 
 ROTATED = {5, 6, 7, 8}  # EXIF orientations that swap width and height
+# the scan's warning for a sample it leaves out (modules/data/pairs.py: a control missing or unreadable)
+SKIPPED = re.compile(r"^concepts\[0\]: skipping sample (of )?(.*)$", re.DOTALL)
 
 
 @dataclass
@@ -21,11 +26,23 @@ class ConceptSummary:
     buckets: Counter = field(default_factory=Counter)  # (width, height) -> images, per resolution
     unreadable: list = field(default_factory=list)  # image paths whose header cannot be read
     without_caption: int = 0
+    skipped: list = field(default_factory=list)  # the scan's warnings: samples training leaves out, and why
+
+    @property
+    def controls(self) -> int:
+        """Control images per sample (0: a plain image concept)."""
+        return max((len(item.controls) for item in self.items), default=0)
 
     def count_text(self) -> str:
         if self.problem:
             return f"Preview: {self.problem}"
+        if self.controls:  # an edit concept: a sample is a target with its controls
+            each = f"{self.controls} control image{'s' if self.controls != 1 else ''}"
+            return f"{len(self.items)} pair{'s' if len(self.items) != 1 else ''} (a target and {each} each)"
         return f"{len(self.items)} image{'s' if len(self.items) != 1 else ''}"
+
+    def skipped_text(self) -> str:
+        return f"{len(self.skipped)} skipped (see Statistics)" if self.skipped else ""
 
     def bucket_text(self) -> str:
         if not self.buckets:
@@ -46,6 +63,9 @@ class ConceptSummary:
             lines.append(f"Smallest: {smallest[0]}x{smallest[1]}")
         lines.append(self.bucket_text() or "Buckets: -")
         lines.append(f"Without a caption: {self.without_caption}")
+        lines.extend(f"Skipped: {why}" for why in self.skipped[:5])
+        if len(self.skipped) > 5:
+            lines.append(f"… and {len(self.skipped) - 5} more skipped")
         return "\n".join(lines)
 
 
@@ -78,16 +98,19 @@ def summarize(concept: dict, data: dict, family: str | None) -> ConceptSummary:
 
     from modules.config.train_config import DataConfig
     from modules.data.buckets import bucket_for
-    from modules.data.concepts import DataError, scan_concept
+    from modules.data.concepts import DataError
+    from modules.data.pairs import scan_items
 
     if not str(concept.get("path") or "").strip():
         return ConceptSummary(problem="choose a folder")
-    try:
-        items = scan_concept(0, ConceptConfig.model_validate(concept), lambda _message: None)
+    warnings: list[str] = []
+    try:  # training's own scan: a paired concept's targets with their controls, not its folders' files
+        items = scan_items(0, ConceptConfig.model_validate(concept), warnings.append)
     except (ValidationError, DataError, OSError) as error:
         text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return ConceptSummary(problem=text.replace("concepts[0].", ""))
-    summary = ConceptSummary(items=items, without_caption=sum(not item.caption.strip() for item in items))
+        return ConceptSummary(problem=text.replace("concepts[0].", "").replace("concepts[0]: ", ""))
+    summary = ConceptSummary(items=items, without_caption=sum(not item.caption.strip() for item in items),
+                             skipped=[m.group(2) for why in warnings if (m := SKIPPED.match(why))])
     try:  # the data settings as they are now (the whole config may not validate while being edited)
         settings = DataConfig.model_validate(data or {})
     except ValidationError:

@@ -1,5 +1,6 @@
 """Concepts: folders of images with captions, one card each (a thumbnail of the first image, the
-name, the image count, enabled and repeats); a card opens the concept's window (ui/concept_window.py)
+name, the image count (an edit concept's pairs, and the samples its scan skips), enabled and
+repeats); a card opens the concept's window (ui/concept_window.py)
 with every option of the schema, its statistics, its images with the caption the trainer uses
 (prefix/suffix applied; shuffle and dropout drawn as in epoch 1) and an augmentation preview.
 
@@ -183,7 +184,8 @@ class ConceptsTab(Tab):
         self.windows[index].show_summary(summary)
         card = self.cards[index]
         card["count"].configure(text=summary.count_text().removeprefix("Preview: ")
-                                + (f"\n{summary.without_caption} without a caption" if summary.without_caption else ""))
+                                + (f"\n{summary.without_caption} without a caption" if summary.without_caption else "")
+                                + (f"\n{summary.skipped_text()}" if summary.skipped else ""))
         self._card_thumbnail(index, summary.items[0].image if summary.items else None)
 
     def _card_thumbnail(self, index: int, image) -> None:
@@ -229,6 +231,8 @@ class ConceptsTab(Tab):
         if not folder or not Path(folder).is_dir():
             self.app.set_status(f"concepts[{index}].path: choose a folder of images first.")
             return None
+        if (concept.get("controls") or {}).get("source") == "folders":  # an edit concept's captions: its targets'
+            folder = str(Path(folder) / "target")
         tool = DatasetTool(self.app, folder, bool(concept.get("include_subfolders")))
         tool.bind("<Destroy>", lambda event: event.widget is tool and self._captions_edited(index), add="+")
         return tool
