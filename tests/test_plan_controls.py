@@ -47,7 +47,7 @@ def _config(model, family, concepts, tmp_path, **overlay):
 
 
 def _planned(model, family, pairs, shape_images, tmp_path, counts, **overlay):
-    """The plans of the same run with each count of controls per sample (one planner: one architecture)."""
+    """The plans of the same run with each count of controls per sample (one planner: its sizes read once)."""
     configs = [_config(model, family, _concepts(pairs, shape_images, n), tmp_path, **overlay) for n in counts]
     planner = Planner(configs[0])
     plans = [plan_run(config, None, None, planner=planner) for config in configs]
