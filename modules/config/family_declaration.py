@@ -21,7 +21,8 @@ class PartSpec:
 # what a ModelFamily subclass takes from its declaration (flow_matching comes from its training
 # mixin, which must agree with the declaration)
 CLASS_ATTRIBUTES = ("name", "label", "part_specs", "denoiser_part", "layer_presets", "bucket_quantum",
-                    "negative_prompt", "control_images", "prompt_control_images", "image_to_video")
+                    "negative_prompt", "control_images", "prompt_control_images", "planned_control_images",
+                    "image_to_video")
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,9 @@ class FamilyDeclaration:
     # samples' (an image-to-video model starts every sample from a prompt image but trains on the
     # clips' own first frames); None: (0, control_images)
     prompt_control_images: tuple[int, int] | None = None
+    # the control images per training sample the planner assumes where no concept shows how many (a
+    # preset has no concepts): an edit model's usual count; 0 where references are optional
+    planned_control_images: int = 0
     # whether it trains image-to-video from a clip's own first frame (model.image_to_video)
     image_to_video: bool = False
 
@@ -69,4 +73,5 @@ class FamilyDeclaration:
                    negative_prompt=family_class.negative_prompt,
                    control_images=getattr(family_class, "control_images", 0),
                    prompt_control_images=getattr(family_class, "prompt_control_images", None),
+                   planned_control_images=getattr(family_class, "planned_control_images", 0),
                    image_to_video=getattr(family_class, "image_to_video", False))

@@ -61,6 +61,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # (fewest, most) control images a sample prompt takes where that differs (an image-to-video
     # model's prompt image); None: (0, control_images). Read through prompt_images.
     prompt_control_images: ClassVar[tuple[int, int] | None] = None
+    # the control images per training sample a plan assumes where no concept shows how many (a preset)
+    planned_control_images: ClassVar[int] = 0
     # whether it trains image-to-video from each clip's own first frame (model.image_to_video)
     image_to_video: ClassVar[bool] = False
     # whether its text conditioning depends on the control images too (a VL text encoder that sees
@@ -260,6 +262,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         planner (modules/plan/) feeds the denoiser. tests/test_plan_conditioning.py checks it against
         encode_text on each tiny model."""
         raise NotImplementedError(f"{self.label} does not say what its text conditioning looks like")
+
+    def planning_conditioning_with_controls(self, batch: int, device: torch.device, controls: int,
+                                            width: int, height: int) -> dict[str, torch.Tensor]:
+        """planning_conditioning for samples that carry `controls` control images at width x height: what
+        encode_text returns for them. The same by default; a family whose text encoder sees the controls
+        (text_sees_controls) adds their tokens."""
+        return self.planning_conditioning(batch, device)
 
     def planning_length(self, released: int) -> int:
         """The text window encode_text pads to: the tokenizer's where one is loaded, else the

@@ -143,6 +143,36 @@ class QwenImageEditFamily(QwenImageFamily):
         """The control images as the VL encoder is shown them (Edit: as given, at the bucket's size)."""
         return images
 
+    def vl_size(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) the VL encoder is shown a control of this size at (as vl_images does)."""
+        return width, height
+
+    def _vl_processor(self):
+        """The loaded image processor; planning a folder without one: the class's defaults (14 px
+        patches, 2x2 merge, what the released processor/ folders hold)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        return getattr(self, "image_processor", None) or Qwen2VLImageProcessorPil()
+
+    def _expanded_image_prompt(self, per_image: list[int]) -> str:
+        """The template's image block for these controls, each pad token repeated once per merged patch."""
+        pieces = self.image_prompt(len(per_image)).split(IMAGE_PAD)
+        return pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(per_image, pieces[1:]))
+
+    def image_block_tokens(self, controls: int, width: int, height: int) -> int:
+        """The tokens the image block of `controls` controls at width x height adds to the conditioning:
+        the tokenizer's count where one is loaded, else the pad tokens and each image's two vision
+        markers, its "Picture N:" label (Plus) counted as its characters at most."""
+        processor = self._vl_processor()
+        shown_width, shown_height = self.vl_size(width, height)
+        pads = processor.get_number_of_image_patches(shown_height, shown_width) // processor.merge_size ** 2
+        prompt = self._expanded_image_prompt([pads] * controls)
+        tokenizer = getattr(self, "tokenizer", None)
+        if tokenizer is not None:
+            return len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        labels = prompt.replace(IMAGE_PAD, "").replace("<|vision_start|>", "").replace("<|vision_end|>", "")
+        return controls * (pads + 2) + len(labels)
+
     def tokenize(self, captions: list[str], controls: list[list] | None = None) -> dict[str, torch.Tensor]:
         """Token ids of each caption in the edit template with its control images (PIL, one list per
         caption, the same count and sizes for all: one bucket); their pixel patches and grids."""
@@ -156,8 +186,7 @@ class QwenImageEditFamily(QwenImageFamily):
             grids = processed["image_grid_thw"]
             merge = self.image_processor.merge_size ** 2
             per_image = [int(grid.prod()) // merge for grid in grids[:count]]  # the same in every row
-            pieces = prompt.split(IMAGE_PAD)
-            prompt = pieces[0] + "".join(IMAGE_PAD * n + rest for n, rest in zip(per_image, pieces[1:]))
+            prompt = self._expanded_image_prompt(per_image)
             tokens = {"pixel_values": processed["pixel_values"], "image_grid_thw": grids}
         # the image block (its tokens and, for Plus, the "Picture N:" labels) comes on top of the caption's budget
         image_tokens = len(self.tokenizer(prompt, add_special_tokens=False).input_ids)
@@ -188,8 +217,12 @@ class QwenImageEditFamily(QwenImageFamily):
         return {"hidden_states": embeds, "attention_mask": kept_mask}
 
     def planning_conditioning(self, batch, device):
-        # the caption window only: a control's image tokens, which add to it by the bucket, are not planned
-        length = self.planning_length(MAX_TEXT_TOKENS)
+        return self.planning_conditioning_with_controls(batch, device, 0, 0, 0)
+
+    def planning_conditioning_with_controls(self, batch, device, controls, width, height):
+        # the caption window and, on top, the controls' image block (their tokens depend on the bucket)
+        length = self.planning_length(MAX_TEXT_TOKENS) + (self.image_block_tokens(controls, width, height)
+                                                           if controls else 0)
         width = self.parts["text_encoder"].config.text_config.hidden_size
         return {"hidden_states": torch.empty(batch, length, width, dtype=self.compute_dtype("text_encoder"),
                                              device=device),

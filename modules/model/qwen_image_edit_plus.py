@@ -41,7 +41,10 @@ class QwenImageEditPlusFamily(QwenImageEditFamily):
         from PIL import Image
 
         # VaeImageProcessor.resize of a PIL image: a plain resize (no crop), Lanczos
-        return [image.resize(condition_size(*image.size), Image.Resampling.LANCZOS) for image in images]
+        return [image.resize(self.vl_size(*image.size), Image.Resampling.LANCZOS) for image in images]
+
+    def vl_size(self, width: int, height: int) -> tuple[int, int]:
+        return condition_size(width, height)
 
     def pipeline(self):
         """QwenImageEditPlusPipeline on the live modules (for its helpers; no processor)."""

@@ -5,7 +5,10 @@ The parts the step runs are made fake copies of their meta architecture (FakeTen
 dtypes, no memory, no compute), with the project's own gradient checkpointing and activation
 offloading (modules/offload/checkpointing.py) and the real adapters (or, in a fine-tune, the
 part's weights requiring grad). Then the family's own `predict` runs on latents from its own
-`encode_images` and the conditioning its `planning_conditioning` describes, the loss is MSE, and
+`encode_images`, an edit model's control latents (as many per sample as controls.py plans, from
+the same `encode_images` at the target's size, as the data pipeline hands them over in
+`control_latents`) and the conditioning its `planning_conditioning_with_controls` describes (a VL
+text encoder's image tokens of the controls included), the loss is MSE, and
 backward runs, while LiveBytes counts every new storage on the train device (here `meta`, so what
 activation offloading sends to the temp device, `cpu`, is not counted) and the FLOPs. Gradients of trained tensors are dropped as they arrive (the planner counts them
 itself: all of them, or one block's with a fused backward).
@@ -58,6 +61,14 @@ def image_latents(family, batch: int, resolution: int, mode: FakeTensorMode,
         return family.encode_images(pixels), family.encode_pixel_conditioning(pixels)
 
 
+def control_latents(family, batch: int, controls: int, resolution: int, mode: FakeTensorMode) -> torch.Tensor:
+    """(batch, controls, C, h, w) latents of the samples' control images at the target's resolution (fake),
+    float32 as the data pipeline's (dataset.encode_controls)."""
+    with mode, torch.no_grad():
+        pixels = torch.empty(batch * controls, 3, resolution, resolution, device=TRAIN)
+        return family.encode_images(pixels).float().unflatten(0, (batch, controls))
+
+
 def _make_fake(module: torch.nn.Module, mode: FakeTensorMode) -> None:
     if getattr(module, "_plan_fake", False):
         return
@@ -68,15 +79,18 @@ def _make_fake(module: torch.nn.Module, mode: FakeTensorMode) -> None:
 
 def measure_step(family, config, trained: dict[str, str], batch: int, resolution: int,
                  checkpointing: dict[str, bool], activation_offloading: dict[str, bool],
-                 adapter_set_builder=None, fused_attention: bool = True) -> StepFigures:
+                 adapter_set_builder=None, fused_attention: bool = True, controls: int = 0) -> StepFigures:
     """trained: part -> "adapter" or "weights" for the parts the step trains. fused_attention: the
     train device runs attention in a fused kernel (CUDA's flash / memory-efficient, the CPU's flash
-    kernel), so the pass does too; else torch's math path, as on devices without one."""
+    kernel), so the pass does too; else torch's math path, as on devices without one. controls: the
+    control images each sample carries (an edit model's: controls.planned_controls)."""
     from modules.util.torch_utils import make_generator
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     denoiser = family.denoiser_part
     latents, pixel_conditioning = image_latents(family, batch, resolution, mode, planned_frames(config, family))
+    if controls:  # a batch input, as the pixel conditioning is: handed to the denoiser with the text
+        pixel_conditioning["control_latents"] = control_latents(family, batch, controls, resolution, mode)
     for part in {denoiser, *trained}:
         _make_fake(family.parts[part], mode)
         if checkpointing.get(part) and family.checkpoint_blocks(part):
@@ -101,7 +115,8 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         generator = make_generator("cpu", 0)
         with live, efficient_attention() if fused_attention else contextlib.nullcontext():
             step_latents = latents.clone()
-            text = {**family.planning_conditioning(batch, TRAIN), **pixel_conditioning}
+            text = {**family.planning_conditioning_with_controls(batch, TRAIN, controls, resolution, resolution),
+                    **pixel_conditioning}
             if not trained:  # nothing trains: still a backward to the input, as a guard would see
                 step_latents.requires_grad_(True)
             prediction = family.predict(step_latents, text, generator)

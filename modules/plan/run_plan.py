@@ -152,6 +152,17 @@ class Planner:
         self._steps: dict[tuple, Any] = {}
         self._sizes: dict[tuple, dict] = {}
         self._unused = None
+        self._controls: dict[str, Any] = {}
+
+    def controls(self, config: TrainConfig):
+        """The control images per sample the step is planned with (controls.py), read once per concepts."""
+        from modules.config.families import get_family_class
+        from modules.plan.controls import planned_controls
+
+        key = config.model.family + "".join(c.model_dump_json() for c in config.concepts)
+        if key not in self._controls:
+            self._controls[key] = planned_controls(config, get_family_class(config.model.family))
+        return self._controls[key]
 
     def step_parts(self, config: TrainConfig) -> set[str]:
         """The parts the training step runs: the denoiser and what trains."""
@@ -204,7 +215,8 @@ class Planner:
         from modules.quantization.weight_modes import DENSE_DTYPES
 
         computes = tuple(sorted((n, DENSE_DTYPES.get(m) and m or config.train_dtype) for n, m in modes.items()))
-        key = (computes, tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
+        controls = self.controls(config).count
+        key = (computes, controls, tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
                largest_resolution(config), tuple(c.video.frames for c in config.concepts if c.enabled),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
@@ -224,7 +236,8 @@ class Planner:
             figures = measure_step(family, config, trained, config.schedule.batch_size, largest_resolution(config),
                                    {n: p.gradient_checkpointing is True for n, p in parts.items()},
                                    {n: p.activation_offloading for n, p in parts.items()}, build,
-                                   fused_attention=train_device_type(config) in FUSED_ATTENTION_DEVICES)
+                                   fused_attention=train_device_type(config) in FUSED_ATTENTION_DEVICES,
+                                   controls=controls)
             adapter_bytes: dict[str, int] = {}
             adapter_params: dict[str, int] = {}
             for built in adapters:
@@ -314,6 +327,15 @@ class Planner:
             side = largest_resolution(config)
             plan.notes.append(f"the step is planned on clips of {frames} frames at {side}x{side} (the longest video "
                               "concept's video.frames)")
+        controls = self.controls(config)
+        if controls.count:
+            side = largest_resolution(config)
+            plan.notes.append(f"the step is planned with {controls.count} control image(s) per sample at {side}x{side} "
+                              f"({controls.source}): their tokens join the denoiser's sequence")
+            if family.text_sees_controls:
+                plan.notes.append("the text encoder sees the control images too: their image tokens lengthen the "
+                                  "conditioning the denoiser reads; the encoder itself is not in the step (its "
+                                  "encodings of each caption with its controls are cached)")
         if any(kind != "adapter" and name in family.text_parts for name, kind in trained.items()) or any(
                 name in family.text_parts for name in trained):
             plan.notes.append("a trained text encoder's activations are not counted (its tokens need its tokenizer)")

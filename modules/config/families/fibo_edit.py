@@ -37,5 +37,6 @@ DECLARATION = FamilyDeclaration(
     # then generates from the instruction at the prompt's size) or as many
     control_images=4,
     prompt_control_images=(0, 4),
+    planned_control_images=1,  # an edit pair: a preset is planned with one reference
     implementation="modules.model.fibo_edit:FiboEditFamily",
 )

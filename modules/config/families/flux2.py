@@ -33,5 +33,6 @@ DECLARATION = FamilyDeclaration(
     # reference images (multi-reference editing, as Flux2KleinPipeline / Flux2Pipeline take `image=`):
     # optional per concept; this bound keeps a sample's sequence at most 5x the target's
     control_images=4,
+    planned_control_images=0,  # a text-to-image run unless its concepts carry references
     implementation="modules.model.flux2:Flux2Family",
 )

@@ -14,5 +14,6 @@ DECLARATION = replace(
     name="flux_kontext",
     label="FLUX.1 Kontext",
     control_images=1,  # FluxKontextPipeline conditions on one reference image
+    planned_control_images=1,  # an edit pair: a preset is planned with its reference
     implementation="modules.model.flux_kontext:FluxKontextFamily",
 )

@@ -25,5 +25,6 @@ DECLARATION = replace(
         "all": ([r"^transformer\.", r"^text_encoder\.language_model\."], True),
     },
     control_images=1,  # QwenImageEditPipeline conditions on one image
+    planned_control_images=1,  # an edit pair: a preset is planned with its control (Edit-Plus too)
     implementation="modules.model.qwen_image_edit:QwenImageEditFamily",
 )
