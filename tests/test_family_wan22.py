@@ -5,7 +5,9 @@ train device); with both experts trained each sample goes to the expert owning i
 expert's saved file loads into its own transformer of diffusers' WanPipeline with no key dropped
 and equal outputs (comfy, kohya, diffusers layouts; ComfyUI's key map applies every module); a
 resumed two-expert run equals an uninterrupted one; the skip and keep-in-fp32 lists hold on both
-experts; the folder is told from a Wan 2.1 one before weights load."""
+experts; the folder is told from a Wan 2.1 one before weights load; both experts train on a clip
+and an image and a sample video is written; half the low-noise expert parked trains the same
+adapter; fp8 and nf4 experts train; a full fine-tune of both saves folders diffusers loads."""
 
 from __future__ import annotations
 
