@@ -1,7 +1,8 @@
 """The preflight's video estimate on tiny clips: clips and windows counted as the dataset cuts
 them (a broken clip named as skipped), the decode time from timing the first windows, the latent
 cache size equal to what caching then writes, nothing new after a restart, and a run refused when
-the cache folder's disk cannot hold the new entries."""
+the cache folder's disk cannot hold the new entries; on each Wan 2.2 family the estimate is what
+caching writes."""
 
 from __future__ import annotations
 
