@@ -208,17 +208,18 @@ def test_text_encoder_adapters_are_named_as_dropped_by_diffusers(family):
     assert any("model.parts.text_encoder.train" in w for w in warnings)
 
 
-def test_comfyui_applies_every_module_of_a_comfy_file(family, tmp_path):
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])  # kohya: musubi-tuner's names, which ComfyUI also maps
+def test_comfyui_applies_every_module_of_a_comfy_or_kohya_file(family, tmp_path, fmt):
     from modules.saving.consumers.check import check_file
 
     adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
-        save_adapter_file(tmp_path / "comfy.safetensors", adapters, family, "comfy", torch.float32, {})
+        save_adapter_file(tmp_path / f"{fmt}.safetensors", adapters, family, fmt, torch.float32, {})
         save_adapter_file(tmp_path / "diffusers.safetensors", adapters, family, "diffusers", torch.float32, {})
         count = len(adapters)
     finally:
         adapters.unhook()
-    report = check_file(tmp_path / "comfy.safetensors", family)["ComfyUI"]
+    report = check_file(tmp_path / f"{fmt}.safetensors", family)["ComfyUI"]
     assert report == {"applied": count, "total": count, "dropped": []}
     # ComfyUI has no diffusers-name map for Wan: a diffusers file applies nothing there
     assert check_file(tmp_path / "diffusers.safetensors", family)["ComfyUI"]["applied"] == 0

@@ -208,16 +208,17 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_ti2v, tmp_path,
     assert (ours - theirs).abs().max() < 1e-5
 
 
-def test_comfyui_applies_every_module_of_a_comfy_file(family, tmp_path):
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])  # kohya: musubi-tuner's names, which ComfyUI also maps
+def test_comfyui_applies_every_module_of_a_comfy_or_kohya_file(family, tmp_path, fmt):
     from modules.saving.consumers.check import check_file
 
     adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
-        save_adapter_file(tmp_path / "comfy.safetensors", adapters, family, "comfy", torch.float32, {})
+        save_adapter_file(tmp_path / f"{fmt}.safetensors", adapters, family, fmt, torch.float32, {})
         count = len(adapters)
     finally:
         adapters.unhook()
-    assert check_file(tmp_path / "comfy.safetensors", family)["ComfyUI"] == {"applied": count, "total": count,
+    assert check_file(tmp_path / f"{fmt}.safetensors", family)["ComfyUI"] == {"applied": count, "total": count,
                                                                              "dropped": []}
 
 
