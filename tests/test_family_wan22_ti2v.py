@@ -338,9 +338,13 @@ def test_a_clip_run_that_trains_image_to_video_in_part_plans(tmp_path, tiny_ti2v
     assert plan_run(config, None, None, fix=False).as_dict()["device"]["peak"] > 0
 
 
-def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny_ti2v, shape_images):
-    """With half the steps image-to-video: the backup holds the random state that draws which."""
-    resumed_training_matches(tiny_ti2v, shape_images, tmp_path, "wan22_ti2v", {"model": {"image_to_video": 0.5}})
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny_ti2v, clip_and_image):
+    """A clip and an image, half the clip's steps image-to-video: the backup holds the random state
+    that draws which."""
+    clips, images = clip_and_image
+    resumed_training_matches(tiny_ti2v, images, tmp_path, "wan22_ti2v", {
+        "model": {"image_to_video": 0.5}, "data": {"resolution": 32},
+        "concepts": [{"path": str(clips), "video": {"frames": 5}}, {"path": str(images)}]})
 
 
 def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_ti2v, one_image):

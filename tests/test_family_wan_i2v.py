@@ -274,9 +274,12 @@ def test_the_preflight_sizes_the_cache_with_the_first_frame_conditioning(family,
     assert len(written) == 1 and estimate.cache_bytes == written[0] > 2 * BLOCK  # (its latents alone: two blocks)
 
 
-def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny, shape_images):
-    """The backup holds what the first-frame conditioning draws (each still conditioned on itself)."""
-    resumed_training_matches(tiny, shape_images, tmp_path, "wan_i2v")
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny, clips):
+    """A clip conditioned on its first frame and a still conditioned on itself, their conditions
+    read from the cache by both runs."""
+    resumed_training_matches(tiny, clips[0], tmp_path, "wan_i2v", {
+        "data": {"resolution": 16},
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}, {"path": str(clips[1].parent)}]})
 
 
 def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny, one_image):
