@@ -1,7 +1,7 @@
 """Wan 2.2 A14B on a tiny offline model (two tiny experts, boundary_ratio 0.875): a low-noise LoRA
 trains, the loss falls and its timesteps stay below the boundary, while the high-noise expert rests
 on the temp device (untouched, no adapter, streamed in only for samples, planned at nothing on the
-train device); with both experts trained each sample goes to the expert owning its timestep; each
+train device), and a high-noise one above it into its own file; with both experts trained each sample goes to the expert owning its timestep; each
 expert's saved file loads into its own transformer of diffusers' WanPipeline with no key dropped
 and equal outputs (comfy, kohya, diffusers layouts; ComfyUI's key map applies every module); a
 resumed two-expert run equals an uninterrupted one; the skip and keep-in-fp32 lists hold on both
@@ -376,3 +376,24 @@ def test_a_full_fine_tune_of_both_experts_saves_transformers_diffusers_loads(tmp
         assert any(not torch.equal(loaded[k], original[k]) for k in original), expert  # it trained
     pipe = WanPipeline.from_pretrained(str(tmp_path / "out" / "lora"), local_files_only=True)
     assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+
+
+def test_a_high_noise_lora_trains_above_the_boundary_into_its_own_file(tmp_path, tiny_wan22, one_image):
+    """The other expert alone: every training timestep at or above the boundary, the low-noise
+    expert never run while training, one file `lora-high_noise.safetensors`."""
+    config = train_config(tiny_wan22, one_image, tmp_path, {
+        "model": {"family": "wan22", "parts": {"transformer_2": {"train": False}}},
+        "schedule": {"epochs": 4, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert trainer.family.denoiser_part == "transformer" and trainer.family.resting_parts() == ("transformer_2",)
+    seen, handles = _timesteps_seen(trainer.family)
+    try:
+        trainer.train()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert trainer.step == 4 and seen["transformer_2"] == []
+    assert min(t.min().item() for t in seen["transformer"]) >= 875
+    path = trainer.end()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["lora-high_noise.safetensors"] == [path.name]
