@@ -1,8 +1,9 @@
 """Wan 2.2 A14B on a tiny offline model (two tiny experts, boundary_ratio 0.875): a low-noise LoRA
 trains, the loss falls and its timesteps stay below the boundary, while the high-noise expert rests
 on the temp device (untouched, no adapter, streamed in only for samples, planned at nothing on the
-train device), and a high-noise one above it into its own file; with both experts trained each sample goes to the expert owning its timestep; each
-expert's saved file loads into its own transformer of diffusers' WanPipeline with no key dropped
+train device), and a high-noise one above it into its own file; with both experts trained each
+sample goes to the expert owning its timestep; each expert's saved file loads into its own
+transformer of diffusers' WanPipeline with no key dropped
 and equal outputs (comfy, kohya, diffusers layouts; ComfyUI's key map applies every module); a
 resumed two-expert run equals an uninterrupted one; the skip and keep-in-fp32 lists hold on both
 experts; the folder is told from a Wan 2.1 one before weights load; both experts train on a clip
