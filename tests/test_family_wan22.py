@@ -323,6 +323,7 @@ def test_both_experts_train_on_a_clip_and_an_image_and_a_sample_video_is_written
     finally:
         trainer.dataset.collate = collate
     trainer.train()  # the first step's guard checks every adapter learned
+    assert trainer.family.trained_parts_not_run() == set()  # both experts were stepped
     trainer.dataset.collate = lambda indices, device: collate([clip], device)
     try:
         after = fixed_loss(trainer, draws=8)
