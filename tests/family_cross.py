@@ -52,10 +52,11 @@ def blocks_run_in_listed_order(family, part: str, run) -> None:
 
 
 def offloaded_training_matches(model, images, workspace, family: str, part: str, device,
-                               overlay: dict | None = None) -> None:
+                               overlay: dict | None = None, also: tuple[str, ...] = ()):
     """Half of the denoiser's blocks parked on the CPU, and the blocks' saved inputs too (the
     transformers get them as keywords), while training on `device` gives the same adapter as
-    keeping them all resident."""
+    keeping them all resident. `also`: other parts parked the same way (Wan 2.2's other expert).
+    Returns the offloaded run's trainer."""
     from unittest import mock
 
     import torch
@@ -73,7 +74,7 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
     def run(fraction, where):
         settings = {"gradient_checkpointing": True, "offload_fraction": fraction, "activation_offloading": fraction > 0}
         config = train_config(model, images, where, {
-            "model": {"family": family, "parts": {part: settings}},
+            "model": {"family": family, "parts": dict.fromkeys((part, *also), settings)},
             "schedule": {"epochs": 2, "batch_size": 1}, "train_device": str(device)}, overlay or {})
         trainer = GenericTrainer(config)
         trainer.start()
@@ -83,11 +84,12 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
     plain = run(0.0, workspace / "plain")
     with mock.patch.object(checkpoint_module, "checkpoint", recording):
         offloaded = run(0.5, workspace / "half")
-    assert offloaded.conductors[part].parked
+    assert all(offloaded.conductors[p].parked for p in (part, *also))
     assert kept and set(kept) == {"cpu"}, sorted(set(kept))
     ours, theirs = offloaded.adapters.state_dict(), plain.adapters.state_dict()
     for key in theirs:
         torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu(), atol=1e-5, rtol=0)
+    return offloaded
 
 
 def resumed_training_matches(model, images, workspace, family: str, overlay: dict | None = None) -> None:

@@ -137,6 +137,23 @@ def test_the_model_classes_skip_and_keep_in_fp32_lists_hold_in_every_weight_mode
             assert isinstance(family.transformer.get_submodule("blocks.0.attn1.to_q"), QuantizedLinear)
 
 
+@pytest.mark.parametrize("emptied, alone", [("_skip_layerwise_casting_patterns", "_keep_in_fp32_modules"),
+                                            ("_keep_in_fp32_modules", "_skip_layerwise_casting_patterns")])
+def test_either_class_list_alone_keeps_the_time_embedder_dense(family, monkeypatch, emptied, alone):
+    """On Wan the two lists overlap (the time embedder sits in the condition embedder), so the
+    quantized-load test above passes on either alone: emptying one here shows the other still
+    keeps the time embedder's Linear layers dense for its own reason, which fails when either
+    attribute is dropped from skip_rules.skip_reason's union."""
+    from modules.quantization.replace import plan_layers
+
+    model_class = type(family.transformer)
+    monkeypatch.setattr(model_class, emptied, [])
+    targets, skipped = plan_layers(family.transformer, "transformer", [])
+    for name in ("condition_embedder.time_embedder.linear_1", "condition_embedder.time_embedder.linear_2"):
+        assert skipped.get(name, "").startswith(f"{model_class.__name__}.{alone}"), (name, skipped.get(name))
+    assert "blocks.0.attn1.to_q" in targets  # the blocks are still quantized
+
+
 @pytest.mark.parametrize("fmt, preset", [("comfy", "attn"), ("kohya", "attn-mlp"), ("diffusers", "all-linear")])
 def test_load_lora_weights_matches_the_hooked_model(family, tiny_wan, tmp_path, fmt, preset):
     """comfy: ComfyUI's `diffusion_model.<original name>`; kohya: musubi-tuner's
@@ -191,17 +208,18 @@ def test_text_encoder_adapters_are_named_as_dropped_by_diffusers(family):
     assert any("model.parts.text_encoder.train" in w for w in warnings)
 
 
-def test_comfyui_applies_every_module_of_a_comfy_file(family, tmp_path):
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])  # kohya: musubi-tuner's names, which ComfyUI also maps
+def test_comfyui_applies_every_module_of_a_comfy_or_kohya_file(family, tmp_path, fmt):
     from modules.saving.consumers.check import check_file
 
     adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
-        save_adapter_file(tmp_path / "comfy.safetensors", adapters, family, "comfy", torch.float32, {})
+        save_adapter_file(tmp_path / f"{fmt}.safetensors", adapters, family, fmt, torch.float32, {})
         save_adapter_file(tmp_path / "diffusers.safetensors", adapters, family, "diffusers", torch.float32, {})
         count = len(adapters)
     finally:
         adapters.unhook()
-    report = check_file(tmp_path / "comfy.safetensors", family)["ComfyUI"]
+    report = check_file(tmp_path / f"{fmt}.safetensors", family)["ComfyUI"]
     assert report == {"applied": count, "total": count, "dropped": []}
     # ComfyUI has no diffusers-name map for Wan: a diffusers file applies nothing there
     assert check_file(tmp_path / "diffusers.safetensors", family)["ComfyUI"]["applied"] == 0

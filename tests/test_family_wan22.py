@@ -1,11 +1,14 @@
 """Wan 2.2 A14B on a tiny offline model (two tiny experts, boundary_ratio 0.875): a low-noise LoRA
 trains, the loss falls and its timesteps stay below the boundary, while the high-noise expert rests
 on the temp device (untouched, no adapter, streamed in only for samples, planned at nothing on the
-train device); with both experts trained each sample goes to the expert owning its timestep; each
-expert's saved file loads into its own transformer of diffusers' WanPipeline with no key dropped
+train device), and a high-noise one above it into its own file; with both experts trained each
+sample goes to the expert owning its timestep; each expert's saved file loads into its own
+transformer of diffusers' WanPipeline with no key dropped
 and equal outputs (comfy, kohya, diffusers layouts; ComfyUI's key map applies every module); a
 resumed two-expert run equals an uninterrupted one; the skip and keep-in-fp32 lists hold on both
-experts; the folder is told from a Wan 2.1 one before weights load."""
+experts; the folder is told from a Wan 2.1 one before weights load; both experts train on a clip
+and an image and a sample video is written; half of each expert parked trains the same
+adapters; fp8 and nf4 experts train; a full fine-tune of both saves folders diffusers loads."""
 
 from __future__ import annotations
 
@@ -289,3 +292,110 @@ def test_output_if_exists_looks_at_each_expert_file_the_run_writes(tmp_path, tin
     high_config = train_config(tiny_wan22, one_image, tmp_path, high)
     assert resolve_output(high_config.output_path, "refuse", tmp_path / "ws", False, warnings.append,
                           saved_suffixes(high_config)) == high_config.output_path
+
+
+def test_both_experts_train_on_a_clip_and_an_image_and_a_sample_video_is_written(tmp_path, tiny_wan22, one_image):
+    """A clip written by PyAV's encoder beside a still image: both experts' LoRAs train (each its
+    own file), the loss falls on the clip, and a sample prompt of 5 frames writes a 5-frame video
+    with its poster."""
+    import av
+    from test_video_data import write_clip
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_clip(clips / "walk.mp4", 9, fps=16)
+    (clips / "walk.txt").write_text("a square moving right")
+    config = train_config(tiny_wan22, clips, tmp_path, {
+        "model": {"family": "wan22"}, "data": {"resolution": 32},
+        "concepts": [{"path": str(clips), "video": {"frames": 5}}, {"path": str(one_image)}],
+        "adapter": {"layer_preset": "attn-mlp"}, "schedule": {"epochs": 12, "batch_size": 1}, "optimizer": {"lr": 2e-2},
+        "sampling": {"prompts": [{"prompt": "a square moving", "steps": 2, "cfg": 1.0, "width": 32, "height": 32,
+                                  "frames": 5}]},
+    })
+    trainer = GenericTrainer(config)
+    trainer.start()
+    clip = next(i for i, e in enumerate(trainer.dataset.entries) if e.clip is not None)
+    collate = trainer.dataset.collate
+    trainer.dataset.collate = lambda indices, device: collate([clip], device)  # fixed_loss reads the clip
+    try:
+        assert trainer.dataset.collate([0], trainer.device).latents.shape == (1, 16, 2, 8, 8)
+        before = fixed_loss(trainer, draws=8)
+    finally:
+        trainer.dataset.collate = collate
+    trainer.train()  # the first step's guard checks every adapter learned
+    assert trainer.family.trained_parts_not_run() == set()  # both experts were stepped
+    trainer.dataset.collate = lambda indices, device: collate([clip], device)
+    try:
+        after = fixed_loss(trainer, draws=8)
+    finally:
+        trainer.dataset.collate = collate
+    assert after < before * 0.8, (before, after)
+    (poster,) = trainer.sample()
+    with av.open(str(poster.with_suffix(".mp4"))) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 5
+    path = trainer.end()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["lora-high_noise.safetensors", "lora-low_noise.safetensors"]
+
+
+def test_offloading_half_of_each_expert_trains_the_same_adapters(fake_device, tmp_path, tiny_wan22, shape_images):
+    """Both experts trained, each with half its blocks parked (4 images: both experts are stepped)."""
+    from family_cross import offloaded_training_matches
+
+    trainer = offloaded_training_matches(tiny_wan22, shape_images, tmp_path, "wan22", "transformer_2", fake_device,
+                                         {"data": {"resolution": 32}}, also=("transformer",))
+    assert trainer.family.trained_parts_not_run() == set()
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_quantized_experts_initialize_and_step(tmp_path, tiny_wan22, one_image, mode):
+    """Both experts stored in `mode` (as the A14B preset stores them), both trained."""
+    from family_cross import initializes_and_steps
+
+    initializes_and_steps(tiny_wan22, one_image, tmp_path, "wan22", "transformer_2", mode, dora=mode == "float8",
+                          overlay={"model": {"parts": {"transformer": {"weight_dtype": mode}}}})
+
+
+def test_a_full_fine_tune_of_both_experts_saves_transformers_diffusers_loads(tmp_path, tiny_wan22, one_image):
+    """Each expert's trained weights in its own folder of the saved pipeline (model_index.json's
+    boundary_ratio copied as a setting, not a component), loaded by WanTransformer3DModel and
+    WanPipeline."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    config = train_config(tiny_wan22, one_image, tmp_path, {
+        "model": {"family": "wan22"}, "method": {"type": "fine_tune", "save_format": "diffusers"},
+        "optimizer": {"lr": 1e-3}, "schedule": {"epochs": 8, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()  # the first step reached one expert: the guard holds only that one to having learned
+    assert trainer.family.trained_parts_not_run() == set()  # by the end both have been stepped
+    trainer.end()
+    for expert in EXPERTS:
+        trained = {k: v.float() for k, v in trainer.family.parts[expert].state_dict().items()}
+        loaded = WanTransformer3DModel.from_pretrained(str(tmp_path / "out" / "lora" / expert)).state_dict()
+        original = WanTransformer3DModel.from_pretrained(str(tiny_wan22 / expert)).state_dict()
+        assert set(loaded) == set(trained), expert
+        assert all(torch.equal(loaded[k].float(), trained[k]) for k in trained), expert
+        assert any(not torch.equal(loaded[k], original[k]) for k in original), expert  # it trained
+    pipe = WanPipeline.from_pretrained(str(tmp_path / "out" / "lora"), local_files_only=True)
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+
+
+def test_a_high_noise_lora_trains_above_the_boundary_into_its_own_file(tmp_path, tiny_wan22, one_image):
+    """The other expert alone: every training timestep at or above the boundary, the low-noise
+    expert never run while training, one file `lora-high_noise.safetensors`."""
+    config = train_config(tiny_wan22, one_image, tmp_path, {
+        "model": {"family": "wan22", "parts": {"transformer_2": {"train": False}}},
+        "schedule": {"epochs": 4, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert trainer.family.denoiser_part == "transformer" and trainer.family.resting_parts() == ("transformer_2",)
+    seen, handles = _timesteps_seen(trainer.family)
+    try:
+        trainer.train()
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert trainer.step == 4 and seen["transformer_2"] == []
+    assert min(t.min().item() for t in seen["transformer"]) >= 875
+    path = trainer.end()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["lora-high_noise.safetensors"] == [path.name]

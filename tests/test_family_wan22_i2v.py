@@ -4,7 +4,7 @@ the loss falls while the high-noise expert rests; a sample from a control image 
 condition is WanImageToVideoPipeline's own and another first frame changes the prediction; each
 expert's file loads into its own transformer of WanImageToVideoPipeline with no key dropped and
 equal outputs (and through ComfyUI's key map); a resumed run equals an uninterrupted one; half the
-expert parked trains the same adapter; fp8 base weights train; the folder is told from Wan 2.1 I2V
+expert parked trains the same adapter; fp8 and nf4 base weights train; the folder is told from Wan 2.1 I2V
 and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning."""
 
 from __future__ import annotations
@@ -174,8 +174,9 @@ def test_offloading_half_the_low_noise_expert_trains_the_same_adapter(fake_devic
     offloaded_training_matches(tiny, one_image, tmp_path, "wan22_i2v", "transformer_2", fake_device, LOW_NOISE_ONLY)
 
 
-def test_fp8_base_weights_initialize_and_step(tmp_path, tiny, one_image):
-    initializes_and_steps(tiny, one_image, tmp_path, "wan22_i2v", "transformer_2", "float8", False, LOW_NOISE_ONLY)
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_quantized_base_weights_initialize_and_step(tmp_path, tiny, one_image, mode):
+    initializes_and_steps(tiny, one_image, tmp_path, "wan22_i2v", "transformer_2", mode, False, LOW_NOISE_ONLY)
 
 
 def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with_the_condition(

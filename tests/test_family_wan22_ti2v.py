@@ -5,7 +5,9 @@ timesteps WanPipeline and WanImageToVideoPipeline give it (`expand_timesteps`: o
 condition frame's 0); the latents are normalised as the pipelines normalise them; files load in
 `WanPipeline.load_lora_weights` with equal outputs and through ComfyUI's key map; the model class's
 skip and keep-in-fp32 lists hold; sample videos (from a prompt, and from a prompt image) are
-written at 24 fps; its folder is told apart from Wan 2.1's."""
+written at 24 fps; its folder is told apart from Wan 2.1's; a resumed run and one with half the
+transformer parked train the adapter of a plain run; fp8 and nf4 base weights train; a full
+fine-tune saves a folder diffusers loads."""
 
 from __future__ import annotations
 
@@ -16,7 +18,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import perturbed_adapters, prediction_with
+from family_cross import (
+    initializes_and_steps,
+    offloaded_training_matches,
+    perturbed_adapters,
+    prediction_with,
+    resumed_training_matches,
+)
 from test_video_data import write_clip
 
 from modules.adapters.formats.files import format_warnings, save_adapter_file
@@ -200,16 +208,17 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_ti2v, tmp_path,
     assert (ours - theirs).abs().max() < 1e-5
 
 
-def test_comfyui_applies_every_module_of_a_comfy_file(family, tmp_path):
+@pytest.mark.parametrize("fmt", ["comfy", "kohya"])  # kohya: musubi-tuner's names, which ComfyUI also maps
+def test_comfyui_applies_every_module_of_a_comfy_or_kohya_file(family, tmp_path, fmt):
     from modules.saving.consumers.check import check_file
 
     adapters = perturbed_adapters(family, ["transformer", "text_encoder"], layer_preset="all-linear")
     try:
-        save_adapter_file(tmp_path / "comfy.safetensors", adapters, family, "comfy", torch.float32, {})
+        save_adapter_file(tmp_path / f"{fmt}.safetensors", adapters, family, fmt, torch.float32, {})
         count = len(adapters)
     finally:
         adapters.unhook()
-    assert check_file(tmp_path / "comfy.safetensors", family)["ComfyUI"] == {"applied": count, "total": count,
+    assert check_file(tmp_path / f"{fmt}.safetensors", family)["ComfyUI"] == {"applied": count, "total": count,
                                                                              "dropped": []}
 
 
@@ -327,3 +336,41 @@ def test_a_clip_run_that_trains_image_to_video_in_part_plans(tmp_path, tiny_ti2v
         "model": {"family": "wan22_ti2v", "image_to_video": 0.5}, "data": {"resolution": 32},
         "concepts": [{"path": str(shape_images), "video": {"frames": 5}}]})
     assert plan_run(config, None, None, fix=False).as_dict()["device"]["peak"] > 0
+
+
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny_ti2v, clip_and_image):
+    """A clip and an image, half the clip's steps image-to-video: the backup holds the random state
+    that draws which."""
+    clips, images = clip_and_image
+    resumed_training_matches(tiny_ti2v, images, tmp_path, "wan22_ti2v", {
+        "model": {"image_to_video": 0.5}, "data": {"resolution": 32},
+        "concepts": [{"path": str(clips), "video": {"frames": 5}}, {"path": str(images)}]})
+
+
+def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny_ti2v, one_image):
+    offloaded_training_matches(tiny_ti2v, one_image, tmp_path, "wan22_ti2v", "transformer", fake_device)
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_quantized_base_weights_initialize_and_step(tmp_path, tiny_ti2v, one_image, mode):
+    initializes_and_steps(tiny_ti2v, one_image, tmp_path, "wan22_ti2v", "transformer", mode, dora=mode == "float8")
+
+
+def test_a_full_fine_tune_saves_a_pipeline_folder_diffusers_loads(tmp_path, tiny_ti2v, one_image):
+    """The trained transformer loads in WanTransformer3DModel, and the folder in WanPipeline with
+    model_index.json's expand_timesteps kept (a setting there, not a component to copy)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    config = train_config(tiny_ti2v, one_image, tmp_path, {
+        "model": {"family": "wan22_ti2v"}, "method": {"type": "fine_tune", "save_format": "diffusers"},
+        "optimizer": {"lr": 1e-3}, "schedule": {"max_steps": 2, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    trainer.end()
+    trained = {k: v.float() for k, v in trainer.family.transformer.state_dict().items()}
+    loaded = WanTransformer3DModel.from_pretrained(str(tmp_path / "out" / "lora" / "transformer")).state_dict()
+    original = WanTransformer3DModel.from_pretrained(str(tiny_ti2v / "transformer")).state_dict()
+    assert set(loaded) == set(trained) and all(torch.equal(loaded[k].float(), trained[k]) for k in trained)
+    assert any(not torch.equal(loaded[k], original[k]) for k in original)  # it trained
+    assert WanPipeline.from_pretrained(str(tmp_path / "out" / "lora"), local_files_only=True).config.expand_timesteps

@@ -5,14 +5,16 @@ and image embeddings are WanImageToVideoPipeline's own for the same first frame,
 the clip's latents; another first frame changes the prediction; the saved layouts load in
 `WanImageToVideoPipeline.load_lora_weights` with no key dropped and equal outputs, and through
 ComfyUI's key map; the model class's skip and keep-in-fp32 lists hold for the image layers; a
-sample prompt with an image writes a video, and one without is refused before the run."""
+sample prompt with an image writes a video, and one without is refused before the run; a resumed
+run and one with half the transformer parked train the adapter of a plain run; fp8 and nf4 base
+weights train."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import fixed_loss, train_config
-from family_cross import perturbed_adapters
+from family_cross import initializes_and_steps, offloaded_training_matches, perturbed_adapters, resumed_training_matches
 from sliding_clips import sliding_clip_concept
 from PIL import Image
 
@@ -159,7 +161,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny, tmp_path, fmt,
     theirs = _prediction(family, pipe.transformer, 0)
     assert (ours - plain).abs().max() > 1e-3
     assert (ours - theirs).abs().max() < 1e-5
-    if fmt == "comfy":  # ComfyUI's key map applies every module of the file (the Wan family's save check)
+    if fmt != "diffusers":  # ComfyUI's key map applies every module of the file (the Wan family's save check)
         from modules.saving.consumers.check import check_file
 
         report = check_file(path, family)["ComfyUI"]
@@ -270,3 +272,20 @@ def test_the_preflight_sizes_the_cache_with_the_first_frame_conditioning(family,
     prepare_dataset(config, family, torch.device("cpu"), folder, lambda _: None, cache_text=True)
     written = [-(-entry.stat().st_size // BLOCK) * BLOCK for entry in (folder / "latents").rglob("*.safetensors")]
     assert len(written) == 1 and estimate.cache_bytes == written[0] > 2 * BLOCK  # (its latents alone: two blocks)
+
+
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path, tiny, clips):
+    """A clip conditioned on its first frame and a still conditioned on itself, their conditions
+    read from the cache by both runs."""
+    resumed_training_matches(tiny, clips[0], tmp_path, "wan_i2v", {
+        "data": {"resolution": 16},
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}, {"path": str(clips[1].parent)}]})
+
+
+def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tmp_path, tiny, one_image):
+    offloaded_training_matches(tiny, one_image, tmp_path, "wan_i2v", "transformer", fake_device)
+
+
+@pytest.mark.parametrize("mode", ["float8", "nf4"])
+def test_quantized_base_weights_initialize_and_step(tmp_path, tiny, one_image, mode):
+    initializes_and_steps(tiny, one_image, tmp_path, "wan_i2v", "transformer", mode, dora=mode == "float8")

@@ -1,7 +1,8 @@
 """The preflight's video estimate on tiny clips: clips and windows counted as the dataset cuts
 them (a broken clip named as skipped), the decode time from timing the first windows, the latent
 cache size equal to what caching then writes, nothing new after a restart, and a run refused when
-the cache folder's disk cannot hold the new entries."""
+the cache folder's disk cannot hold the new entries; on each Wan 2.2 family the estimate is what
+caching writes."""
 
 from __future__ import annotations
 
@@ -79,3 +80,31 @@ def test_the_estimate_counts_times_and_sizes_the_video_cache_and_refuses_a_full_
 
     again = estimate_video_cache(config, WanFamily(config))  # a restart: every window is cached
     assert (again.cached, again.frames, again.decode_seconds, again.cache_bytes) == (3, 0, None, 0)
+
+
+@pytest.mark.parametrize("family_name, overlay", [("wan22", {}), ("wan22_i2v", {}),
+                                                  ("wan22_ti2v", {"image_to_video": 0.5})])
+def test_the_cache_estimate_is_what_caching_writes_for_each_wan_22_family(tmp_path, tiny_family_model, family_name,
+                                                                          overlay):
+    """Two experts (one cache for both), the I2V condition beside the latents, the TI2V 5B's own
+    VAE (48 channels, 16x smaller frames): the estimate is the bytes the cache then holds."""
+    import torch
+
+    from modules.config.families import get_family_class
+    from modules.data.dataset import prepare_dataset
+    from modules.trainer.video_preflight import BLOCK, cache_folder, estimate_video_cache
+
+    clips = tmp_path / "clips"
+    clips.mkdir()
+    write_clip(clips / "walk.mp4", 13, fps=8)  # two windows of 5
+    (clips / "walk.txt").write_text("a square moving")
+    config = train_config(tiny_family_model(family_name), clips, tmp_path, {
+        "model": {"family": family_name, **overlay}, "data": {"resolution": 32},
+        "concepts": [{"path": str(clips), "video": {"frames": 5, "clip_windows": "several"}}]})
+    family = get_family_class(family_name)(config)
+    estimate = estimate_video_cache(config, family)
+    family.load()
+    folder = cache_folder(config)[0]
+    prepare_dataset(config, family, torch.device("cpu"), folder, lambda _: None, cache_text=True)
+    written = [-(-entry.stat().st_size // BLOCK) * BLOCK for entry in (folder / "latents").rglob("*.safetensors")]
+    assert len(written) == 2 and estimate.cache_bytes == sum(written)

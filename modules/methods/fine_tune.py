@@ -113,6 +113,10 @@ class FineTuneMethod(TrainingMethod):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.named)
 
+    def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        not_run = self.family.trained_parts_not_run()  # an expert no sample reached yet has no gradient
+        return [(n, p) for n, p in self.named if n.split(".", 1)[0] not in not_run]
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         # a sharded weight whole (every rank gathers it together): backups are a single process's
         return {name: full_value(parameter.detach()) for name, parameter in self.named}

@@ -105,8 +105,11 @@ def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype:
             index_name = next((n for n in ("model_index.json", "modular_model_index.json") if (source / n).is_file()),
                               "model_index.json")
             index = json.loads((source / index_name).read_text(encoding="utf-8"))
-            for name in index:  # tokenizers, scheduler, and the pipeline's model_index.json itself
-                if not name.startswith("_") and name not in written and index[name] and index[name][0]:
+            for name, entry in index.items():  # tokenizers, scheduler, and the pipeline's model_index.json itself
+                # a component is [library, class] ([null, null]: absent); the pipeline's own settings,
+                # such as Wan 2.2's boundary_ratio or expand_timesteps, are plain values
+                if (not name.startswith("_") and name not in written and isinstance(entry, list) and entry
+                        and entry[0]):
                     _copy(family.support_folder(name), temp / name)
             _copy(source / index_name, temp / index_name)
             (temp / "difftrainer.json").write_text(json.dumps(metadata, indent=2), encoding="utf-8")
