@@ -14,5 +14,8 @@ DECLARATION = replace(
     label="Qwen-Image-Edit-Plus (2509/2511)",
     # QwenImageEditPlusPipeline takes any number; Qwen's model cards name 1 to 3 as what it was trained on
     control_images=3,
+    # its presets are planned for two references per sample (a subject and a garment, a person and a
+    # scene: what the multi-image models are trained for), each a VL encoder's picture and latents
+    planned_control_images=2,
     implementation="modules.model.qwen_image_edit_plus:QwenImageEditPlusFamily",
 )
