@@ -81,6 +81,14 @@ def _write_part(module, folder: Path, dtype: torch.dtype) -> None:
     save_file(state, str(folder / name), metadata={"format": "pt"})
 
 
+def _component(entry) -> bool:
+    """A model index entry that names a component folder: [library, class] with a library (an empty
+    slot is [null, null]; a modular index adds the component's spec as a third item); the pipeline's
+    own settings (Krea-2's `patch_size: 2`, `text_encoder_select_layers: [2, 5, ...]`) are no folders."""
+    return (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str) and bool(entry[0])
+            and isinstance(entry[1], str))
+
+
 def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype: torch.dtype,
                           metadata: dict[str, str]) -> Path:
     """The base pipeline with the trained parts replaced, at `folder` (assembled beside it, then
@@ -105,8 +113,8 @@ def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype:
             index_name = next((n for n in ("model_index.json", "modular_model_index.json") if (source / n).is_file()),
                               "model_index.json")
             index = json.loads((source / index_name).read_text(encoding="utf-8"))
-            for name in index:  # tokenizers, scheduler, and the pipeline's model_index.json itself
-                if not name.startswith("_") and name not in written and index[name] and index[name][0]:
+            for name, entry in index.items():  # tokenizers, scheduler, and the pipeline's model_index.json itself
+                if not name.startswith("_") and name not in written and _component(entry):
                     _copy(family.support_folder(name), temp / name)
             _copy(source / index_name, temp / index_name)
             (temp / "difftrainer.json").write_text(json.dumps(metadata, indent=2), encoding="utf-8")
