@@ -131,9 +131,12 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
     assert trainer.backup().is_dir()
     saved = trainer.end()
     if saved.is_dir():  # a fine-tune of a family without a single-file writer saves a pipeline folder
-        from diffusers import DiffusionPipeline
+        from diffusers import DiffusionPipeline, ModularPipeline
 
-        DiffusionPipeline.from_pretrained(str(saved), local_files_only=True)  # loads whole, or raises
+        if (saved / "modular_model_index.json").is_file():  # a modular pipeline's folder (Anima's)
+            ModularPipeline.from_pretrained(str(saved)).load_components()  # loads whole, or raises
+        else:
+            DiffusionPipeline.from_pretrained(str(saved), local_files_only=True)  # loads whole, or raises
         return
     assert saved.is_file()
 
