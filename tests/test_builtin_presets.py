@@ -130,10 +130,17 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
             assert np.asarray(image).std() > 0, f"{path.name} is one flat colour (a NaN decode)"
     assert trainer.backup().is_dir()
     saved = trainer.end()
+    # Qwen-Image-Edit's Qwen2VLProcessor and FIBO-2's Qwen3VLProcessor need torchvision (not installed here);
+    # their LoRA loaders and their pipelines' other components do not
+    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus",
+                                                             "fibo2") else {}
     if saved.is_dir():  # a fine-tune of a family without a single-file writer saves a pipeline folder
-        from diffusers import DiffusionPipeline
+        from diffusers import DiffusionPipeline, ModularPipeline
 
-        DiffusionPipeline.from_pretrained(str(saved), local_files_only=True)  # loads whole, or raises
+        if (saved / "modular_model_index.json").is_file():  # a modular pipeline's folder (Anima's)
+            ModularPipeline.from_pretrained(str(saved)).load_components()  # loads whole, or raises
+        else:
+            DiffusionPipeline.from_pretrained(str(saved), local_files_only=True, **without)  # loads whole, or raises
         return
     assert saved.is_file()
 
@@ -171,10 +178,6 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         return
     from diffusers import DiffusionPipeline
 
-    # Qwen-Image-Edit's Qwen2VLProcessor and FIBO-2's Qwen3VLProcessor need torchvision (not installed here);
-    # their LoRA loaders do not
-    without = {"processor": None} if config.model.family in ("qwen_image_edit", "qwen_image_edit_plus",
-                                                             "fibo2") else {}
     pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
     for (suffix, _), path in zip(file_sets, final):
         pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}", **trainer.family.diffusers_load_options(suffix))

@@ -104,6 +104,45 @@ def test_a_user_preset_shadows_a_builtin_of_the_same_name(tmp_path):
     assert config.seed == 5 and config.data.resolution == 512  # the user's preset, not the built-in
 
 
+@pytest.fixture
+def _unwarned(monkeypatch):
+    """Each test sees the renamed presets' first use (the warning is once per process)."""
+    from modules.config import preset_aliases
+
+    monkeypatch.setattr(preset_aliases, "_warned", set())
+
+
+def test_every_renamed_preset_names_a_builtin_and_no_old_name_is_one():
+    from modules.config.preset_aliases import RENAMED_PRESETS
+
+    builtins = {p.name for p in list_presets() if p.builtin}
+    assert set(RENAMED_PRESETS.values()) <= builtins
+    assert not set(RENAMED_PRESETS) & builtins  # an old name still on disk would never reach its alias
+
+
+def test_an_old_preset_name_loads_the_renamed_one_and_warns_once(_unwarned):
+    import warnings
+
+    with pytest.warns(FutureWarning, match="'Flux embedding 24GB'"):
+        preset = find_preset("flux EMBEDDING")  # matched case-insensitively, as names are
+    assert preset.builtin and preset.name == "Flux embedding 24GB"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second use does not warn again
+        assert load_preset_overlay("Flux embedding") == load_preset_overlay("Flux embedding 24GB")
+
+
+def test_a_user_preset_with_an_old_name_shadows_the_alias(tmp_path, _unwarned):
+    import warnings
+
+    folder = tmp_path / "home" / "presets"
+    folder.mkdir(parents=True)
+    write_json(folder / "Flux embedding.json", {"version": 1, "model": {"family": "sd15"}, "seed": 5})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        preset = find_preset("Flux embedding")
+    assert preset.builtin is False and preset.path == folder / "Flux embedding.json"
+
+
 def test_an_unknown_preset_names_the_known_ones():
     with pytest.raises(ConfigError) as caught:
         find_preset("no such preset")

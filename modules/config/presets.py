@@ -15,6 +15,7 @@ from pathlib import Path
 
 from modules.config.errors import ConfigError
 from modules.config.loading import config_overlay, read_json_file
+from modules.config.preset_aliases import renamed_preset
 from modules.config.train_config import TrainConfig
 from modules.util.atomic import write_text
 
@@ -81,9 +82,12 @@ def check_preset_name(name: str) -> None:
 
 
 def find_preset(name: str) -> PresetInfo:
-    """User presets shadow built-ins of the same name; names match case-insensitively."""
+    """User presets shadow built-ins of the same name; names match case-insensitively. The old name
+    of a renamed built-in (a user preset of that name aside) finds it under its new name, with a warning."""
     check_preset_name(name)
     matches = [p for p in list_presets() if p.name.lower() == name.lower()]
+    if not matches and (new := renamed_preset(name)):
+        matches = [p for p in list_presets() if p.name == new and p.builtin]
     if not matches:
         known = ", ".join(sorted({p.name for p in list_presets()}))
         raise ConfigError([f"preset {name!r} not found (known: {known})"])

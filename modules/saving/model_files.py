@@ -81,6 +81,14 @@ def _write_part(module, folder: Path, dtype: torch.dtype) -> None:
     save_file(state, str(folder / name), metadata={"format": "pt"})
 
 
+def _component(entry) -> bool:
+    """A model index entry that names a component folder: [library, class] with a library (an empty
+    slot is [null, null]; a modular index adds the component's spec as a third item); the pipeline's
+    own settings (Krea-2's `patch_size: 2`, `text_encoder_select_layers: [2, 5, ...]`) are no folders."""
+    return (isinstance(entry, list) and len(entry) in (2, 3) and isinstance(entry[0], str) and bool(entry[0])
+            and isinstance(entry[1], str))
+
+
 def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype: torch.dtype,
                           metadata: dict[str, str]) -> Path:
     """The base pipeline with the trained parts replaced, at `folder` (assembled beside it, then
@@ -106,10 +114,7 @@ def write_pipeline_folder(folder: Path, family, trained_parts: list[str], dtype:
                               "model_index.json")
             index = json.loads((source / index_name).read_text(encoding="utf-8"))
             for name, entry in index.items():  # tokenizers, scheduler, and the pipeline's model_index.json itself
-                # a component is [library, class] ([null, null]: absent); the pipeline's own settings,
-                # such as Wan 2.2's boundary_ratio or expand_timesteps, are plain values
-                if (not name.startswith("_") and name not in written and isinstance(entry, list) and entry
-                        and entry[0]):
+                if not name.startswith("_") and name not in written and _component(entry):
                     _copy(family.support_folder(name), temp / name)
             _copy(source / index_name, temp / index_name)
             (temp / "difftrainer.json").write_text(json.dumps(metadata, indent=2), encoding="utf-8")
