@@ -97,9 +97,10 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         if part in checkpointed:
             checkpoint_blocks_(family.checkpoint_blocks(part), TEMP if activation_offloading.get(part) else None)
     family.parts[denoiser].train()
-    live = LiveBytes(TRAIN)
+    # on meta, LiveBytes runs each op through the cache itself (so the cache is no mode of its own here)
+    live = LiveBytes(TRAIN, None if fake else mode.run)
     held = []
-    with mode:
+    with mode if fake else contextlib.nullcontext():
         if adapter_set_builder is not None and any(kind == "adapter" for kind in trained.values()):
             adapters = adapter_set_builder([p for p, kind in trained.items() if kind == "adapter"], TRAIN)
             held += list(adapters.parameters())

@@ -18,8 +18,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # argument types whose value is the whole of what a kernel reads from them
-_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
-_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)  # (not subclasses that dispatch ops their own way)
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
+_TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # (not subclasses that dispatch ops their own way)
 _UNCACHED = object()  # the note of a key whose outputs are not all new storages
 
 
@@ -28,15 +28,20 @@ class _Uncacheable(Exception):
 
 
 class MetaOpCache(TorchDispatchMode):
+    """As a mode, every op under it; `run` is the same for a caller that dispatches ops itself (the
+    pass's LiveBytes calls it directly: one Python mode less per op)."""
+
     def __init__(self):
         super().__init__()
         self._notes: dict[tuple, object] = {}
         self.hits = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        return self.run(func, args, kwargs or {})
+
+    def run(self, func, args, kwargs):
         try:
-            key = (func, _key(args), _key(kwargs))
+            key = (func, _key(args), tuple(kwargs), _key(kwargs.values()))
         except _Uncacheable:
             return func(*args, **kwargs)
         note = self._notes.get(key)
@@ -50,18 +55,24 @@ class MetaOpCache(TorchDispatchMode):
         return _replica(note)
 
 
-def _key(value):
-    if type(value) in _PLAIN:
-        return type(value), value
-    if isinstance(value, torch.Tensor):
-        if type(value) not in _TENSOR_TYPES or value.device.type != "meta" or value.layout != torch.strided:
+def _key(values) -> tuple:
+    """What the kernel reads from these arguments (a call's positional ones, or its keywords'
+    values); _Uncacheable where that is not known from the metadata alone."""
+    key = []
+    for value in values:
+        kind = type(value)
+        if kind in _TENSOR_TYPES:
+            if not value.is_meta or value.layout is not torch.strided:
+                raise _Uncacheable
+            key.append((value.shape, value.stride(), value.dtype, value.storage_offset(), value.is_conj(),
+                        value.is_neg()))
+        elif kind in _PLAIN:
+            key.append((kind, value))
+        elif kind is tuple or kind is list:
+            key.append((kind, _key(value)))
+        else:
             raise _Uncacheable
-        return value.shape, value.stride(), value.dtype, value.storage_offset(), value.is_conj(), value.is_neg()
-    if isinstance(value, (tuple, list)):
-        return type(value), tuple(_key(v) for v in value)
-    if isinstance(value, dict):
-        return tuple((k, _key(v)) for k, v in value.items())
-    raise _Uncacheable
+    return tuple(key)
 
 
 def _note(out, args, kwargs):
