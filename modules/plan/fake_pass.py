@@ -8,8 +8,8 @@ adapters (or, in a fine-tune, the part's weights requiring grad). Where activati
 sends a part's block inputs to the temp device (`cpu`, where no meta tensor can go), the parts
 are made fake copies instead (FakeTensorMode: tensors without data on any device). Under that
 mode the same meta kernels compute each op's output, so both passes count the same storages
-(tests/test_plan_meta_pass.py); the fake mode's bookkeeping only makes the pass slower (a FLUX.1
-step at 512 px: 28 s instead of about 2). Then the family's own `predict` runs on latents from its
+(tests/test_plan_meta_pass.py); the fake mode's bookkeeping only makes the pass slower (the
+step of `Flux LoRA 24GB`, 1024 px: 15 s of CPU instead of 3). Then the family's own `predict` runs on latents from its
 own `encode_images` and the conditioning its `planning_conditioning` describes, the loss is MSE,
 and backward runs, while LiveBytes counts every new storage on the train device (here `meta`, so
 what activation offloading sends to the temp device, `cpu`, is not counted) and the FLOPs.
