@@ -210,7 +210,7 @@ class Planner:
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
         if key not in self._steps:
             unused, self._unused = self._unused, None
-            # the pass changes its parts (hooks, emptied tensors): the architecture the sizes came from, once, else a fresh one
+            # the pass changes its parts (hooks, emptied tensors): the sizes' architecture, once, else a fresh one
             planned = unused[1] if unused and unused[0] == tuple(sorted(modes.items())) else \
                 self._architecture(config, modes)
             family = planned.family
