@@ -1,7 +1,7 @@
 """The built-in presets' plans (modules/plan/, on each family's released architecture), kept in
 resources/preset_plans.json, and README's preset table rendered from them: never written by hand.
 
-  python -m tools.preset_plans --write     plan every built-in preset (about 20 min of CPU), rewrite
+  python -m tools.preset_plans --write     plan every built-in preset (about 8 min on a busy 2-core box), rewrite
                                            the JSON and README's block; prints each plan as it goes
   python -m tools.preset_plans --render    rewrite README's block from the JSON
   python -m tools.preset_plans --preset P  plan only these presets (repeatable; with --write, the

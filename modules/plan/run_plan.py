@@ -201,7 +201,7 @@ class Planner:
                 }
             self._sizes[key] = {"parts": sizes, "family": family, "config": planned.config,
                                 "released": planned.released}
-            self._unused = (tuple(sorted(modes.items())), planned)  # the first step may make this one fake
+            self._unused = (tuple(sorted(modes.items())), planned)  # the first step may use (and change) this one
         return self._sizes[key]
 
     def step(self, config: TrainConfig, modes: dict[str, str], trained: dict[str, str]):
@@ -222,7 +222,7 @@ class Planner:
                config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
         if key not in self._steps:
             unused, self._unused = self._unused, None
-            # the pass makes its parts fake: the architecture the sizes were read from, once, else a fresh one
+            # the pass changes its parts (hooks, emptied tensors): the sizes' architecture, once, else a fresh one
             planned = unused[1] if unused and unused[0] == tuple(sorted(modes.items())) else \
                 self._architecture(config, modes)
             family = planned.family

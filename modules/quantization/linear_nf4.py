@@ -91,6 +91,10 @@ class LinearNf4(QuantizedLinear):
         from bitsandbytes.functional import QuantState, dequantize_4bit
 
         device = torch.device(device)
+        if device.type == "meta" and self.weight.device.type == "meta":
+            # a layer of the planner's meta architecture holds no codes: its weight is only a shape
+            # (what dequantizing elsewhere and moving the result here would leave on meta)
+            return torch.empty((self.out_features, self.in_features), dtype=dtype, device=device)
         # dequantize where the result goes when bitsandbytes runs there (moving 4-bit codes is
         # cheaper than moving the dense weight), else where the storage is, else on the CPU
         if device.type in _BNB_DEVICE_TYPES:
