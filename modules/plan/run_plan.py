@@ -13,7 +13,8 @@ Per part (docs/memory-and-offload.md, "Planning"):
 - offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
 The device peak is the sum. Host: during the load the final model (the streamed load) but the
 quantized layers an accelerator stores as they load, during training a resting part's bytes and
-the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas). Transfers: each parked block comes over in the forward and again in the
+the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune's with their
+optimizer state. Transfers: each parked block comes over in the forward and again in the
 backward (and a fine-tuned block's weights and state go home again); seconds per step from the
 FLOPs and the host link of a named GPU class (gpu_classes.py), marked estimated.
 """
@@ -258,7 +259,7 @@ class Planner:
         fused = bool(getattr(config.method, "fused_backward", False))
         resting = set(family.resting_parts())  # only sampling runs them: on the host while training
         fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
-        parts, parked_total, transfer, host_parked_tensors, loaded_on_host = {}, 0, 0, [], 0
+        parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
         for name, size in sized["parts"].items():
             part_config = config.model.parts[name]
             kind = trained.get(name)
@@ -284,6 +285,8 @@ class Planner:
                 device["optimizer_state"] = int(state * state_share)
                 device["gradients"] = size["largest_parameter_bytes"] if fused else size["parameter_bytes"]
                 window_factor = 1.0 + (state / size["bytes"] if size["bytes"] else 0.0)
+                # the parked blocks' state waits on the host with them (offload/trained_tensors.py)
+                parked_state += int(state * (parked_bytes / size["bytes"] if size["bytes"] else 0.0))
                 device["offload_window"] = int(in_flight * window_factor)
                 transfer += 2 * parked_bytes * window_factor  # in for the forward; in and home for the backward
             else:
@@ -309,9 +312,11 @@ class Planner:
         pinned = plan_arenas(host_parked_tensors).pinned_bytes if host_parked_tensors else 0
         gpu = gpu_class(gpu_class_name)
         resting_bytes = sum(sized["parts"][name]["bytes"] for name in resting if name in sized["parts"])
-        # a resting part waits on the host as it is; the parked blocks, in pinned arenas where the device pins
+        # a resting part waits on the host as it is; the parked blocks in pinned arenas where the device
+        # pins, a fine-tune's with their optimizer state
         host = {"load_peak": loaded_on_host,
-                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned), "pinned": pinned}
+                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state,
+                "pinned": pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
         plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops)
