@@ -64,7 +64,8 @@ def cases(modes: list[str], methods: list[str], offloads: list[float] = (0.0, 0.
                 yield method, mode, offload
 
 
-def case_config(model: Path, images: Path, work: Path, size: str, method: str, mode: str, offload: float):
+def case_config(model: Path, images: Path, work: Path, size: str, method: str, mode: str, offload: float,
+                device: str = "fakegpu"):
     from modules.config.loading import build_config
 
     return build_config([{
@@ -72,7 +73,7 @@ def case_config(model: Path, images: Path, work: Path, size: str, method: str, m
         "model": {"base": str(model), "parts": {"unet": {"weight_dtype": mode, "offload_fraction": offload,
                                                           "gradient_checkpointing": True}}},
         "concepts": [{"path": str(images)}], "data": {"resolution": RESOLUTION[size]},
-        "schedule": {"epochs": 1, "batch_size": 2, "max_steps": 2}, "train_device": "fakegpu",
+        "schedule": {"epochs": 1, "batch_size": 2, "max_steps": 2}, "train_device": device,
         "workspace_dir": str(work / "ws"), "output": {"path": str(work / "out.safetensors")},
         "tensorboard": False, "sampling": {"prompts": []}}, METHODS[method]])
 
@@ -159,14 +160,15 @@ def measure_in_fresh_process(spec: dict) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def planned_host(model: Path, images: Path, work: Path, size: str, method: str, mode: str, offload: float) -> dict:
+def planned_host(model: Path, images: Path, work: Path, size: str, method: str, mode: str, offload: float,
+                 device: str = "fakegpu") -> dict:
     sys.path.insert(0, str(REPO / "tests"))
     from fake_device import enable_fake_device
 
     from modules.plan.run_plan import plan_run
 
     enable_fake_device()
-    return plan_run(case_config(model, images, work, size, method, mode, offload), None, None).host
+    return plan_run(case_config(model, images, work, size, method, mode, offload, device), None, None).host
 
 
 def main(argv: list[str] | None = None) -> int:
