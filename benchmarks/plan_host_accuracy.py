@@ -13,7 +13,10 @@ What is measured, on Linux (/proc/self/status; modules/util/memory.py):
 - load: the peak resident size (VmHWM) when the parts go to the train device, over the baseline;
 - training: the resident size after step 2 (collected and trimmed: glibc keeps freed activations'
   heap pages resident, which is the allocator's cache, not what the run needs), over the baseline.
-The fake device's memory is host memory here: its allocated bytes at each reading are taken off.
+The fake device's memory is host memory here: its allocated bytes at each reading are taken off,
+and from the move to the device on its tensors are mmaps of their own (freed activations would
+leave the heap fragmented by tens of MB; on CUDA they are in the device's allocator). A warm-up
+run of the same case on the tiny model first puts the run's lazy imports in the baseline.
 Not measured: what glibc keeps cached beyond the trim, and CUDA's pinned-allocator slack.
 Prints one row per case: planned, measured, planned/measured for the load and for training.
 """
@@ -36,8 +39,8 @@ METHODS = {
     "fine-tune": {"method": {"type": "fine_tune", "fused_backward": True}},
 }
 # the host figures do not depend on the resolution (activations sit on the device): each model at the
-# lowest its step stays cheap at. `wide`: few blocks of many channels, ~110 MB in bfloat16 (half of it
-# the text encoder's token embedding), a step of little compute: the most bytes per second of run
+# lowest its step stays cheap at. `wide`: few blocks of many channels, 258 MB in float32 (143 MB in
+# bfloat16, nearly all UNet), a step of little compute: the most bytes per second of run
 WIDE = dict(unet=dict(sample_size=16, block_out_channels=(256, 512), layers_per_block=1,
                       transformer_layers_per_block=2, cross_attention_dim=512, attention_head_dim=8),
             text=dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
