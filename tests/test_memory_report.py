@@ -67,6 +67,8 @@ def test_fake_device_reports_its_peak_once_after_step_two(fake_device, tiny_mode
     # above what it holds now (the step's activations and gradients are gone after the step)
     assert measured["device_peak_allocated"] >= torch.fakegpu.memory_allocated()
     assert measured["host_peak_rss"] >= measured["host_rss"] > trained_bytes
+    # the baseline the plan's host figures grow from: the resident size as the load began
+    assert 0 < measured["host_rss_before_load"] < measured["host_peak_rss"]
     # beside the plan preflight made before loading: within the planner's 10%
     planned = report["planned"]
     assert abs(planned["device_peak"] / measured["device_peak_allocated"] - 1) <= 0.10
@@ -113,6 +115,8 @@ def test_console_prints_one_line():
 
 
 @pytest.mark.parametrize("measured, line", [
+    ({"device": "cpu", "host_peak_rss": 3 * 2**30, "host_rss_before_load": 2**30},
+     "host peak 3.00 GiB resident, 2.00 GiB over the start of the load"),
     ({"device": "cpu", "device_peak_allocated": None, "host_peak_rss": 2**30}, "host peak 1.00 GiB resident"),
     ({"device": "cpu"}, "not measurable here"),
 ])

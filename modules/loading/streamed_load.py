@@ -37,9 +37,12 @@ from modules.quantization.replace import (
 )
 from modules.quantization.skip_rules import keeps_float32
 from modules.quantization.weight_modes import DENSE_DTYPES, LayerOptions
-from modules.util.memory import freed_memory_returned_to_os
+from modules.util.memory import freed_memory_returned_to_os, return_freed_heap
 
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input")
+# bytes read between two heap trims: what glibc keeps of the freed read buffers stays under a few
+# percent of a part's bytes (without trims, 25% of it: plan_host_accuracy), at a few ms a trim
+_TRIM_EVERY = 16 << 20
 _MARKER = "scaled_fp8"
 
 
@@ -185,6 +188,7 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
         report.quantized = targets
     ignore = [re.compile(p) for p in (ignore_unexpected or [])]
     unexpected, mismatched, seen = [], [], set()
+    read_since_trim = 0
     if sources is None:
         sources = (_open(path, where) for path in checkpoint_files(folder, where))
     for source in sources:
@@ -219,7 +223,11 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
             else:
                 dense_value = _dequantize_scaled(*value) if isinstance(value, tuple) else value
                 _assign(model, key, dense_value.to(_target_dtype(model, key, dense_value.dtype, dense)))
+            read_since_trim += codes.numel() * codes.element_size()
             del value, codes
+            if read_since_trim >= _TRIM_EVERY:
+                return_freed_heap()
+                read_since_trim = 0
         del source
     _tie_weights(model, expected, seen)
     _refuse_mismatch(model, where, folder, sorted(set(expected) - seen), unexpected, mismatched)

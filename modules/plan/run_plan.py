@@ -11,9 +11,10 @@ Per part (docs/memory-and-offload.md, "Planning"):
   per parameter (optim/state_size.py); a fine-tune's parked blocks park their state with them;
 - activations: the most the training step holds beyond those (fake_pass.py), on the denoiser;
 - offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
-The device peak is the sum. Host: during the load about the final model (the streamed load),
-during training the parked bytes (pinned arenas on CUDA: pinned_arenas.plan_arenas) and the
-offloaded activations. Transfers: each parked block comes over in the forward and again in the
+The device peak is the sum. Host: during the load the final model (the streamed load) but the
+quantized layers an accelerator stores as they load, during training a resting part's bytes and
+the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune's with their
+optimizer state. Transfers: each parked block comes over in the forward and again in the
 backward (and a fine-tuned block's weights and state go home again); seconds per step from the
 FLOPs and the host link of a named GPU class (gpu_classes.py), marked estimated.
 """
@@ -28,6 +29,7 @@ from modules.config.train_config import TrainConfig
 from modules.offload.layer_tensors import block_bytes, layer_tensors, tensor_bytes
 from modules.offload.schedule import bytes_in_flight, choose_parked
 from modules.plan.gpu_classes import gpu_class, step_seconds
+from modules.quantization.base import QuantizedLinear
 
 # device types whose scaled_dot_product_attention runs a fused kernel (no L x L scores held):
 # CUDA's flash / memory-efficient ones (the trainer pins them, trainer/sdpa.py) and the CPU's flash
@@ -142,6 +144,14 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     return plan
 
 
+def host_bytes_at_load(config: TrainConfig, size: dict, fraction: float) -> int:
+    """What of a part the streamed load puts in host memory: all of it, but for an accelerator train
+    device the quantized layers of a part that parks nothing, which are quantized and stored on the
+    device as they load (the trainer's weight_modes.quantize_device, part_loading.quantized_home)."""
+    on_device = train_device_type(config) not in ("cpu", "meta") and fraction == 0
+    return size["bytes"] - (size["quantized_bytes"] if on_device else 0)
+
+
 class Planner:
     """Plans of one model and its variations (the fixes' search re-plans through it): the meta
     architecture is built once per set of weight modes, the fake step once per set of what shapes
@@ -195,6 +205,7 @@ class Planner:
                     "blocks": [block_bytes(b) for b in family.checkpoint_blocks(name)],
                     "block_tensors": [[tensor_bytes(t.get()) for t in layer_tensors(b)]
                                       for b in family.checkpoint_blocks(name)],
+                    "quantized_bytes": sum(block_bytes(m) for m in module.modules() if isinstance(m, QuantizedLinear)),
                     "parameters": sum(p.numel() for p in floating),
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in floating),
                     "largest_parameter_bytes": max((p.numel() * p.element_size() for p in floating), default=0),
@@ -261,11 +272,12 @@ class Planner:
         fused = bool(getattr(config.method, "fused_backward", False))
         resting = set(family.resting_parts())  # only sampling runs them: on the host while training
         fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
-        parts, parked_total, transfer, host_parked_tensors = {}, 0, 0, []
+        parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
         for name, size in sized["parts"].items():
             part_config = config.model.parts[name]
             kind = trained.get(name)
             fraction = 1.0 if name in resting else fractions[name]
+            loaded_on_host += host_bytes_at_load(config, size, fractions[name])
             blocks = size["blocks"]
             window = 1 + part_config.offload_prefetch
             parked = choose_parked(blocks, fraction, window) if fraction > 0 and blocks else []
@@ -286,6 +298,8 @@ class Planner:
                 device["optimizer_state"] = int(state * state_share)
                 device["gradients"] = size["largest_parameter_bytes"] if fused else size["parameter_bytes"]
                 window_factor = 1.0 + (state / size["bytes"] if size["bytes"] else 0.0)
+                # the parked blocks' state waits on the host with them (offload/trained_tensors.py)
+                parked_state += int(state * (parked_bytes / size["bytes"] if size["bytes"] else 0.0))
                 device["offload_window"] = int(in_flight * window_factor)
                 transfer += 2 * parked_bytes * window_factor  # in for the forward; in and home for the backward
             else:
@@ -308,10 +322,14 @@ class Planner:
                                    bool(part_config.train), device, parked_bytes, len(blocks), len(parked))
         from modules.offload.pinned_arenas import plan_arenas
 
-        total_bytes = sum(size["bytes"] for size in sized["parts"].values())
         pinned = plan_arenas(host_parked_tensors).pinned_bytes if host_parked_tensors else 0
         gpu = gpu_class(gpu_class_name)
-        host = {"load_peak": total_bytes, "train_peak": max(parked_total, pinned), "pinned": pinned}
+        resting_bytes = sum(sized["parts"][name]["bytes"] for name in resting if name in sized["parts"])
+        # a resting part waits on the host as it is; the parked blocks in pinned arenas where the device
+        # pins, a fine-tune's with their optimizer state
+        host = {"load_peak": loaded_on_host,
+                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state,
+                "pinned": pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
         plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops)

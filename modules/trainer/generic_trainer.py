@@ -53,6 +53,7 @@ from modules.trainer.sdpa import with_pinned_sdpa
 from modules.trainer.sample_now import sample_requested
 from modules.trainer.sharding import clip_grad_norm_ as sharded_clip_grad_norm_
 from modules.trainer.sharding import reshard_, shard_parts_
+from modules.util.memory import process_memory
 from modules.util.sharded_tensors import is_sharded
 from modules.trainer.timed_actions import TimedAction
 from modules.trainer.training_state import check_resume_early, load_resume_state, restore_training_state
@@ -93,6 +94,7 @@ class GenericTrainer:
         self.batches: BatchPrefetcher | None = None  # the dataset's batches, assembled ahead on a thread
         self.inbox: CommandInbox | None = None  # commands from files in the workspace (command_inbox.py)
         self.plan: dict | None = None  # the run's plan (modules/plan/), where preflight or an auto made one
+        self.rss_before_load: int | None = None  # resident bytes as the load began (the memory event's baseline)
 
     # --- start -------------------------------------------------------------------------------
 
@@ -119,6 +121,7 @@ class GenericTrainer:
         if config.backup.resume:
             check_resume_early(self)
         self.callbacks.on_status("loading model")
+        self.rss_before_load = process_memory().get("rss")  # the plan's host figures are growth over this
         if self.ranks.main:
             write_text(self.workspace / "config.json", config.model_dump_json(indent=2))
         torch.manual_seed(config.seed)

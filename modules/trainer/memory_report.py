@@ -7,9 +7,12 @@ type (`torch.cuda`, or the tests' `torch.fakegpu`): `max_memory_allocated`, and
 `max_memory_reserved` where the module has it (CUDA's caching allocator; the fake device has
 none). Those peaks are reset when training starts, so they are the training's, not the load's
 (loading quantizes on the device and frees as it goes). The host's figure is the process's peak
-resident memory (VmHWM, load included) and its resident memory now. On the CPU there is no
-device figure: the host's is the whole story. Where the run was planned before loading (preflight's
-fit check, or an `auto` resolved through the plan), the planned peaks go beside the measured ones.
+resident memory (VmHWM, load included), its resident memory now, and what it was as the model
+load began (`host_rss_before_load`: the interpreter, torch and the libraries; the plan's host
+figures are growth over it, so peak minus it is what to read beside them). On the CPU there is no
+device figure: the host's is the whole story (and holds the "device" memory too). Where the run
+was planned before loading (preflight's fit check, or an `auto` resolved through the plan), the
+planned peaks go beside the measured ones.
 
 Torch-free at import: the GUI and the console format the event with `describe_memory`.
 """
@@ -43,9 +46,9 @@ def reset_device_peaks(device: torch.device) -> None:
         module.reset_peak_memory_stats(device)
 
 
-def measured_memory(device: torch.device) -> dict:
+def measured_memory(device: torch.device, rss_before_load: int | None = None) -> dict:
     """{"device": name, "device_peak_allocated", "device_peak_reserved", "host_peak_rss",
-    "host_rss"}: bytes, None where this machine cannot say."""
+    "host_rss", "host_rss_before_load"}: bytes, None where this machine cannot say."""
     module = device_module(device)
     allocated = reserved = None
     if module is not None:
@@ -54,7 +57,7 @@ def measured_memory(device: torch.device) -> dict:
             reserved = int(module.max_memory_reserved(device))
     host = process_memory()
     return {"device": str(device), "device_peak_allocated": allocated, "device_peak_reserved": reserved,
-            "host_peak_rss": host.get("peak_rss"), "host_rss": host.get("rss")}
+            "host_peak_rss": host.get("peak_rss"), "host_rss": host.get("rss"), "host_rss_before_load": rss_before_load}
 
 
 class MemoryReport:
@@ -76,7 +79,8 @@ class MemoryReport:
         if not self.due() or not self.trainer.ranks.main:
             return
         self.reported = True
-        report = {"step": self.trainer.step, "measured": measured_memory(self.trainer.device)}
+        report = {"step": self.trainer.step,
+                  "measured": measured_memory(self.trainer.device, getattr(self.trainer, "rss_before_load", None))}
         plan = getattr(self.trainer, "plan", None)
         if plan:  # beside what the plan said before loading (modules/plan/), where one was made
             report["planned"] = {"device_peak": plan["device"]["peak"], "host_train_peak": plan["host"]["train_peak"],
@@ -86,7 +90,7 @@ class MemoryReport:
 
 def describe_memory(report: dict) -> str:
     """One line: "memory after step 2: fakegpu peak 1.20 GiB allocated (planned 1.10 GiB); host
-    peak 3.40 GiB resident"."""
+    peak 3.40 GiB resident, 2.10 GiB over the start of the load (planned 2.00 GiB loading, ...)"."""
     measured, planned = report.get("measured") or {}, report.get("planned") or {}
     parts = []
     if measured.get("device_peak_allocated") is not None:
@@ -98,6 +102,8 @@ def describe_memory(report: dict) -> str:
         parts.append(text)
     if measured.get("host_peak_rss") is not None:
         text = f"host peak {_gib(measured['host_peak_rss'])} resident"
+        if measured.get("host_rss_before_load") is not None:
+            text += f", {_gib(measured['host_peak_rss'] - measured['host_rss_before_load'])} over the start of the load"
         if planned.get("host_train_peak") is not None:
             text += f" (planned {_gib(planned['host_train_peak'])} training"
             if planned.get("host_load_peak") is not None:
