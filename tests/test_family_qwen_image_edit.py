@@ -328,7 +328,7 @@ def test_every_kohya_and_comfy_stem_is_one_comfyui_maps(edit):
 
 def test_edit_presets_are_listed_and_valid():
     names = sorted(p.name for p in list_presets() if p.family == "qwen_image_edit")
-    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB"]
+    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB", "Qwen-Image-Edit full fine-tune 12GB"]
     for name in names:
         config = build_config([load_preset_overlay(name)])
         assert config.model.family == "qwen_image_edit"
