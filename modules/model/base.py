@@ -263,6 +263,15 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         encode_text on each tiny model."""
         raise NotImplementedError(f"{self.label} does not say what its text conditioning looks like")
 
+    def planning_tokens(self, batch: int, device: torch.device) -> dict[str, torch.Tensor] | None:
+        """What tokenize returns for `batch` captions, as ids of its keys, shapes and dtypes on
+        `device`, from the parts' configs alone (no tokenizer): what the planner runs encode_text on
+        where the text encoders run in the training step (an embedding, a trained encoder, varying
+        captions). None: this family's encode_text cannot run on shapes alone (it selects tokens by
+        their mask); the plan then feeds planning_conditioning and says the encoders are not counted.
+        tests/test_plan_conditioning.py checks it against tokenize on each tiny model."""
+        return None
+
     def planning_conditioning_with_controls(self, batch: int, device: torch.device, controls: int,
                                             width: int, height: int) -> dict[str, torch.Tensor]:
         """planning_conditioning for samples that carry `controls` control images at width x height: what
@@ -277,6 +286,11 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
             return self.max_sequence_length
         except AttributeError:  # no tokenizer: planning a model folder without one
             return released
+
+    @staticmethod
+    def planning_ids(batch: int, length: int, device: torch.device) -> torch.Tensor:
+        """Token ids (all 0: a real token of every vocabulary) of `batch` captions padded to `length`."""
+        return torch.zeros(batch, length, dtype=torch.long, device=device)
 
     def latent_geometry(self) -> tuple[int, int] | None:
         """(latent channels, pixels per latent cell along a side) of the image part, from its config

@@ -132,6 +132,11 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
         hidden = encoder(tokens["input_ids"].to(encoder.device), attention_mask=mask, output_hidden_states=False)[0]
         return {"hidden_states": hidden, "attention_mask": mask}
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(512)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(512)
         return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.d_model,

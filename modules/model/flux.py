@@ -23,6 +23,7 @@ from modules.config.families.flux import DECLARATION
 from modules.model.base import ModelFamily
 from modules.model.components.clip import (
     clip_encoder_layers,
+    clip_window,
     ldm_clip_single_file,
     load_clip_text_encoder,
     load_clip_tokenizer,
@@ -212,6 +213,11 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
         pooled = clip(tokens["input_ids"].to(clip.device), output_hidden_states=False).pooler_output
         hidden = t5(tokens["input_ids_2"].to(t5.device), output_hidden_states=False)[0]
         return {"pooled": pooled, "hidden_states": hidden}
+
+    def planning_tokens(self, batch, device):
+        clip = clip_window(getattr(self, "tokenizer", None), self.parts["text_encoder"])
+        return {"input_ids": self.planning_ids(batch, clip, device),
+                "input_ids_2": self.planning_ids(batch, self.planning_length(512), device)}
 
     def planning_conditioning(self, batch, device):
         clip, t5 = self.parts["text_encoder"], self.parts["text_encoder_2"]

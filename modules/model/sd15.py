@@ -88,6 +88,10 @@ class SD15Family(DDPMTraining, ModelFamily):
         hidden = text_encoder(tokens["input_ids"].to(text_encoder.device))[0]
         return {"hidden_states": hidden}
 
+    def planning_tokens(self, batch, device):
+        window = clip_window(getattr(self, "tokenizer", None), self.parts["text_encoder"])
+        return {"input_ids": self.planning_ids(batch, window, device)}
+
     def planning_conditioning(self, batch, device):
         encoder = self.parts["text_encoder"]
         window = clip_window(getattr(self, "tokenizer", None), encoder)

@@ -160,6 +160,13 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         return {"hidden_states": torch.cat([clip_hidden, t5_hidden.to(clip_hidden.device)], dim=-2),
                 "pooled": torch.cat([out_l.text_embeds, out_g.text_embeds.to(out_l.text_embeds.dtype)], dim=-1)}
 
+    def planning_tokens(self, batch, device):
+        clip_l, clip_g, _t5 = (self.parts[p] for p in self.text_parts)
+        return {"input_ids": self.planning_ids(batch, clip_window(getattr(self, "tokenizer", None), clip_l), device),
+                "input_ids_2": self.planning_ids(batch, clip_window(getattr(self, "tokenizer_2", None), clip_g),
+                                                 device),
+                "input_ids_3": self.planning_ids(batch, self.planning_length(T5_MAX_LENGTH), device)}
+
     def planning_conditioning(self, batch, device):
         clip_l, clip_g, t5 = (self.parts[p] for p in self.text_parts)
         window = clip_window(getattr(self, "tokenizer", None), clip_l)

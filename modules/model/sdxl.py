@@ -96,6 +96,12 @@ class SDXLFamily(SD15Family):
                            dim=-1)
         return {"hidden_states": hidden, "pooled": out_2.text_embeds}
 
+    def planning_tokens(self, batch, device):
+        first, second = self.parts["text_encoder"], self.parts["text_encoder_2"]
+        return {"input_ids": self.planning_ids(batch, clip_window(getattr(self, "tokenizer", None), first), device),
+                "input_ids_2": self.planning_ids(batch, clip_window(getattr(self, "tokenizer_2", None), second),
+                                                 device)}
+
     def planning_conditioning(self, batch, device):
         first, second = self.parts["text_encoder"], self.parts["text_encoder_2"]
         window = clip_window(getattr(self, "tokenizer", None), first)

@@ -19,8 +19,11 @@ what activation offloading sends to the temp device, `cpu`, is not counted) and 
 Gradients of trained tensors are dropped as they arrive (the planner counts them itself: all of
 them, or one block's with a fused backward).
 
-Text encoders run only where they train (with the text cache, a frozen encoder is not in the step);
-a trained text encoder's activations are not measured here (its tokens need its tokenizer).
+Where the text encoders run inside the step (run_plan.text_in_step: an embedding, a trained encoder,
+captions that vary; the text cache stands in for them otherwise), the pass runs the family's own
+`encode_text` on the ids its `planning_tokens` describes (no tokenizer), with each trained
+embedding's new vectors looked up by the method's own hook (AddedTokenRows), so gradients flow
+back through the frozen encoder and its activations are kept for the backward, as in training.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ TEMP = torch.device("cpu")
 class StepFigures:
     activations: int  # the most bytes the step held on the train device beyond weights and trained tensors
     flops: int  # forward + backward (+ recomputation) of the step
+    text_counted: bool = False  # the text encoders ran in the pass (else planning_conditioning stood in)
 
 
 def planned_frames(config, family) -> int:
@@ -91,27 +95,35 @@ def _to_train_device(module: torch.nn.Module, mode: TorchDispatchMode) -> None:
 def measure_step(family, config, trained: dict[str, str], batch: int, resolution: int,
                  checkpointing: dict[str, bool], activation_offloading: dict[str, bool],
                  adapter_set_builder=None, fused_attention: bool = True, controls: int = 0,
-                 fake: bool | None = None) -> StepFigures:
-    """trained: part -> "adapter" or "weights" for the parts the step trains. fused_attention: the
-    train device runs attention in a fused kernel (CUDA's flash / memory-efficient, the CPU's flash
+                 fake: bool | None = None, text_in_step: bool = False,
+                 embedding_rows: dict[str, int] | None = None) -> StepFigures:
+    """trained: part -> "adapter", "weights" or "embedding" for the parts the step trains. fused_attention:
+    the train device runs attention in a fused kernel (CUDA's flash / memory-efficient, the CPU's flash
     kernel), so the pass does too; else torch's math path, as on devices without one. controls: the
     control images each sample carries (an edit model's: controls.planned_controls). fake: run on
-    fake tensors (None: only where activation offloading sends tensors to the temp device)."""
+    fake tensors (None: only where activation offloading sends tensors to the temp device).
+    text_in_step: the text encoders run in the step (no text cache); embedding_rows: text part -> the
+    trained embeddings' new vectors its token table looks up."""
     from modules.util.torch_utils import make_generator
 
     denoiser = family.denoiser_part
-    checkpointed = [part for part in {denoiser, *trained} if checkpointing.get(part) and family.checkpoint_blocks(part)]
+    # (a text encoder that sees the controls encodes each caption with them: those can only be cached)
+    tokens = family.planning_tokens(batch, TRAIN) if text_in_step and not (
+        controls and family.text_sees_controls) else None
+    runs = {denoiser, *trained, *(family.text_parts if tokens is not None else ())}
+    checkpointed = [part for part in runs if checkpointing.get(part) and family.checkpoint_blocks(part)]
     if fake is None:
         fake = any(activation_offloading.get(part) for part in checkpointed)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else MetaOpCache()
     latents, pixel_conditioning = image_latents(family, batch, resolution, mode, planned_frames(config, family))
     if controls:  # a batch input, as the pixel conditioning is: handed to the denoiser with the text
         pixel_conditioning["control_latents"] = control_latents(family, batch, controls, resolution, mode)
-    for part in {denoiser, *trained}:
+    for part in runs:
         _to_train_device(family.parts[part], mode)
         if part in checkpointed:
             checkpoint_blocks_(family.checkpoint_blocks(part), TEMP if activation_offloading.get(part) else None)
-    family.parts[denoiser].train()
+        # as the trainer: what trains in train mode (an embedding's encoder too: T5's dropout), the rest as loaded
+        family.parts[part].train(part == denoiser or part in trained)
     # on meta, LiveBytes runs each op through the cache itself (so the cache is no mode of its own here)
     live = LiveBytes(TRAIN, None if fake else mode.run)
     held = []
@@ -125,22 +137,44 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
                     if parameter.is_floating_point():
                         parameter.requires_grad_(True)
                         parameter.register_post_accumulate_grad_hook(_drop_grad)
+        hooks = _embedding_hooks(family, (embedding_rows or {}) if tokens is not None else {}, held)
         for module in family.parts.values():
             live.known([*module.parameters(), *module.buffers()])
         live.known(held)
-        live.known([latents, *pixel_conditioning.values()])
+        live.known([latents, *pixel_conditioning.values(), *(tokens or {}).values()])
         generator = make_generator("cpu", 0)
-        with live, efficient_attention() if fused_attention else contextlib.nullcontext():
-            step_latents = latents.clone()
-            text = {**family.planning_conditioning_with_controls(batch, TRAIN, controls, resolution, resolution),
-                    **pixel_conditioning}
-            if not trained:  # nothing trains: still a backward to the input, as a guard would see
-                step_latents.requires_grad_(True)
-            prediction = family.predict(step_latents, text, generator)
-            loss = F.mse_loss(prediction.prediction.float(), prediction.target.float())
-            loss.backward()
-            del loss, prediction, text, step_latents
-    return StepFigures(activations=live.peak, flops=int(live.flops))
+        try:
+            with live, efficient_attention() if fused_attention else contextlib.nullcontext():
+                step_latents = latents.clone()
+                planned = family.planning_conditioning_with_controls(batch, TRAIN, controls, resolution, resolution)
+                encoded = planned if tokens is None else {  # (None in planned: every token real, no mask to select by)
+                    **family.encode_text(tokens), **{k: v for k, v in planned.items() if v is None}}
+                text = {**encoded, **pixel_conditioning}
+                if not held and "weights" not in trained.values():  # nothing trains: still a backward to the
+                    # input, as a guard would see (an embedding whose encoder is not run trains nothing here)
+                    step_latents.requires_grad_(True)
+                prediction = family.predict(step_latents, text, generator)
+                loss = F.mse_loss(prediction.prediction.float(), prediction.target.float())
+                loss.backward()
+                del loss, prediction, text, encoded, planned, step_latents
+        finally:
+            for hook in hooks:
+                hook.remove()
+    return StepFigures(activations=live.peak, flops=int(live.flops), text_counted=tokens is not None)
+
+
+def _embedding_hooks(family, rows: dict[str, int], held: list) -> list:
+    """The embedding method's own lookup of new token vectors (float32, as it makes them) on each text
+    part's token table; every planned id is a new token's (the lookup's tensors are a caption's either way)."""
+    from modules.model.components.embedding_tokens import AddedTokenRows, token_embedding
+
+    hooks = []
+    for part, count in rows.items():
+        table = token_embedding(family.parts[part])
+        vectors = torch.zeros(count, table.embedding_dim, dtype=torch.float32, device=TRAIN, requires_grad=True)
+        held.append(vectors)
+        hooks.append(AddedTokenRows(table, 0, [vectors], mark_seen=False))
+    return hooks
 
 
 def _drop_grad(parameter: torch.Tensor) -> None:

@@ -9,7 +9,8 @@ Per part (docs/memory-and-offload.md, "Planning"):
   the largest single weight's: each is stepped and freed as its gradient completes);
   optimizer_state: the trained parameters times what one step of the configured optimizer keeps
   per parameter (optim/state_size.py); a fine-tune's parked blocks park their state with them;
-- activations: the most the training step holds beyond those (fake_pass.py), on the denoiser;
+- activations: the most the training step holds beyond those (fake_pass.py), on the denoiser; the
+  text encoders are in that step wherever the text cannot be cached (text_in_step);
 - offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
 The device peak is the sum. Host: during the load the final model (the streamed load) but the
 quantized layers an accelerator stores as they load, during training a resting part's bytes and
@@ -98,16 +99,35 @@ def largest_resolution(config: TrainConfig) -> int:
 
 
 def trained_kinds(config: TrainConfig, family) -> dict[str, str]:
-    """part -> "adapter" or "weights" for what the step trains."""
+    """part -> "adapter", "weights" or "embedding" (new token vectors in its table: the method's or a
+    companion's trained embeddings) for what the step trains."""
     from modules.adapters.layer_selection import trained_parts
 
     traits = METHODS.traits(config.method.type)
     if traits.trains_model_weights:
-        return {name: "weights" for name, part in config.model.parts.items()
-                if part.train and family.spec(name).adapter_prefix}
-    if config.method.type == "embedding":
-        return {}
-    return dict.fromkeys(trained_parts(config, family), "adapter")
+        kinds = {name: "weights" for name, part in config.model.parts.items()
+                 if part.train and family.spec(name).adapter_prefix}
+    elif config.method.type == "embedding":
+        kinds = {}
+    else:
+        kinds = dict.fromkeys(trained_parts(config, family), "adapter")
+    for part in embedding_rows(config, family):
+        kinds.setdefault(part, "embedding")
+    return kinds
+
+
+def embedding_rows(config: TrainConfig, family) -> dict[str, int]:
+    """Text part -> the new token vectors the trained embeddings add to its table (each slot's)."""
+    rows = sum(e.vectors for e in config.embeddings if e.train)
+    return dict.fromkeys(family.embedding_slots, rows) if rows else {}
+
+
+def text_in_step(config: TrainConfig, family) -> bool:
+    """The text encoders run inside each training step: the trainer's text cache is off (a text
+    encoder trains, an embedding changes what a caption encodes to, or the captions vary)."""
+    from modules.data.dataset import caches_text
+
+    return not caches_text(config, family)
 
 
 def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None = None,
@@ -175,9 +195,13 @@ class Planner:
         return self._controls[key]
 
     def step_parts(self, config: TrainConfig) -> set[str]:
-        """The parts the training step runs: the denoiser and what trains."""
-        sized = self.sizes(config, self.weight_modes(config))
-        return {sized["family"].denoiser_part, *trained_kinds(config, sized["family"])}
+        """The parts the training step runs: the denoiser, what trains, the text encoders where the text is not cached."""
+        import torch
+
+        family = self.sizes(config, self.weight_modes(config))["family"]
+        counted = text_in_step(config, family) and family.planning_tokens(1, torch.device("meta")) is not None
+        text = family.text_parts if counted else ()
+        return {family.denoiser_part, *trained_kinds(config, family), *text}
 
     def weight_modes(self, config: TrainConfig) -> dict[str, str]:
         from modules.plan.auto import planned_weight_modes
@@ -230,7 +254,9 @@ class Planner:
         key = (computes, controls, tuple(sorted(trained.items())), config.schedule.batch_size, train_device_type(config),
                largest_resolution(config), tuple(c.video.frames for c in config.concepts if c.enabled),
                tuple(sorted((n, p.gradient_checkpointing is True, p.activation_offloading) for n, p in parts.items())),
-               config.adapter.model_dump_json() if hasattr(config, "adapter") else None)
+               config.adapter.model_dump_json() if hasattr(config, "adapter") else None,
+               text_in_step(config, self.sizes(config, modes)["family"]),
+               tuple(sorted(embedding_rows(config, self.sizes(config, modes)["family"]).items())))
         if key not in self._steps:
             unused, self._unused = self._unused, None
             # the pass changes its parts (hooks, emptied tensors): the sizes' architecture, once, else a fresh one
@@ -248,7 +274,8 @@ class Planner:
                                    {n: p.gradient_checkpointing is True for n, p in parts.items()},
                                    {n: p.activation_offloading for n, p in parts.items()}, build,
                                    fused_attention=train_device_type(config) in FUSED_ATTENTION_DEVICES,
-                                   controls=controls)
+                                   controls=controls, text_in_step=text_in_step(config, family),
+                                   embedding_rows=embedding_rows(config, family))
             adapter_bytes: dict[str, int] = {}
             adapter_params: dict[str, int] = {}
             for built in adapters:
@@ -256,6 +283,13 @@ class Planner:
                     params = built.parameters(part)
                     adapter_params[part] = sum(p.numel() for p in params)
                     adapter_bytes[part] = sum(p.numel() * p.element_size() for p in params)
+            if figures.text_counted:  # the new vectors (float32, as the embedding method makes them)
+                from modules.model.components.embedding_tokens import token_embedding
+
+                for part, rows in embedding_rows(config, family).items():
+                    count = rows * token_embedding(family.parts[part]).embedding_dim
+                    adapter_params[part] = adapter_params.get(part, 0) + count
+                    adapter_bytes[part] = adapter_bytes.get(part, 0) + 4 * count
             self._steps[key] = (figures, adapter_params, adapter_bytes)
         return self._steps[key]
 
@@ -305,14 +339,17 @@ class Planner:
             else:
                 device["weights"] = resident
                 device["offload_window"] = in_flight
-                if kind == "adapter":
+                if kind in ("adapter", "embedding"):
                     device["trained"] = adapter_bytes.get(name, 0)
                     device["gradients"] = adapter_bytes.get(name, 0)
                     device["optimizer_state"] = int(state_per_parameter * adapter_params.get(name, 0))
                 # a part the step runs brings its parked blocks over in the forward and again for the
-                # backward (a frozen text encoder is not in the step: the text cache stands in for it)
+                # backward; a text encoder in the step that nothing flows back through, in the forward only
+                # (with the text cache a frozen encoder is not in the step: the cache stands in for it)
                 if name in {family.denoiser_part, *trained}:
                     transfer += 2 * parked_bytes
+                elif figures.text_counted and name in family.text_parts:
+                    transfer += parked_bytes
             if name == family.denoiser_part:
                 device["activations"] = figures.activations
             parked_total += parked_bytes
@@ -354,7 +391,12 @@ class Planner:
                 plan.notes.append("the text encoder sees the control images too: their image tokens lengthen the "
                                   "conditioning the denoiser reads; the encoder itself is not in the step (its "
                                   "encodings of each caption with its controls are cached)")
-        if any(kind != "adapter" and name in family.text_parts for name, kind in trained.items()) or any(
-                name in family.text_parts for name in trained):
-            plan.notes.append("a trained text encoder's activations are not counted (its tokens need its tokenizer)")
+        if text_in_step(config, family):
+            plan.notes.append(f"the text encoders ({', '.join(family.text_parts)}) run in every step (the text is not "
+                              "cached: " + ("an embedding changes what a caption encodes to" if config.embeddings else
+                                            "a text encoder trains" if any(config.model.parts[p].train
+                                                                           for p in family.text_parts)
+                                            else "the captions vary") + ")" + (
+                "" if figures.text_counted else "; their activations are not counted: the family's text encoding "
+                "cannot run on shapes alone (planning_tokens)"))
         return plan

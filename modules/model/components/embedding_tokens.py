@@ -90,8 +90,9 @@ class AddedTokenRows:
     All vectors take part in every forward, so each gets a gradient (zero when its placeholder is
     not in the batch) rather than none."""
 
-    def __init__(self, embedding: nn.Embedding, first_id: int, vectors: list[torch.Tensor]):
-        self.embedding, self.first_id, self.vectors = embedding, first_id, vectors
+    def __init__(self, embedding: nn.Embedding, first_id: int, vectors: list[torch.Tensor], mark_seen: bool = True):
+        # mark_seen False: the planner's pass on tensors without data (the marking selects by a mask)
+        self.embedding, self.first_id, self.vectors, self.mark_seen = embedding, first_id, vectors, mark_seen
         self.rows = sum(v.shape[0] for v in vectors)
         self._ids: list[torch.Tensor] = []
         # which new rows a forward has looked up (marked on the device: no sync per forward)
@@ -110,7 +111,8 @@ class AddedTokenRows:
     def _after(self, _module, _args, output: torch.Tensor) -> torch.Tensor:
         ids = self._ids.pop()
         added = self._added(ids)
-        self.seen[(ids[added] - self.first_id).to(self.seen.device)] = True
+        if self.mark_seen:
+            self.seen[(ids[added] - self.first_id).to(self.seen.device)] = True
         table = torch.cat([v.to(device=output.device, dtype=output.dtype) for v in self.vectors])
         rows = nn.functional.embedding((ids - self.first_id).clamp(0, self.rows - 1), table)
         return torch.where(added.unsqueeze(-1), rows, output)

@@ -1,0 +1,81 @@
+"""Where the text cannot be cached (an embedding, a trained text encoder), the text encoders run in
+every training step, and the plan runs them in its step (modules/plan/fake_pass.py): forward on
+the ids `planning_tokens` describes, backward into the new token vectors or the encoder's adapters.
+
+Against the peak a real run reaches on the fake device (as tests/test_plan_accuracy.py takes it):
+within 10% for an SD1.5 embedding run, an SD1.5 text-encoder LoRA run and a Chroma (T5) embedding
+run. The guard: the plan's error is less than half of what the encoders add to the plan (the
+plan of the same config with the encoders left out of its step), so a plan that leaves them out
+again fails here even where the tiny encoders are a small share of the step."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from conftest import train_config
+from modules.config.families import family_names, get_family_class
+from modules.config.loading import build_config
+from modules.trainer.callbacks import TrainCallbacks
+from modules.trainer.generic_trainer import GenericTrainer
+
+PLACEHOLDER = "<tok>"
+EMBEDDING = {"method": {"type": "embedding"}, "embeddings": [{"placeholder": PLACEHOLDER, "vectors": 2}]}
+TEXT_LORA = {"model": {"parts": {"text_encoder": {"train": True}}}}
+CASES = {"sd15-embedding": ("sd15", EMBEDDING), "sd15-text-encoder-lora": ("sd15", TEXT_LORA),
+         "chroma-embedding": ("chroma", EMBEDDING)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planned_peak_counts_the_text_encoders_in_the_step(case, fake_device, tmp_path, tiny_family_model,
+                                                          shape_images, monkeypatch):
+    from modules.plan import run_plan
+
+    family, overlay = CASES[case]
+    config = train_config(tiny_family_model(family), shape_images, tmp_path, overlay, {
+        "model": {"family": family}, "train_device": str(fake_device),
+        "concepts": [{"path": str(shape_images), "captions": {"prefix": f"{PLACEHOLDER} "}}],
+        "schedule": {"epochs": 1, "batch_size": 2, "max_steps": 2}})
+    plan = run_plan.plan_run(config, None, None)
+    assert any("run in every step" in note for note in plan.notes) and \
+        not any("not counted" in note for note in plan.notes)
+    planned = plan.device_peak
+    with monkeypatch.context() as patch:  # the step as planned before: the text cache standing in
+        patch.setattr(run_plan, "text_in_step", lambda config, family: False)
+        encoders = abs(planned - run_plan.plan_run(config, None, None).device_peak)
+    memory = torch.fakegpu
+    gc.collect()
+    memory.reset_peak_memory_stats()
+    before = memory.memory_allocated()
+    trainer = GenericTrainer(config, TrainCallbacks())
+    trainer.start()
+    trainer.train()
+    measured = memory.max_memory_allocated() - before
+    trainer.release()
+    assert trainer.step == 2
+    assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"
+    assert abs(planned - measured) < encoders / 2, (
+        f"planned {planned} bytes, measured {measured}: off by more than half of the text encoders' "
+        f"{encoders} bytes in the step")
+
+
+def _declares_tokens(name: str) -> bool:
+    from modules.model.base import ModelFamily
+
+    return get_family_class(name).planning_tokens is not ModelFamily.planning_tokens
+
+
+TOKEN_FAMILIES = [name for name in family_names() if _declares_tokens(name)]
+
+
+@pytest.mark.parametrize("family_name", TOKEN_FAMILIES)
+def test_planning_tokens_are_what_tokenize_gives(tiny_family_model, family_name):
+    config = build_config([{"model": {"family": family_name, "base": str(tiny_family_model(family_name))}}])
+    family = get_family_class(family_name)(config)
+    family.load()
+    tokens = family.tokenize(["a red square", "a much longer caption about a blue circle"])
+    planned = family.planning_tokens(2, torch.device("meta"))
+    assert {k: (tuple(v.shape), v.dtype) for k, v in planned.items()} == \
+        {k: (tuple(v.shape), v.dtype) for k, v in tokens.items()}
