@@ -267,6 +267,11 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
         stacked = torch.stack([output.hidden_states[k] for k in self.out_layers], dim=2)  # (B, L, 3, D)
         return {"hidden_states": stacked.flatten(2)}
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(MAX_SEQUENCE_LENGTH)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         width = self.parts["text_encoder"].config.hidden_size * len(self.out_layers)
         return {"hidden_states": torch.empty(batch, self.planning_length(MAX_SEQUENCE_LENGTH), width,

@@ -104,6 +104,11 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
         # padded to a fixed length so captions batch and cache; the mask picks the real tokens
         return {"hidden_states": hidden, "attention_mask": mask}
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(512)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(512)
         return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.hidden_size,
