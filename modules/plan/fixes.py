@@ -44,7 +44,9 @@ def candidates(config, planner, sizes: dict, family) -> list[list[str]]:
         for fraction in FRACTIONS:
             if current == "auto" or fraction > current:
                 out.append(_offload_lines(config, part, fraction))
-    in_step = [n for n in with_blocks if n == family.denoiser_part or parts[n].train]
+    # (the text encoders too where the text is not cached: they run in every step, Planner.step_parts)
+    step_parts = planner.step_parts(config)
+    in_step = [n for n in with_blocks if n == family.denoiser_part or parts[n].train or n in step_parts]
     for part in in_step:
         if parts[part].gradient_checkpointing is not True:
             line = f"model.parts.{part}.gradient_checkpointing=true"
