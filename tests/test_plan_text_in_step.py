@@ -79,3 +79,14 @@ def test_planning_tokens_are_what_tokenize_gives(tiny_family_model, family_name)
     planned = family.planning_tokens(2, torch.device("meta"))
     assert {k: (tuple(v.shape), v.dtype) for k, v in planned.items()} == \
         {k: (tuple(v.shape), v.dtype) for k, v in tokens.items()}
+
+
+def test_a_checkpointed_chat_encoder_recomputes_in_the_step(tiny_family_model, tmp_path, shape_images):
+    """Z-Image's Qwen3 with its blocks checkpointed: the backward recomputes each layer, which
+    must not append to a KV cache a second time (encode_text asks for none)."""
+    from modules.plan.run_plan import plan_run
+
+    config = train_config(tiny_family_model("z_image"), shape_images, tmp_path, EMBEDDING, {
+        "model": {"family": "z_image", "parts": {"text_encoder": {"gradient_checkpointing": True}}}})
+    plan = plan_run(config, None, None)
+    assert plan.parts["text_encoder"].gradient_checkpointing and plan.device_peak > 0

@@ -173,7 +173,9 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
         mask = tokens["attention_mask"].to(encoder.device)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask).last_hidden_state
+        # (no KV cache: a checkpointed layer recomputed in the backward would append to it a second time)
+        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
+                         use_cache=False).last_hidden_state
         # as QwenImagePipeline._get_qwen_prompt_embeds: the real tokens past the template's first 34, at
         # the front, zero-padded (here to a fixed length, so captions batch and cache)
         length = self.max_sequence_length

@@ -99,8 +99,9 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
         mask = tokens["attention_mask"].to(encoder.device)
+        # (no KV cache: a checkpointed layer recomputed in the backward would append to it a second time)
         hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask.bool(),
-                         output_hidden_states=True).hidden_states[-2]
+                         output_hidden_states=True, use_cache=False).hidden_states[-2]
         # padded to a fixed length so captions batch and cache; the mask picks the real tokens
         return {"hidden_states": hidden, "attention_mask": mask}
 
