@@ -112,8 +112,9 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         controls and family.text_sees_controls) else None
     runs = {denoiser, *trained, *(family.text_parts if tokens is not None else ())}
     checkpointed = [part for part in runs if checkpointing.get(part) and family.checkpoint_blocks(part)]
-    if fake is None:
-        fake = any(activation_offloading.get(part) for part in checkpointed)
+    if fake is None:  # (and where a text encoder runs: transformers' mask helpers read a value, `mask.all()`,
+        # which a meta tensor cannot give and a fake one answers)
+        fake = any(activation_offloading.get(part) for part in checkpointed) or tokens is not None
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else MetaOpCache()
     latents, pixel_conditioning = image_latents(family, batch, resolution, mode, planned_frames(config, family))
     if controls:  # a batch input, as the pixel conditioning is: handed to the denoiser with the text
