@@ -177,15 +177,18 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
         hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
                          use_cache=False).last_hidden_state
         # as QwenImagePipeline._get_qwen_prompt_embeds: the real tokens past the template's first 34, at
-        # the front, zero-padded (here to a fixed length, so captions batch and cache)
-        length = self.max_sequence_length
-        kept = [h[m.bool()][TEMPLATE_TOKENS_DROPPED:][:length] for h, m in zip(hidden, mask)]
-        embeds = hidden.new_zeros(hidden.shape[0], length, hidden.shape[-1])
-        kept_mask = torch.zeros(hidden.shape[0], length, dtype=torch.long, device=hidden.device)
-        for i, states in enumerate(kept):
-            embeds[i, :len(states)] = states
-            kept_mask[i, :len(states)] = 1
+        # the front, zero-padded (here to a fixed length, so captions batch and cache). tokenize pads on
+        # the right to the drop plus max_sequence_length, so each caption's real tokens past the drop are
+        # already at the front: a slice and the mask select them (no selection by value: the planner
+        # runs this on tensors without data)
+        kept_mask = mask[:, TEMPLATE_TOKENS_DROPPED:].contiguous()
+        embeds = torch.where(kept_mask.bool().unsqueeze(-1), hidden[:, TEMPLATE_TOKENS_DROPPED:], 0)
         return {"hidden_states": embeds, "attention_mask": kept_mask}
+
+    def planning_tokens(self, batch, device):
+        length = TEMPLATE_TOKENS_DROPPED + self.planning_length(MAX_TEXT_TOKENS)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
 
     def planning_conditioning(self, batch, device):
         length = self.planning_length(MAX_TEXT_TOKENS)

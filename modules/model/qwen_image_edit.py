@@ -216,6 +216,9 @@ class QwenImageEditFamily(QwenImageFamily):
             kept_mask[i, :len(states)] = 1
         return {"hidden_states": embeds, "attention_mask": kept_mask}
 
+    def planning_tokens(self, batch, device):
+        return None  # its encoder reads each caption with its control images: those encodings are cached
+
     def planning_conditioning(self, batch, device):
         return self.planning_conditioning_with_controls(batch, device, 0, 0, 0)
 
