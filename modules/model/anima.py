@@ -208,7 +208,8 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         encoder, conditioner = self.parts["text_encoder"], self.parts["text_conditioner"]
         mask = tokens["attention_mask"].to(encoder.device)
         # (AnimaTextEncoderStep also zeroes the padding's states; the adapter's source mask hides them either way)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask).last_hidden_state
+        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
+                         use_cache=False).last_hidden_state  # no KV cache: a checkpointed layer recomputes
         device = next(conditioner.parameters()).device
         embeds = conditioner(source_hidden_states=hidden.to(device, self.compute_dtype("text_conditioner")),
                              target_input_ids=tokens["t5_input_ids"].to(device),

@@ -219,7 +219,7 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
         # positions count real tokens only, the same on mRoPE's three axes
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
         out = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask, position_ids=positions,
-                      output_hidden_states=True)
+                      output_hidden_states=True, use_cache=False)
         hidden = torch.stack([out.hidden_states[i] for i in self.select_layers], dim=2)
         return {"hidden_states": hidden[:, TEMPLATE_TOKENS_DROPPED:],
                 "attention_mask": mask[:, TEMPLATE_TOKENS_DROPPED:].long()}

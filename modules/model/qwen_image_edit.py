@@ -204,7 +204,8 @@ class QwenImageEditFamily(QwenImageFamily):
         if "pixel_values" in tokens:
             images = {"pixel_values": tokens["pixel_values"].to(device, self.compute_dtype("text_encoder")),
                       "image_grid_thw": tokens["image_grid_thw"].to(device)}
-        hidden = encoder(input_ids=tokens["input_ids"].to(device), attention_mask=mask, **images).last_hidden_state
+        hidden = encoder(input_ids=tokens["input_ids"].to(device), attention_mask=mask, **images,
+                         use_cache=False).last_hidden_state  # no KV cache: a checkpointed layer recomputes
         # as QwenImageEditPipeline._get_qwen_prompt_embeds: the real tokens past the template's first 64
         # (image tokens and caption), at the front, zero-padded to a length fixed by the image tokens
         length = tokens["input_ids"].shape[1] - EDIT_TOKENS_DROPPED
