@@ -98,7 +98,7 @@ def _trimmed_host_bytes() -> int:
 
     gc.collect()
     return_freed_heap()
-    return _status()["rss"] - torch.fakegpu.memory_allocated()
+    return _status()["rss"] - torch.get_device_module("fakegpu").memory_allocated()
 
 
 def run_case(spec: dict) -> dict:
@@ -131,7 +131,7 @@ def run_case(spec: dict) -> dict:
     class MeasuredTrainer(GenericTrainer):
         def setup_train_device(self) -> None:
             # every part loaded, none moved yet: the load's peak (quantized layers may sit on the device)
-            figures["load"] = _status()["peak_rss"] - torch.fakegpu.memory_allocated() - figures["baseline"]
+            figures["load"] = _status()["peak_rss"] - torch.get_device_module("fakegpu").memory_allocated() - figures["baseline"]
             # the fake device's tensors are host allocations: served from the heap, a step's freed
             # activations leave it fragmented, tens of MB a trim cannot return (on CUDA they are in the
             # device's allocator); as mmaps of their own they go back whole when freed

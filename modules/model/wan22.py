@@ -242,9 +242,10 @@ class Wan22Family(WanFamily):
         from torch._subclasses.fake_tensor import is_fake
 
         running = self.running_experts()
-        if len(running) == 1 or is_fake(sigmas):
-            # one expert trains (its range is all that is drawn); or the planner's fake step, whose
-            # sigmas hold no values: one expert's pass over the batch is what a step holds at most
+        if len(running) == 1 or is_fake(sigmas) or sigmas.is_meta:
+            # one expert trains (its range is all that is drawn); or the planner's step (fake or meta
+            # tensors), whose sigmas hold no values: one expert's pass over the batch is what a step
+            # holds at most
             self._experts_run.add(running[0])
             return self.run_transformer(running[0], noisy, sigmas, text)
         high = self.expert_of(sigmas).to(noisy.device)
