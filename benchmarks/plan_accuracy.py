@@ -31,6 +31,28 @@ METHODS = {
 RESOLUTION = {"tiny": 64, "small": 128}
 
 
+def measured_device_peak(config, inspect=None) -> tuple[int, int, object]:
+    """Train `config` (on the fake device) and return the most bytes it held there over what the device
+    held before, the steps it took and `inspect(trainer)` read before the trainer is released."""
+    import torch
+
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    memory = torch.get_device_module(config.train_device)  # fakegpu: registered by tests/fake_device.py
+    gc.collect()  # an earlier run's tensors freed during this one would lower its peak over `before`
+    memory.reset_peak_memory_stats()
+    before = memory.memory_allocated()
+    trainer = GenericTrainer(config, TrainCallbacks())
+    trainer.start()
+    trainer.train()
+    measured = memory.max_memory_allocated() - before
+    inspected = inspect(trainer) if inspect is not None else None
+    steps = trainer.step
+    trainer.release()
+    return measured, steps, inspected
+
+
 def cases(modes: list[str], methods: list[str]):
     for method in methods:
         for mode in modes:
@@ -48,13 +70,9 @@ def cases(modes: list[str], methods: list[str]):
 def measure(model: Path, images: Path, work: Path, size: str, method: str, mode: str, offload: float,
             checkpointing: bool) -> tuple[int, int, int, int]:
     """(planned device peak, measured device peak, planned parked bytes, measured parked bytes)."""
-    import torch
-
     from modules.config.loading import build_config
     from modules.offload.layer_tensors import block_bytes
     from modules.plan.run_plan import plan_run
-    from modules.trainer.callbacks import TrainCallbacks
-    from modules.trainer.generic_trainer import GenericTrainer
 
     config = build_config([{
         "model": {"base": str(model), "parts": {"unet": {"weight_dtype": mode, "offload_fraction": offload,
@@ -64,17 +82,12 @@ def measure(model: Path, images: Path, work: Path, size: str, method: str, mode:
         "workspace_dir": str(work / "ws"), "output": {"path": str(work / "out.safetensors")},
         "tensorboard": False, "sampling": {"prompts": []}}, METHODS[method]])
     plan = plan_run(config, None, None)
-    memory = torch.get_device_module("fakegpu")  # registered by tests/fake_device.py
-    gc.collect()  # the last run's tensors freed during this one would lower its peak over `before`
-    memory.reset_peak_memory_stats()
-    before = memory.memory_allocated()
-    trainer = GenericTrainer(config, TrainCallbacks())
-    trainer.start()
-    trainer.train()
-    measured = memory.max_memory_allocated() - before
-    conductor = trainer.conductors.get("unet")
-    parked = sum(block_bytes(conductor.blocks[index]) for index in conductor.parked) if conductor else 0
-    trainer.release()
+
+    def parked_bytes(trainer) -> int:
+        conductor = trainer.conductors.get("unet")
+        return sum(block_bytes(conductor.blocks[index]) for index in conductor.parked) if conductor else 0
+
+    measured, _, parked = measured_device_peak(config, parked_bytes)
     return plan.device_peak, measured, sum(p.parked for p in plan.parts.values()), parked
 
 

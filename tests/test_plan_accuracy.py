@@ -12,14 +12,10 @@ and a small model: `python -m benchmarks.plan_accuracy`."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
-import torch
 
+from benchmarks.plan_accuracy import measured_device_peak
 from conftest import train_config
-from modules.trainer.callbacks import TrainCallbacks
-from modules.trainer.generic_trainer import GenericTrainer
 
 ADAPTER = {}
 FINE_TUNE = {"method": {"type": "fine_tune"}}
@@ -50,15 +46,6 @@ def test_planned_peak_is_within_ten_percent_of_the_measured_one(case, fake_devic
     config = train_config(tiny_model, shape_images, tmp_path, method, parts, {
         "train_device": str(fake_device), "schedule": {"epochs": 1, "batch_size": 2, "max_steps": 2}})
     planned = plan_run(config, None, None).device_peak
-    memory = torch.fakegpu
-    # an earlier case's tensors freed by the collector during this run would lower the peak over `before`
-    gc.collect()
-    memory.reset_peak_memory_stats()
-    before = memory.memory_allocated()
-    trainer = GenericTrainer(config, TrainCallbacks())
-    trainer.start()
-    trainer.train()
-    measured = memory.max_memory_allocated() - before
-    trainer.release()
-    assert trainer.step == 2
+    measured, steps, _ = measured_device_peak(config)
+    assert steps == 2
     assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"

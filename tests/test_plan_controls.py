@@ -7,21 +7,19 @@ controls out is 0.4x (Kontext) and 0.8x (Qwen-Image-Edit) of that peak there."""
 
 from __future__ import annotations
 
-import gc
 import json
 import shutil
 
 import pytest
 import torch
 
+from benchmarks.plan_accuracy import measured_device_peak
 from conftest import train_config
 from modules.config.families import get_family_class
 from modules.config.loading import build_config
 from modules.data.synthetic_images import write_edit_pairs
 from modules.plan.controls import planned_controls
 from modules.plan.run_plan import Planner, plan_run
-from modules.trainer.callbacks import TrainCallbacks
-from modules.trainer.generic_trainer import GenericTrainer
 
 
 @pytest.fixture(scope="module")
@@ -79,16 +77,8 @@ def test_the_planned_peak_grows_with_a_control_to_within_ten_percent_of_the_meas
     model = tiny_family_model(family)
     planned = _planned(model, family, pairs, shape_images, tmp_path, (0, 1), **run)[1].device_peak
     config = _config(model, family, _concepts(pairs, shape_images, 1), tmp_path, **run)
-    memory = torch.fakegpu
-    gc.collect()
-    memory.reset_peak_memory_stats()
-    before = memory.memory_allocated()
-    trainer = GenericTrainer(config, TrainCallbacks())
-    trainer.start()
-    trainer.train()
-    measured = memory.max_memory_allocated() - before
-    trainer.release()
-    assert trainer.step == 2
+    measured, steps, _ = measured_device_peak(config)
+    assert steps == 2
     assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"
 
 

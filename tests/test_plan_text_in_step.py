@@ -10,16 +10,14 @@ again fails here even where the tiny encoders are a small share of the step."""
 
 from __future__ import annotations
 
-import gc
 
 import pytest
 import torch
 
+from benchmarks.plan_accuracy import measured_device_peak
 from conftest import train_config
 from modules.config.families import family_names, get_family_class
 from modules.config.loading import build_config
-from modules.trainer.callbacks import TrainCallbacks
-from modules.trainer.generic_trainer import GenericTrainer
 
 PLACEHOLDER = "<tok>"
 EMBEDDING = {"method": {"type": "embedding"}, "embeddings": [{"placeholder": PLACEHOLDER, "vectors": 2}]}
@@ -45,16 +43,8 @@ def test_planned_peak_counts_the_text_encoders_in_the_step(case, fake_device, tm
     with monkeypatch.context() as patch:  # the step as planned before: the text cache standing in
         patch.setattr(run_plan, "text_in_step", lambda config, family: False)
         encoders = abs(planned - run_plan.plan_run(config, None, None).device_peak)
-    memory = torch.fakegpu
-    gc.collect()
-    memory.reset_peak_memory_stats()
-    before = memory.memory_allocated()
-    trainer = GenericTrainer(config, TrainCallbacks())
-    trainer.start()
-    trainer.train()
-    measured = memory.max_memory_allocated() - before
-    trainer.release()
-    assert trainer.step == 2
+    measured, steps, _ = measured_device_peak(config)
+    assert steps == 2
     assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"
     assert abs(planned - measured) < encoders / 2, (
         f"planned {planned} bytes, measured {measured}: off by more than half of the text encoders' "
