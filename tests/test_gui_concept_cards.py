@@ -187,7 +187,8 @@ def test_an_edit_pair_concept_shows_its_pairs_their_controls_and_what_training_s
     """A folders-mode concept (target/, control/, control_2/): the card counts pairs, not the files of
     its folders (0 before: the concept folder itself holds no image; with subfolders the controls
     counted as images without captions); the window shows each target with its controls, named by
-    folder, and the sample training skips for a missing control."""
+    folder, its augmentation preview with the controls beside the target, and the sample training
+    skips for a missing control."""
     import shutil
 
     from modules.data.synthetic_images import write_edit_pairs
@@ -222,6 +223,9 @@ def test_an_edit_pair_concept_shows_its_pairs_their_controls_and_what_training_s
     pump(app, lambda: _window_done(window) and window.slot["position"] == 1, timeout=20, what="the second pair")
     names = [tile.master.winfo_children()[1].cget("text") for tile in window.slot["control_tiles"]]
     assert names == ["control 1: control/002.png", "control 2: control_2/002.png"]
+    # the augmentation preview draws the pair as training does: the target, then its two controls
+    pump(app, lambda: len(window.drawn) == 4 and window.drawn[0].width == 3 * window.drawn[0].height, timeout=60,
+         what="the preview of the second pair with its controls")
     tool = concepts.open_dataset_tool(0)  # "Captions…": the targets' captions, which training reads
     try:
         assert tool.folder == tmp_path / "pairs" / "target" and len(tool.images) == 3
