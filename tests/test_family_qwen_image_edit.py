@@ -335,9 +335,13 @@ def test_every_kohya_and_comfy_stem_is_one_comfyui_maps(edit):
 
 def test_edit_presets_are_listed_and_valid():
     names = sorted(p.name for p in list_presets() if p.family == "qwen_image_edit")
-    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB", "Qwen-Image-Edit full fine-tune 12GB"]
-    for name in names:
+    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB", "Qwen-Image-Edit embedding 8GB",
+                     "Qwen-Image-Edit full fine-tune 12GB"]
+    plus = sorted(p.name for p in list_presets() if p.family == "qwen_image_edit_plus")
+    assert plus == ["Qwen-Image-Edit-Plus LoRA 16GB", "Qwen-Image-Edit-Plus LoRA 24GB",
+                    "Qwen-Image-Edit-Plus embedding 8GB"]
+    for name in names + plus:
         config = build_config([load_preset_overlay(name)])
-        assert config.model.family == "qwen_image_edit"
+        assert config.model.family in ("qwen_image_edit", "qwen_image_edit_plus")
         assert config.model.parts["transformer"].gradient_checkpointing
         assert not config.model.parts["text_encoder"].train
