@@ -1,8 +1,9 @@
 """Textual-inversion embeddings on the edit families, trained on edit pairs: FLUX.1 Kontext (FLUX.1's
-CLIP-L and T5) and Qwen-Image-Edit / -Plus (Qwen2.5-VL, which reads the instruction with the control
-images). On each tiny model an embedding trained alone moves its vectors (the loss finite, the
+CLIP-L and T5), FIBO Edit (SmolLM3) and Qwen-Image-Edit / -Plus (Qwen2.5-VL, which reads the
+instruction with the control images). On each tiny model an embedding trained alone moves its vectors (the loss finite, the
 encoders' tables bit-identical), the file holds the keys ComfyUI reads (`clip_l` and `t5xxl` for
-Kontext, as for FLUX.1; `qwen25_7b` for both Qwen edit models, ComfyUI's Qwen-Image text encoder),
+Kontext, as for FLUX.1; `qwen25_7b` for both Qwen edit models, ComfyUI's Qwen-Image text encoder;
+FIBO Edit has no ComfyUI model: `smollm3_3b`, as test_embedding_new_families.py names it),
 reloads to the same encodings, and a sample prompt's placeholder is encoded as training encodes it.
 For the Qwen edit models, whose conditioning depends on the controls and so is encoded in the step
 while an embedding trains, the step shows the VL encoder each sample's controls as the text cache
@@ -29,7 +30,7 @@ from modules.trainer.generic_trainer import GenericTrainer
 PLACEHOLDER = "<shape>"
 PROMPT = f"make the {PLACEHOLDER} red"
 # family -> its file's keys, one per text encoder (the encoder part each is read into)
-KEYS = {"flux_kontext": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"},
+KEYS = {"flux_kontext": {"clip_l": "text_encoder", "t5xxl": "text_encoder_2"}, "fibo_edit": {"smollm3_3b": "text_encoder"},
         "qwen_image_edit": {"qwen25_7b": "text_encoder"}, "qwen_image_edit_plus": {"qwen25_7b": "text_encoder"}}
 
 
@@ -114,7 +115,8 @@ def test_the_file_holds_comfyuis_keys_and_reloads_to_the_same_encodings(run):
 def test_the_step_shows_the_text_encoders_each_samples_controls_where_they_see_them(run):
     """The step's conditioning (the text not cached) is the caption encoded as the text cache would
     have encoded it: for the Qwen edit models with its sample's control images (mirrored with the
-    target), the image block's tokens in front of the caption's; for Kontext the caption alone."""
+    target), the image block's tokens in front of the caption's; for Kontext and FIBO Edit the caption
+    alone."""
     trainer = run.trainer
     family = trainer.family
     for part in family.text_parts:
@@ -141,7 +143,8 @@ def test_the_step_shows_the_text_encoders_each_samples_controls_where_they_see_t
 
 def test_a_sample_prompt_is_conditioned_as_training_encodes_it(run, pairs):
     """Kontext: FluxKontextPipeline writes the placeholder out itself (maybe_convert_prompt), for both
-    tokenizers; the Qwen edit models: the family writes it out, with the prompt's control image."""
+    tokenizers; FIBO Edit and the Qwen edit models: the family writes it out (the Qwen ones with the
+    prompt's control image)."""
     family, method = run.fresh, run.fresh_method
     for part in family.text_parts:
         family.parts[part].eval()
@@ -152,6 +155,22 @@ def test_a_sample_prompt_is_conditioned_as_training_encodes_it(run, pairs):
                                                                 max_sequence_length=family.max_sequence_length)
         torch.testing.assert_close(hidden, ours["hidden_states"], atol=1e-6, rtol=0)
         torch.testing.assert_close(pooled, ours["pooled"], atol=1e-6, rtol=0)
+        return
+    if run.name == "fibo_edit":  # the joint text the transformer is handed: the last two hidden states
+        from modules.config.train_config import SamplePromptConfig
+
+        ours = encoded(family, method, PROMPT)
+        real = int(ours["attention_mask"].sum())
+        seen = []
+        handle = family.transformer.register_forward_pre_hook(
+            lambda _module, _args, kwargs: seen.append(kwargs["encoder_hidden_states"]), with_kwargs=True)
+        try:
+            family.run_sampling_pipeline(SamplePromptConfig(prompt=PROMPT, steps=1, cfg=1.0, width=32, height=32),
+                                         torch.device("cpu"))
+        finally:
+            handle.remove()
+        expected = torch.cat([ours["hidden_states"][:, -1], ours["hidden_states"][:, -2]], dim=-1)[:, :real]
+        torch.testing.assert_close(seen[0][:, :real], expected, atol=1e-5, rtol=0)
         return
     from modules.model.qwen_image_edit import open_control
 
