@@ -175,6 +175,7 @@ class FakeFamily:
 
     bucket_quantum = 32
     pixel_conditioning = ()  # nothing drawn from the pixels besides the latents
+    text_sees_controls = False  # its text is encoded from the caption alone
     masked_text_padding = MappingProxyType({})  # text entries stored whole
     one_frame_note = None
     label = "Fake"

@@ -216,7 +216,8 @@ def test_resume_on_pairs_equals_an_uninterrupted_run(tmp_path, tiny_kontext, pai
 
 def test_kontext_presets_are_listed_and_valid():
     names = sorted(p.name for p in list_presets() if p.family == "flux_kontext")
-    assert names == ["Flux Kontext LoRA 16GB", "Flux Kontext LoRA 24GB", "Flux Kontext full fine-tune 12GB"]
+    assert names == ["Flux Kontext LoRA 16GB", "Flux Kontext LoRA 24GB", "Flux Kontext embedding 8GB",
+                     "Flux Kontext full fine-tune 12GB"]
     for name in names:
         config = build_config([load_preset_overlay(name)])
         assert config.model.family == "flux_kontext"

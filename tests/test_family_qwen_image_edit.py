@@ -2,7 +2,7 @@
 the VL encoder sees the control images as the pipelines' encode_prompt shows them (template, image
 tokens, 64 dropped), the text cache keys on the controls (and a mirrored pair has its own encoding),
 the controls' latents join the sequence as the pipelines put them with their img_shapes and only the
-target is predicted, the loss falls (Edit on one control, Plus on two), resumed, half-offloaded and
+target is predicted, a trained text encoder encodes each step's caption with its controls, the loss falls (Edit on one control, Plus on two), resumed, half-offloaded and
 fp8/nf4 runs on pairs work as plain ones, a different control changes the sample, the files load in
 QwenImageEditPipeline / QwenImageEditPlusPipeline.load_lora_weights with every adapter used and equal
 outputs, and every saved stem is one ComfyUI maps (its Qwen-Image map: ComfyUI runs both edit models
@@ -206,14 +206,21 @@ def test_a_quantized_transformer_trains_on_pairs(which, mode, request, tmp_path)
     initializes_and_steps(model, pairs, tmp_path, overlay["model"]["family"], "transformer", mode, False, overlay)
 
 
-def test_a_trained_text_encoder_on_pairs_is_refused_by_name(tmp_path, tiny_edit, pairs):
-    from modules.data.concepts import DataError
+def test_a_trained_text_encoder_on_pairs_trains_encoding_each_step_with_the_controls(tmp_path, tiny_edit, pairs):
+    """The conditioning is encoded in the step (nothing cached) from the caption and the sample's control
+    images, so LoRA on Qwen2.5-VL trains on pairs: the first step's guard sees every adapter learn."""
+    import math
 
-    config = train_config(tiny_edit, pairs, tmp_path, paired(EDIT, pairs),
-                          {"model": {"parts": {"text_encoder": {"train": True}}}})
-    with pytest.raises(DataError, match=r"concepts\[0\]\.controls: Qwen-Image-Edit's text encoder sees each "
-                                        r"sample's control images.*model\.parts\.text_encoder\.train false"):
-        GenericTrainer(config).start()
+    config = train_config(tiny_edit, pairs, tmp_path, paired(EDIT, pairs), {
+        "model": {"parts": {"text_encoder": {"train": True}}}, "adapter": {"layer_preset": "attn-mlp"},
+        "schedule": {"max_steps": 2, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    assert trainer.step == 2 and math.isfinite(trainer.last_loss)
+    assert trainer.dataset.cache_stats["text"] == (0, 0)
+    assert trainer.dataset.collate([0], trainer.device).text_controls is not None
+    assert any(name.startswith("lora_te_language_model_") for name, _ in trainer.methods[0].named_parameters())
 
 
 def _processor(family, monkeypatch):
@@ -328,9 +335,13 @@ def test_every_kohya_and_comfy_stem_is_one_comfyui_maps(edit):
 
 def test_edit_presets_are_listed_and_valid():
     names = sorted(p.name for p in list_presets() if p.family == "qwen_image_edit")
-    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB", "Qwen-Image-Edit full fine-tune 12GB"]
-    for name in names:
+    assert names == ["Qwen-Image-Edit LoRA 16GB", "Qwen-Image-Edit LoRA 24GB", "Qwen-Image-Edit embedding 8GB",
+                     "Qwen-Image-Edit full fine-tune 12GB"]
+    plus = sorted(p.name for p in list_presets() if p.family == "qwen_image_edit_plus")
+    assert plus == ["Qwen-Image-Edit-Plus LoRA 16GB", "Qwen-Image-Edit-Plus LoRA 24GB",
+                    "Qwen-Image-Edit-Plus embedding 8GB"]
+    for name in names + plus:
         config = build_config([load_preset_overlay(name)])
-        assert config.model.family == "qwen_image_edit"
+        assert config.model.family in ("qwen_image_edit", "qwen_image_edit_plus")
         assert config.model.parts["transformer"].gradient_checkpointing
         assert not config.model.parts["text_encoder"].train

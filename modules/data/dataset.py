@@ -31,8 +31,8 @@ from modules.data.captions import caption_rng, fixed_caption, varied_caption
 from modules.data.data_notes import caption_notes, duplicate_notes, one_frame_notes, resolution_notes, upscale_notes
 from modules.data.concepts import ConceptItem, DataError, check_concepts, scan_concept
 from modules.data.epoch_size import check_epoch_size
-from modules.data.pairs import (attach_controls, check_control_text, check_controls, drop_unready, fresh_controls,
-                                scan_items)
+from modules.data.pairs import (attach_controls, check_controls, drop_unready, fresh_controls, scan_items,
+                                text_controls)
 from modules.data.images import crop_origin, image_size
 from modules.data.masks import latent_mask, load_mask, mask_path
 from modules.data.masks import loss_weights as mask_loss_weights
@@ -96,6 +96,9 @@ class Batch:
     controls: torch.Tensor | None = None  # (B, N, C, h, w) latents of each sample's control images; None: none
     # what the family draws from each sample's own pixels (ModelFamily.pixel_conditioning); None: nothing
     pixel_conditioning: dict[str, torch.Tensor] | None = None
+    # per sample, its control images as a text encoder that sees them is shown them (PIL, pairs.text_controls),
+    # for the text encoded in the step; None: the text is cached, or the family's text does not see them
+    text_controls: list[list] | None = None
 
 
 def _image_info(entry: Entry, position: tuple[float, float]) -> list[float]:
@@ -166,6 +169,7 @@ class HostBatch:
     unmasked_weights: list[float]
     controls: torch.Tensor | None = None
     pixel_conditioning: dict[str, torch.Tensor] | None = None  # cached; fresh latents draw it on the device
+    text_controls: list[list] | None = None  # (Batch.text_controls)
 
 
 def _pinned(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -176,8 +180,11 @@ class TrainDataset:
     def __init__(self, entries: list[Entry], latents: Mapping[str, torch.Tensor],
                  texts: Mapping[str, dict[str, torch.Tensor]], batch_size: int, seed: int,
                  masks: Mapping[str, torch.Tensor] | None = None, fresh: FreshLatents | None = None,
-                 reader: CacheReader | None = None, pixel_conditioning: Mapping[str, Mapping] | None = None):
+                 reader: CacheReader | None = None, pixel_conditioning: Mapping[str, Mapping] | None = None,
+                 text_sees_controls: bool = False):
         self.entries = entries
+        # the family's text encoder sees the control images: an uncached text is encoded with them
+        self.text_sees_controls = text_sees_controls
         self.fresh = fresh  # set when latents are encoded per batch (pixel augmentations), not cached
         self.latents = latents  # latent key -> latents; latent key + FLIPPED -> the mirrored image's
         self.masks = masks or {}  # the same keys, for masked entries
@@ -264,11 +271,14 @@ class TrainDataset:
             rows = [self.texts[e.flipped_text_key if flip and e.flipped_text_key else e.text_key]
                     for e, flip in zip(entries, flipped)]
             text = {k: _pinned(torch.stack([row[k] for row in rows]), pin) for k in rows[0]}
+        shown = None
+        if text is None and self.text_sees_controls and entries[0].item.controls:  # mirrored with their target
+            shown = [text_controls(e, flip) for e, flip in zip(entries, flipped)]
         captions = [varied_caption(e.item.caption, e.captions, rng) if e.captions is not None else e.item.caption
                     for e, rng in zip(entries, rngs)]
         return HostBatch(latents, pixels, sample_masks, image_info, text, captions,
                          [e.loss_weight for e in entries], [e.unmasked_weight for e in entries], control_latents,
-                         pixel_conditioning)
+                         pixel_conditioning, shown)
 
     def finish(self, host: HostBatch, device: torch.device) -> Batch:
         """The device half of a batch: copies (asynchronous from pinned memory) and, for fresh
@@ -292,7 +302,7 @@ class TrainDataset:
         if controls is not None and host.latents is None:
             controls = self.fresh.encode_controls(controls, device)
         return Batch(latents, text, host.captions, loss_weights, masks, host.image_info.to(device), controls,
-                     pixel_conditioning)
+                     pixel_conditioning, host.text_controls)
 
 
 def _file_hash(path: Path) -> str:
@@ -357,7 +367,6 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
     check_epoch_size(entries, config.concepts)  # before the caches are filled and an epoch's list is built
     _warn_of_surprises(config, family, entries, validation, warn)
     controls = attach_controls(entries, family, image_identity, lambda index: f"concepts[{index}]")
-    check_control_text(family, entries, cache_text, lambda index: f"concepts[{index}]")
 
     fresh, reader = None, CacheReader(int(config.data.cache_memory_mb * MB))
     latents: Mapping = {}
@@ -383,7 +392,7 @@ def prepare_dataset(config: TrainConfig, family: ModelFamily, device: torch.devi
                                                    for k in (e.text_key, e.flipped_text_key) if k},
                               finish=(lambda row: padded(row, spec)) if spec else None)
     dataset = TrainDataset(entries, latents, texts, config.schedule.batch_size, config.seed, masks, fresh, reader,
-                           pixel_conditioning)
+                           pixel_conditioning, family.text_sees_controls)
     dataset.cache_stats = {"latents": (latent_cache.hits, latent_cache.misses),
                            "text": (text_cache.hits, text_cache.misses)}
     return dataset

@@ -194,20 +194,10 @@ def attach_controls(entries: list[Entry], family: ModelFamily, image_identity: s
     return list(controls.values())
 
 
-def check_control_text(family: ModelFamily, entries: list[Entry], cache_text: bool, where) -> None:
-    """A family whose text encoder sees the control images encodes each sample's conditioning once,
-    into the text cache, from the control files: it cannot re-encode per step from captions alone."""
-    paired = next((e for e in entries if e.item.controls), None)
-    if paired is None or not family.text_sees_controls or cache_text:
-        return
-    raise DataError(f"{where(paired.item.concept)}.controls: {family.label}'s text encoder sees each sample's "
-                    "control images, so its conditioning is encoded once into the text cache; that needs "
-                    "model.parts.text_encoder.train false, no embeddings and fixed captions (concepts[].captions)")
-
-
 def text_controls(entry: Entry, mirrored: bool) -> list:
     """The control images of `entry` as a text encoder that sees them is shown them: PIL images at
-    the entry's bucket, covered and centre-cropped as their latents are, mirrored with the target."""
+    the entry's bucket, covered and centre-cropped as their latents are, mirrored with the target
+    (what the text cache encodes, and what a step that encodes the text itself is handed)."""
     from PIL import Image, ImageOps
 
     width, height = entry.bucket

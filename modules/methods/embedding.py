@@ -2,6 +2,7 @@
 text encoder of the family (SD1.5: CLIP-L; SDXL: CLIP-L and CLIP-G; SD3: CLIP-L, CLIP-G and T5;
 FLUX.1: CLIP-L and T5; Chroma: T5; Z-Image and FLUX.2 [klein]: Qwen3; Qwen-Image: Qwen2.5-VL's
 language model; Anima: Qwen3 0.6B; Krea-2 and FIBO-2: Qwen3-VL-4B's language model; FIBO Edit: SmolLM3;
+FLUX.1 Kontext: FLUX.1's; Qwen-Image-Edit(-Plus): Qwen2.5-VL; the Wan families: UMT5-XXL;
 the family's `embedding_slots`), initialised
 from its init text or read from its file; only those vectors train, the model stays frozen.
 

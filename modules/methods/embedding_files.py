@@ -1,7 +1,8 @@
 """Embedding files in the A1111/ComfyUI layout: one [vectors, dim] tensor per text encoder, under
 the family's key (`emb_params` for SD1.x; `clip_l` and `clip_g` for SDXL; ComfyUI's `embedding_key`s
 `clip_l`, `clip_g`, `t5xxl`, `qwen3_4b` for FLUX.1, SD3, Chroma, Z-Image; `qwen3_4b`/`qwen3_8b` for
-FLUX.2 klein 4B/9B; `qwen25_7b` for Qwen-Image), in a .safetensors file.
+FLUX.2 klein 4B/9B; `qwen25_7b` for Qwen-Image and its edit models; `umt5xxl` for Wan), in a
+.safetensors file.
 diffusers reads them with `load_textual_inversion` (SDXL, FLUX.1: once per text encoder, passing
 `state_dict["clip_l"]` with text_encoder/tokenizer and `state_dict["clip_g"]` (`["t5xxl"]`) with
 text_encoder_2/tokenizer_2)."""

@@ -67,7 +67,8 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     image_to_video: ClassVar[bool] = False
     # whether its text conditioning depends on the control images too (a VL text encoder that sees
     # them): then `tokenize(captions, controls=...)` takes each caption's control images (PIL, at
-    # the sample's bucket) and the text cache keys on them (modules/data/pairs.py)
+    # the sample's bucket) and the text cache keys on them (modules/data/pairs.py); a text encoded in
+    # the step (not cached) is handed them the same way (Batch.text_controls)
     text_sees_controls: ClassVar[bool] = False
     # conditioning the family draws from each sample's own pixels besides its latents (an
     # image-to-video model's first frame): the keys encode_pixel_conditioning returns; empty: none

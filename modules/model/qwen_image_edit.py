@@ -18,8 +18,9 @@ Training shows the control at its target's bucket (modules/data/pairs.py) to bot
 encoder; the pipeline resizes the control to ~1 MP first, which a 1024 px bucket matches. Because the
 text conditioning depends on the control image, it is cached per (caption, control images, bucket,
 mirrored or not): pairs.py keys the text cache on the controls' contents, and a mirrored pair gets
-its own encoding of the mirrored control. It can therefore only be cached: a trained text encoder,
-embeddings or varying captions with paired data are refused (check_control_text).
+its own encoding of the mirrored control. Where the text is not cached (a trained text encoder,
+embeddings, varying captions), each batch carries its controls as the encoder is shown them
+(Batch.text_controls) and the step's tokenize takes them.
 
 Sampling: `sampling.prompts[].control_images` are fitted to the sample's size (covered and
 centre-cropped, as training brings a control to its target's bucket) and shown to both encoders at

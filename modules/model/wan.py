@@ -59,6 +59,8 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     # the Wan 2.1 VAE (counted from resources/model_configs/wan/ on the meta device)
     nominal_part_parameters = {"text_encoder": 5_680_910_336, "transformer": 1_418_996_800, "vae": 126_892_531}
     text_parts = ("text_encoder",)
+    # ComfyUI's UMT5-XXL embedding key (its Wan text encoder's tokenizer: embedding_key 'umt5xxl')
+    embedding_slots = {"text_encoder": ("tokenizer", "umt5xxl")}
     image_parts = ("vae",)
     transformer_parts = ("transformer",)  # the parts a transformer single file may hold (wan22: both experts)
 

@@ -374,11 +374,13 @@ class GenericTrainer:
 
     def conditioning(self, batch: Batch) -> dict[str, torch.Tensor]:
         """The batch's cached text conditioning, or a fresh encoding when a text encoder trains (or
-        captions vary), plus `image_info` (original size and crop, for families that condition on it)
+        captions vary, or embeddings train), plus `image_info` (original size and crop, for families that condition on it)
         `control_latents` (an edit sample's control images, for the families that take them) and the
         family's pixel conditioning (ModelFamily.pixel_conditioning)."""
-        text = (batch.text if batch.text is not None
-                else self.family.encode_text(self.family.tokenize(self.captions(batch))))
+        text = batch.text
+        if text is None:  # (a text encoder that sees the control images is shown them too)
+            controls = {} if batch.text_controls is None else {"controls": batch.text_controls}
+            text = self.family.encode_text(self.family.tokenize(self.captions(batch), **controls))
         if batch.image_info is not None:
             text = {**text, "image_info": batch.image_info}
         if batch.pixel_conditioning is not None:  # (an image-to-video model's first frame)
