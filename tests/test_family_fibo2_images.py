@@ -245,3 +245,15 @@ def test_an_edit_caption_that_is_a_json_object_needs_an_edit_instruction(family,
 
     with pytest.raises(UserError, match=r'FIBO-2: an edit pair.s caption .* needs an "edit_instruction" key'):
         family.tokenize([json.dumps({"short_description": "a red circle"})], [[_open(pairs / "control" / "000.png")]])
+
+
+def test_a_trained_qwen3_vl_on_pairs_is_refused_by_name(tmp_path, tiny_fibo2, pairs):
+    """Each pair's conditioning depends on its control, so it is encoded once into the text cache."""
+    from modules.data.concepts import DataError
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny_fibo2, pairs, tmp_path, _paired(pairs), {"model": {"parts": {"text_encoder": {
+        "train": True}}}})
+    with pytest.raises(DataError, match=r"concepts\[0\]\.controls: FIBO-2's text encoder sees each sample's control "
+                                        r"images.*model\.parts\.text_encoder\.train false"):
+        GenericTrainer(config).start()
