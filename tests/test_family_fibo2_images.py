@@ -257,3 +257,38 @@ def test_a_trained_qwen3_vl_on_pairs_is_refused_by_name(tmp_path, tiny_fibo2, pa
     with pytest.raises(DataError, match=r"concepts\[0\]\.controls: FIBO-2's text encoder sees each sample's control "
                                         r"images.*model\.parts\.text_encoder\.train false"):
         GenericTrainer(config).start()
+
+
+def test_a_batch_of_captions_with_and_without_text_to_render_encodes_each_as_alone(family):
+    with torch.no_grad():
+        batch = family.encode_text(family.tokenize([TEXT_CAPTION, "a red circle"]))
+        alone = [family.encode_text(family.tokenize([caption])) for caption in (TEXT_CAPTION, "a red circle")]
+    assert batch["base_attention_mask"][0].any() and not batch["base_attention_mask"][1].any()
+    for row, single in enumerate(alone):
+        for name, mask in (("hidden_states", "attention_mask"), ("base_hidden_states", "base_attention_mask")):
+            assert torch.equal(batch[mask][row], single[mask][0])
+            real = batch[mask][row].bool()
+            torch.testing.assert_close(batch[name][row][:, real], single[name][0][:, real], atol=1e-5, rtol=0)
+
+
+def test_a_caption_with_text_to_render_trains_with_both_encodings_cached(tmp_path, tiny_fibo2, one_image):
+    import shutil
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    images = tmp_path / "images"
+    shutil.copytree(one_image, images)
+    next(images.glob("*.txt")).write_text(TEXT_CAPTION, encoding="utf-8")
+    config = train_config(tiny_fibo2, images, tmp_path / "run", FIBO2, {"schedule": {"epochs": 2, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    (entry,) = trainer.dataset.entries
+    stored = trainer.dataset.texts[entry.text_key]
+    with torch.no_grad():
+        fresh = trainer.family.encode_text(trainer.family.tokenize([TEXT_CAPTION]))
+    for name, mask in (("hidden_states", "attention_mask"), ("base_hidden_states", "base_attention_mask")):
+        real = fresh[mask][0].bool()
+        assert torch.equal(stored[mask].bool(), real) and real.any()
+        torch.testing.assert_close(stored[name][:, real], fresh[name][0][:, real], atol=1e-5, rtol=0)
+    trainer.train()  # the first step's guard checks every adapter learned
+    trainer.end()
