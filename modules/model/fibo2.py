@@ -318,7 +318,7 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
                       "mm_token_type_ids": tokens["mm_token_type_ids"].to(device)}
         hidden = self._encode(tokens["input_ids"], mask, images)
         base_mask = tokens.get("base_attention_mask")
-        if base_mask is None:  # planning shapes: no caption with text to render
+        if base_mask is None:  # ids made without one (the negative prompt): no text to render
             base_mask = torch.zeros_like(mask)
         base_mask = base_mask.to(device)
         rows = base_mask.any(dim=1)
@@ -329,19 +329,15 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
                 "base_attention_mask": base_mask}
 
     def planning_conditioning(self, batch, device):
-        return self.planning_conditioning_with_controls(batch, device, 0, 0, 0)
-
-    def planning_conditioning_with_controls(self, batch, device, controls, width, height):
+        # an image's tokens sit inside the fixed window: the image to edit lengthens nothing here
         length = self.planning_length(TEXT_WINDOW)
-        config = self.parts["text_encoder"].config
-        width_ = config.text_config.hidden_size * LAYERS_PER_BUNDLE
-        shape = (batch, BUNDLES, length, width_)
+        width = self.parts["text_encoder"].config.text_config.hidden_size * LAYERS_PER_BUNDLE
         dtype = self.compute_dtype("text_encoder")
-        return {"hidden_states": torch.empty(shape, dtype=dtype, device=device),
+        return {"hidden_states": torch.empty(batch, BUNDLES, length, width, dtype=dtype, device=device),
                 # None: every token real (the transformer counts gist tokens from the mask's values)
                 "attention_mask": None,
                 # the encoding without the images of a caption's text, as long (all masked without any)
-                "base_hidden_states": torch.empty(shape, dtype=dtype, device=device),
+                "base_hidden_states": torch.empty(batch, BUNDLES, length, width, dtype=dtype, device=device),
                 "base_attention_mask": None}
 
     # --- training ----------------------------------------------------------------------------
