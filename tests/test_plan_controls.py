@@ -61,6 +61,10 @@ def test_the_planned_peak_grows_with_each_control(family, tiny_family_model, pai
     _planned(tiny_family_model(family), family, pairs, shape_images, tmp_path, (0, 1, 2))
 
 
+def test_fibo2s_planned_peak_grows_with_the_image_to_edit(tiny_family_model, pairs, shape_images, tmp_path):
+    _planned(tiny_family_model("fibo2"), "fibo2", pairs, shape_images, tmp_path, (0, 1))  # it edits one image
+
+
 @pytest.fixture
 def real_arithmetic_qwen_rope(monkeypatch):
     """Qwen-Image's complex RoPE as real products (the fake device cannot resolve its conjugate view)."""

@@ -52,7 +52,8 @@ def test_the_cache_holds_the_real_tokens_and_trains_as_the_padded_encoding(name,
     family_class = _family_class(name)
     spec = family_class.masked_text_padding
     assert spec
-    ((tensor_name, (mask_name, axis)),) = spec.items()
+    # the first trimmed tensor; any further one (FIBO-2's caption without its text images) is empty here
+    (tensor_name, (mask_name, axis)), *others = spec.items()
 
     with monkeypatch.context() as whole_cache:  # the untrimmed path: entries stored whole, as before
         whole_cache.setattr(family_class, "masked_text_padding", {})
@@ -74,7 +75,8 @@ def test_the_cache_holds_the_real_tokens_and_trains_as_the_padded_encoding(name,
     real_shape = full_shape[:axis] + (real,) + full_shape[axis + 1:]
     assert stored[tensor_name] == (real_shape, 4 * torch.Size(real_shape).numel())  # float32, as all entries
     assert _entry_bytes(written_whole)[tensor_name] == (full_shape, 4 * torch.Size(full_shape).numel())
-    mask_bytes = stored[mask_name][1]
+    mask_bytes = stored[mask_name][1] + sum(stored[other_mask][1] for _, (other_mask, _) in others)
+    assert all(stored[other][0][other_axis] == 0 for other, (_, other_axis) in others)  # no text images: no tokens
     assert sum(size for _, size in stored.values()) == 4 * torch.Size(real_shape).numel() + mask_bytes
 
     ours, theirs = trimmed.adapters.state_dict(), whole.adapters.state_dict()

@@ -9,7 +9,9 @@ Each family is built on the meta device from resources/model_configs/<family>/ (
 architecture.py: no weight read) and its `planning_conditioning` gives one caption's tensors at the
 released window; an entry stores them as float32 (cache_layout.STORED_DTYPE). Whole: every tensor at
 its window (what the cache held before). Real tokens: the trimmed tensors at a caption's real token
-count, beside the whole mask.
+count, beside the whole mask. A family's first trimmed tensor is the table's; any further one (FIBO-2's
+encoding of a caption without the images of its text) is counted as a plain caption stores it: its
+whole mask and no token (it holds tokens only for a caption with text to render).
 """
 
 from __future__ import annotations
@@ -51,13 +53,15 @@ def caption_bytes(name: str) -> tuple[str, tuple[int, ...], int, int, int]:
     family = planned.family
     conditioning = family.planning_conditioning(1, torch.device("meta"))
     spec = family.masked_text_padding
-    ((tensor, (mask, axis)),) = spec.items()
+    (tensor, (mask, axis)), *others = spec.items()
     shape = tuple(conditioning[tensor].shape[1:])
     window = shape[axis]
     per_token = FLOAT32 * torch.Size(shape).numel() // window
-    mask_bytes = FLOAT32 * window  # the mask stays whole (planning_conditioning may give None: every token real)
+    # each mask stays whole (planning_conditioning may give None: every token real)
+    mask_bytes = FLOAT32 * window * (1 + len(others))
+    trimmed = {tensor, mask} | {name for other in others for name in (other[0], other[1][0])}
     rest = sum(FLOAT32 * torch.Size(t.shape[1:]).numel() for key, t in conditioning.items()
-               if key not in (tensor, mask) and t is not None)
+               if key not in trimmed and t is not None)
     return family.label, shape, window, per_token * window + mask_bytes + rest, per_token, mask_bytes + rest
 
 

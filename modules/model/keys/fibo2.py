@@ -1,7 +1,7 @@
 """FIBO-2 adapter keys. ComfyUI has no FIBO model (no Bria architecture in its comfy/ldm/ or
 supported_models.py; Bria-AI/FIBO issue #2, "comfyui native support", is open; the ComfyUI nodes for
 FIBO wrap diffusers' pipelines), so there is no ComfyUI layout to follow and the names are diffusers'
-own module names (BriaFibo2Transformer2DModel, Qwen3VLTextModel):
+own module names (BriaFibo2Transformer2DModel, Qwen3VLModel: `language_model.layers.0.self_attn.q_proj`):
 
 - diffusers: `transformer.<module>` (`transformer.layers.0.attention.to_q`,
   `transformer.layers.0.cross_attention.to_k`, `transformer.perceiver.layers.0.ffn.w1`), what

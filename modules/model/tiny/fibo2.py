@@ -20,16 +20,19 @@ _TEXT_WIDTH = 16
 
 
 def _tokenizer(folder: Path):
-    """Byte-level, with each quoted key of FIBO's structured caption and the chat turn's words one
-    token (as Qwen's tokenizer splits them into few), so the pipeline's null caption fits a short window."""
+    """Byte-level, with each quoted key of FIBO's structured caption (its edit and text-render keys too)
+    and the chat turn's words one token (as Qwen's tokenizer splits them into few), so the pipeline's
+    null caption, and a caption with the markers of its text images, fit a short window."""
     import re
 
     from diffusers.pipelines.bria_fibo2.pipeline_bria_fibo2 import DEFAULT_NEGATIVE_PROMPT
     from transformers import AutoTokenizer
 
-    write_char_bpe_tokenizer(folder, max_length=96)
+    write_char_bpe_tokenizer(folder, max_length=160)
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.add_tokens(sorted(set(re.findall(r'"[a-z_]+"', DEFAULT_NEGATIVE_PROMPT)) | {'""', "user", "assistant"}))
+    keys = set(re.findall(r'"[a-z_]+"', DEFAULT_NEGATIVE_PROMPT)) | {'"text_render"', '"text"', '"image_tokens"',
+                                                                      '"image"', '"edit_instruction"', '"structured_caption"'}
+    tokenizer.add_tokens(sorted(keys | {'""', "user", "assistant"}))
     tokenizer.add_special_tokens({"additional_special_tokens": _VISION_TOKENS})
     tokenizer.save_pretrained(str(folder))
     return AutoTokenizer.from_pretrained(str(folder))
