@@ -97,9 +97,18 @@ class FineTuneMethod(TrainingMethod):
     def gradients_seen(self) -> dict[str, bool] | None:
         return self.fused.take_gradients_seen() if self.fused is not None else None
 
-    def first_step_moves(self) -> dict[str, bool] | None:
+    def recorded_moves(self) -> dict[str, bool] | None:
         moves = self.stepper.take_moves()
         return {name: moves[id(p)] for name, p in self.named if id(p) in moves}
+
+    def record_moves(self, names: set[str]) -> None:
+        self.stepper.record_moves({id(p) for name, p in self.named if name in names})
+
+    def stepped_parameters(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        if self.fused is None:
+            return super().stepped_parameters(optimizer)
+        # the fused backward steps what its stepper's groups held when it was made (single_parameter_step.py)
+        return {id(p) for _, p in self.named if id(p) in self.fused.stepper.group_of}
 
     def parameter_groups(self, config: TrainConfig) -> list[dict]:
         groups = []
