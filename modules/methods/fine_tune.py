@@ -57,6 +57,9 @@ class FineTuneMethod(TrainingMethod):
             self.output_folder = resolve_output_folder(trainer.output_path, config.output.if_exists, trainer.workspace,
                                                        config.backup.resume, trainer.callbacks.on_warning)
         self.named = []
+        # what the first step rightly leaves without gradient (a zero gate's modules), judged before it
+        self.zero_gated = tuple(f"{part}.{prefix}" for part in self.trained_parts()
+                                for prefix in self.family.zero_gated_prefixes(part))
         for part in self.trained_parts():
             # a text encoder's weights after the hidden state the family reads never get a gradient
             reachable = reachable_text_weights(self.family, part) if part in self.family.text_parts else None
@@ -124,7 +127,8 @@ class FineTuneMethod(TrainingMethod):
 
     def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
         not_run = self.family.trained_parts_not_run()  # an expert no sample reached yet has no gradient
-        return [(n, p) for n, p in self.named if n.split(".", 1)[0] not in not_run]
+        return [(n, p) for n, p in self.named
+                if n.split(".", 1)[0] not in not_run and not (self.zero_gated and n.startswith(self.zero_gated))]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         # a sharded weight whole (every rank gathers it together): backups are a single process's
