@@ -270,12 +270,32 @@ def test_fibo2_presets_are_listed_and_valid_and_its_folder_is_told_by_its_pipeli
     assert detect_family(tiny_fibo2) == "fibo2"  # model_index's BriaFibo2Pipeline
 
     names = [p.name for p in list_presets() if p.family == "fibo2"]
-    assert {"FIBO-2 LoRA 16GB", "FIBO-2 LoRA 24GB"} <= set(names)
+    assert {"FIBO-2 LoRA 16GB", "FIBO-2 LoRA 24GB", "FIBO-2 embedding 16GB", "FIBO-2 full fine-tune 8GB",
+            "FIBO-2 full fine-tune 12GB", "FIBO-2 full fine-tune 16GB", "FIBO-2 full fine-tune 24GB"} <= set(names)
     for name in names:
         config = build_config([load_preset_overlay(name)])
         # an adapter file in diffusers' names (ComfyUI has no FIBO model); an embedding has its own layout
         assert config.model.family == "fibo2" and (config.method.type != "adapter"
                                                    or config.output.format == "diffusers")
+
+
+def test_the_cross_attention_behind_a_zero_gate_is_named_and_one_behind_a_trained_gate_is_not(family):
+    """diffusers starts cross_attn_gate at zero (the tiny model keeps it so): the first step gives the
+    cross-attention and its norms no gradient, which the first-step guard must not call "not learning";
+    the released weights' gates are trained, and then nothing is left out."""
+    blocks = family.transformer.layers
+    injection = [i for i, block in enumerate(blocks) if block.cross_attention is not None]
+    parts = ("cross_attention.", "cross_attn_norm1.", "cross_attn_norm2.")
+    assert family.zero_gated_prefixes("transformer") == tuple(f"layers.{i}.{n}" for i in injection for n in parts)
+    assert family.zero_gated_prefixes("text_encoder") == ()
+    gate = blocks[injection[0]].cross_attn_gate
+    try:
+        with torch.no_grad():
+            gate.fill_(0.5)
+        assert family.zero_gated_prefixes("transformer") == tuple(f"layers.{i}.{n}" for i in injection[1:] for n in parts)
+    finally:
+        with torch.no_grad():
+            gate.zero_()
 
 
 class _RealArithmeticAttention:

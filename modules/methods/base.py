@@ -114,10 +114,20 @@ class TrainingMethod(ABC):
         name -> whether the parameter's first gradient was non-zero; None: read `.grad` as usual."""
         return None
 
-    def first_step_moves(self) -> dict[str, bool] | None:
+    def recorded_moves(self) -> dict[str, bool] | None:
         """For the first-step guard where the stored value cannot show a step (a tiny update of a
-        bfloat16 weight rounded back to its old value): name -> whether the optimizer changed it."""
+        bfloat16 weight rounded back to its old value): name -> whether the optimizer changed it, in
+        the first step, then in the steps since `record_moves`."""
         return None
+
+    def record_moves(self, names: set[str]) -> None:
+        """Record, from the next step, `recorded_moves` of these parameters (those the guard watches)."""
+
+    def stepped_parameters(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        """The ids of this method's parameters that an optimizer step updates (the first-step guard's
+        "in the optimizer"): those its groups hold now."""
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return {id(p) for _, p in self.named_parameters() if id(p) in held}
 
     @classmethod
     def planned_size(cls, config: TrainConfig, family):

@@ -57,6 +57,9 @@ class FineTuneMethod(TrainingMethod):
             self.output_folder = resolve_output_folder(trainer.output_path, config.output.if_exists, trainer.workspace,
                                                        config.backup.resume, trainer.callbacks.on_warning)
         self.named = []
+        # what the first step rightly leaves without gradient (a zero gate's modules), judged before it
+        self.zero_gated = tuple(f"{part}.{prefix}" for part in self.trained_parts()
+                                for prefix in self.family.zero_gated_prefixes(part))
         for part in self.trained_parts():
             # a text encoder's weights after the hidden state the family reads never get a gradient
             reachable = reachable_text_weights(self.family, part) if part in self.family.text_parts else None
@@ -97,9 +100,18 @@ class FineTuneMethod(TrainingMethod):
     def gradients_seen(self) -> dict[str, bool] | None:
         return self.fused.take_gradients_seen() if self.fused is not None else None
 
-    def first_step_moves(self) -> dict[str, bool] | None:
+    def recorded_moves(self) -> dict[str, bool] | None:
         moves = self.stepper.take_moves()
         return {name: moves[id(p)] for name, p in self.named if id(p) in moves}
+
+    def record_moves(self, names: set[str]) -> None:
+        self.stepper.record_moves({id(p) for name, p in self.named if name in names})
+
+    def stepped_parameters(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        if self.fused is None:
+            return super().stepped_parameters(optimizer)
+        # the fused backward steps what its stepper's groups held when it was made (single_parameter_step.py)
+        return {id(p) for _, p in self.named if id(p) in self.fused.stepper.group_of}
 
     def parameter_groups(self, config: TrainConfig) -> list[dict]:
         groups = []
@@ -115,7 +127,8 @@ class FineTuneMethod(TrainingMethod):
 
     def guarded_parameters(self) -> list[tuple[str, nn.Parameter]]:
         not_run = self.family.trained_parts_not_run()  # an expert no sample reached yet has no gradient
-        return [(n, p) for n, p in self.named if n.split(".", 1)[0] not in not_run]
+        return [(n, p) for n, p in self.named
+                if n.split(".", 1)[0] not in not_run and not (self.zero_gated and n.startswith(self.zero_gated))]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         # a sharded weight whole (every rank gathers it together): backups are a single process's

@@ -232,6 +232,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         the first-step guard does not hold their adapters to having learned."""
         return set()
 
+    def zero_gated_prefixes(self, part: str) -> tuple[str, ...]:
+        """Module-name prefixes inside the loaded `part` whose output a gate that is exactly zero in its
+        weights multiplies (FIBO-2's cross-attention on a model whose gates start at zero): their
+        gradients are zero until the gate moves, in the first step, so the first-step guard does not
+        hold them to having learned in it. Asked before training (the first step moves the gate)."""
+        return ()
+
     # --- data --------------------------------------------------------------------------------
 
     @abstractmethod

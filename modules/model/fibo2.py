@@ -197,6 +197,16 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
             return list(self.parts[part].language_model.layers)
         return []
 
+    def zero_gated_prefixes(self, part: str) -> tuple[str, ...]:
+        # an injection block adds cross_attn_gate.tanh() x its cross-attention: diffusers initializes the
+        # gate at zero (the released weights have trained ones), which silences the cross-attention
+        # and both its norms until the gate has moved
+        if part != "transformer":
+            return ()
+        return tuple(f"layers.{i}.{name}" for i, block in enumerate(self.transformer.layers)
+                     if getattr(block, "cross_attention", None) is not None and not block.cross_attn_gate.detach().any()
+                     for name in ("cross_attention.", "cross_attn_norm1.", "cross_attn_norm2."))
+
     def unreachable_prefixes(self, part: str, names: Collection[str] | None = None) -> tuple[str, ...]:
         # hidden_states[k] is what layer k-1 outputs: layers from the deepest one read on never reach the loss;
         # the vision tower reaches it only for images (a caption without any would leave its adapters unlearned)

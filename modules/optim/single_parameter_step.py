@@ -32,13 +32,27 @@ class SingleParameterStepper:
         self.stochastic_rounding = stochastic_rounding
         self.group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
         self.active = False  # inside one of our own steps (its step hooks must not step again)
-        # id -> whether the float32 step changed a rounded weight, until taken (the first-step guard:
-        # a tiny update may round back to every old bfloat16 value and still be a real step)
+        # id -> whether the float32 steps changed a rounded weight, until taken (the first-step guard:
+        # a tiny update may round back to every old bfloat16 value and still be a real step); recorded
+        # for every weight in the first step, then only for those the guard still watches
         self.moves: dict[int, bool] | None = {}
+        self.recorded: set[int] | None = None  # None: every weight
 
     def take_moves(self) -> dict[int, bool]:
+        """What was recorded since the last take (then nothing is, until `record_moves`)."""
         moves, self.moves = self.moves or {}, None
         return moves
+
+    def record_moves(self, ids: set[int]) -> None:
+        """Record again, for these parameters only, whether a step changes them."""
+        self.moves, self.recorded = {}, set(ids)
+
+    def _records(self, parameter: nn.Parameter) -> bool:
+        # (asked before comparing: a comparison of every weight in every step would cost a read of the model)
+        return self.moves is not None and (self.recorded is None or id(parameter) in self.recorded)
+
+    def _record(self, parameter: nn.Parameter, moved: bool) -> None:
+        self.moves[id(parameter)] = self.moves.get(id(parameter), False) or moved
 
     def rounds(self, parameter: nn.Parameter) -> bool:
         return self.stochastic_rounding and parameter.dtype == torch.bfloat16
@@ -65,8 +79,8 @@ class SingleParameterStepper:
                 parameter.grad = gradient.float()
             self.active = True
             self.optimizer.step()
-            if rounding and self.moves is not None:
-                self.moves[id(parameter)] = not torch.equal(parameter.data, stored.float())
+            if rounding and self._records(parameter):
+                self._record(parameter, not torch.equal(parameter.data, stored.float()))
         finally:
             self.active = False
             for group, params in zip(groups, kept):
@@ -97,6 +111,6 @@ class SingleParameterStepper:
             if stand_in in state:
                 state[parameter] = state.pop(stand_in)
         stepped, stored = local_part(stand_in.detach()), local_part(parameter.detach())
-        if self.moves is not None:
-            self.moves[id(parameter)] = not torch.equal(stepped, stored.float())
+        if self._records(parameter):
+            self._record(parameter, not torch.equal(stepped, stored.float()))
         copy_stochastically_(stored, stepped)

@@ -6,6 +6,18 @@ first optimizer step, every trainable parameter must have a gradient, every para
 gradient is non-zero must have moved, and every adapter module must have moved as a whole.
 (A fresh LoRA's down matrix legitimately gets a zero gradient on step one, because its up
 matrix starts at zero, so "moved" is checked per module, not per tensor.)
+
+A first step can also be too small to show: a 1-element gate at 0.5 stepped by Adafactor at the
+warm-up's first learning rate (an update of ~2.5e-8, under float32's half-spacing of 3e-8 there),
+a norm weight at 1.0 with a tiny lr, a bfloat16 weight. So an unmoved tensor that has a gradient
+and that the optimizer holds (membership, which is what "not in the optimizer" asks) is not judged
+at step 1: it is watched (`PendingMoves`) until it moves, and fails only if it has not moved by the
+end of the warm-up plus `SETTLE_STEPS` steps at the full learning rate. Why a deadline and not the
+optimizer's step against the weight's spacing: the step size is each optimizer's own formula
+(Adam's ~lr, Adafactor's lr x RMS(weight), SGD's lr x gradient, ...), which no generic code can
+know; waiting needs no formula, still catches stale storage (an optimizer step that never reaches
+the stored weight, such as a parked weight written back from an old copy: it never moves), and
+costs only a copy of the watched tensors. Tensors outside the optimizer still fail at step 1.
 """
 
 from __future__ import annotations
@@ -36,14 +48,24 @@ def snapshot(named_parameters: list[tuple[str, torch.nn.Parameter]]) -> dict[str
 NEGLIGIBLE_GRADIENT = 1e-4
 
 
+# steps at the full learning rate (after the warm-up) that a watched tensor gets to move: a float32 step
+# below the weight's resolution rounds back every time (it does not add up), so a tensor still unmoved
+# after them does not learn at this learning rate, or its stored weight is not the one stepped
+SETTLE_STEPS = 10
+
+
 def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
                      before: dict[str, torch.Tensor], gradients_seen: dict[str, bool] | None = None,
-                     moves: dict[str, bool] | None = None) -> None:
+                     moves: dict[str, bool] | None = None, in_optimizer: set[int] | None = None,
+                     deadline: int = SETTLE_STEPS) -> PendingMoves | None:
     """`gradients_seen`: name -> non-zero gradient, for parameters whose gradients were freed in the
     backward pass (a fused backward); the others' `.grad` is read. `moves`: name -> changed by the
     optimizer, where the stored value cannot show it (stochastically rounded bfloat16 weights);
-    the others are compared with `before`."""
-    no_grad, not_updated, modules_moved = [], [], {}
+    the others are compared with `before`. `in_optimizer`: the ids of the parameters a step updates
+    (the optimizer's groups; a fused backward's stepper's): an unmoved one with a gradient is watched
+    until step `deadline` (the returned PendingMoves) instead of failing now; None: membership
+    unknown, every unmoved tensor with a gradient fails now."""
+    no_grad, not_updated, watched, modules_moved = [], [], [], {}
     seen, moves = gradients_seen or {}, moves or {}
     flags = {}  # name -> (moved, gradient non-zero), on this rank's slice of a sharded weight
     largest = {name: local_part(p.grad.detach()).abs().max().item() if local_part(p.grad).numel() else 0.0
@@ -64,9 +86,12 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
         device = reduce_device(dict(named_parameters)[sharded[0]].device)
         merged = any_rank([flag for name in sharded for flag in flags[name]], device)
         flags.update({name: (merged[2 * i], merged[2 * i + 1]) for i, name in enumerate(sharded)})
-    for name, _ in named_parameters:
+    for name, parameter in named_parameters:
         module = name.rsplit(".", 2)[0]
         moved, nonzero = flags[name]
+        if nonzero and not moved and in_optimizer is not None and id(parameter) in in_optimizer:
+            watched.append(name)  # stepped, perhaps by less than its resolution: judged later
+            moved = True  # (nor is its module called unchanged now)
         modules_moved[module] = modules_moved.get(module, False) or moved
         if nonzero is None:
             no_grad.append(name)
@@ -84,6 +109,53 @@ def check_first_step(named_parameters: list[tuple[str, torch.nn.Parameter]],
         problems.append(_listing("module(s) did not change at all", frozen_modules))
     if problems:
         raise TrainingError("the trained weights are not learning after the first optimizer step:\n" + "\n".join(problems))
+    return PendingMoves({name: before[name] for name in watched}, deadline) if watched else None
+
+
+class PendingMoves:
+    """Trained tensors that had a gradient, are in the optimizer and did not move in the first step,
+    with their values before it: each later step asks whether they have moved since, until all have
+    (then `done`) or step `deadline` comes, when those still unmoved stop the run."""
+
+    def __init__(self, before: dict[str, torch.Tensor], deadline: int):
+        self.before, self.deadline = before, deadline
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.before)
+
+    @property
+    def done(self) -> bool:
+        return not self.before
+
+    def check(self, named_parameters: list[tuple[str, torch.nn.Parameter]], step: int,
+              moves: dict[str, bool] | None = None) -> None:
+        """After optimizer step `step` (1-based); `moves` as for check_first_step, recorded since the
+        last check. Every rank calls it while any tensor is watched (a sharded weight is merged)."""
+        moves, current = moves or {}, dict(named_parameters)
+        names = [name for name in self.before if name in current]
+        flags = [moves[name] if name in moves else not torch.equal(local_part(current[name].detach()).cpu(),
+                                                                   self.before[name]) for name in names]
+        sharded = [i for i, name in enumerate(names) if is_sharded(current[name])]
+        if sharded:
+            merged = any_rank([flags[i] for i in sharded], reduce_device(current[names[sharded[0]]].device))
+            for i, moved in zip(sharded, merged):
+                flags[i] = moved
+        for name, moved in zip(names, flags):
+            if moved:
+                del self.before[name]
+        if self.before and step >= self.deadline:
+            raise TrainingError(f"the trained weights are not learning: by step {step}, " + _listing(
+                "tensor(s) in the optimizer had a gradient but never changed (steps below the weight's resolution "
+                "at this learning rate, or the stored weight is not the one stepped)", sorted(self.before)).lstrip())
+
+    def unresolved(self) -> str | None:
+        """What to tell at the end of a run shorter than the deadline, if some never moved."""
+        if self.done:
+            return None
+        return _listing("trained tensor(s) had a gradient but did not change in this run (their steps may be "
+                        "below the weight's resolution; a longer run would have stopped at step "
+                        f"{self.deadline})", sorted(self.before)).lstrip()
 
 
 def _listing(what: str, names: list[str]) -> str:
