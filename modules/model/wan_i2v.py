@@ -22,18 +22,37 @@ Wan 2.1 file (diffusers' converter maps those keys too). Its image embedder tell
 and from a Wan 2.2 I2V A14B expert (36 channels, no image embedder) before any weight loads; the
 header's width, blocks, input channels and image embedding width pick the config of
 resources/model_configs/wan_i2v/transformer*/. The UMT5 and VAE files are Wan 2.1's
-(`model.parts.<part>.path`); the CLIP vision tower comes from a diffusers image_encoder/ folder
-(`model.parts.image_encoder.path`), the 480p and 720p folders ship the same one.
+(`model.parts.<part>.path`); the CLIP vision tower (`model.parts.image_encoder.path`) from a diffusers
+image_encoder/ folder (the 480p and 720p folders ship the same one) or ComfyUI's
+clip_vision_h.safetensors, the file its Wan I2V workflows load with "Load CLIP Vision"
+(components/clip_vision_file.py: its layout read from its keys, a tower other than ViT-H/14 named
+before any weight loads).
+
+Wan 2.1 FLF2V 14B (first-last-frame to video, Wan-AI/Wan2.1-FLF2V-14B-720P) is the I2V transformer
+plus a position embedding over the CLIP tokens of two frames (`img_emb.emb_pos`, diffusers'
+`pos_embed_seq_len`); it is not trained here, and a file or folder of it is refused before any
+weight loads, naming it (refuse_flf2v_file, part_folder).
 """
 
 from __future__ import annotations
 
 import torch
 
+import json
+import re
+
 from modules.config.families.wan_i2v import DECLARATION
+from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.wan import MAX_TEXT_TOKENS, WanFamily
 from modules.model.wan_first_frame import WanFirstFrame
 from modules.model.wan_single_file import IMAGE_SIGNATURE
+
+# FLF2V's image embedder adds a position embedding over both frames' CLIP tokens (1, 2 x 257, 1280)
+FLF2V_KEY = re.compile(r"^(model\.diffusion_model\.)?img_emb\.emb_pos$")
+FLF2V_REFUSAL = ("Wan 2.1 FLF2V 14B (first-last-frame to video: its image embedder positions the CLIP tokens of two "
+                 "frames, {what}); model.family 'wan_i2v' trains Wan 2.1 I2V 14B (480p or 720p, conditioned on the "
+                 "first frame alone), and FLF2V is not supported: give an I2V 14B transformer (Wan-AI's "
+                 "Wan2.1-I2V-14B-480P/720P, ComfyUI's wan2.1_i2v_*_14B_*.safetensors)")
 
 
 def _unwrapped_clip_key(key: str) -> str:
@@ -58,12 +77,47 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
 
+    def single_file_part(self, part: str):
+        if part == "image_encoder":
+            from modules.model.components import clip_vision_file
+
+            return clip_vision_file.single_file_part()
+        return super().single_file_part(part)
+
+    def check_part_file(self, part: str, stream, where: str) -> None:
+        if part == "image_encoder":
+            from modules.model.components.clip_vision_file import check_clip_vision_file
+
+            check_clip_vision_file(stream, super().part_folder(part), where, self.label, "clip_vision_h.safetensors")
+            return
+        if part == "transformer":
+            refuse_flf2v_file(stream, where)
+        super().check_part_file(part, stream, where)
+
+    def part_folder(self, part: str):
+        folder = super().part_folder(part)
+        if part == "transformer" and not self.from_single_file(part):  # a diffusers folder's transformer
+            config = folder / "config.json"
+            length = json.loads(config.read_text(encoding="utf-8")).get("pos_embed_seq_len") if config.is_file() else None
+            if length:
+                where = "model.parts.transformer.path" if self.config.model.parts[part].path else "model.base"
+                raise ModelLoadError(f"{where}: {folder} holds "
+                                     + FLF2V_REFUSAL.format(what=f"its config's pos_embed_seq_len {length}"))
+        return folder
+
     def load(self) -> None:
         from transformers import CLIPImageProcessorPil, CLIPVisionModel
 
         if self.single_file is not None:
             self.single_file_stream()  # the transformer file's parts and shape, before the image encoder loads
-        # the released folders hold it as transformers 4 saved it, under `vision_model.`
+        # every part's own file (a ViT-L CLIP is named) and the transformer's folder (an FLF2V one is refused)
+        # checked before any weight loads
+        for spec in self.part_specs:
+            if self.from_single_file(spec.name):
+                self.single_file_stream(spec.name)
+        self.part_folder("transformer")
+        # the released folders hold it as transformers 4 saved it, under `vision_model.`; a single file
+        # (ComfyUI's clip_vision_h) is converted to CLIPVisionModel's names (components/clip_vision_file.py)
         self.parts["image_encoder"] = self.load_part("image_encoder", CLIPVisionModel, rename=_unwrapped_clip_key)
         super().load()  # the other parts, then the scheduler and tokenizer
         self.parts = {spec.name: self.parts[spec.name] for spec in self.part_specs}
@@ -104,8 +158,6 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
         return hidden.hidden_states[-2]
 
     def pixel_conditioning_shapes(self, latent_shape: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-        import json
-
         config = json.loads((self.part_folder("image_encoder") / "config.json").read_text(encoding="utf-8"))
         # CLIPVisionConfig's defaults where the config leaves them out; one class token before the patches
         tokens = (config.get("image_size", 224) // config.get("patch_size", 32)) ** 2 + 1
@@ -131,3 +183,11 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
             transformer=self.transformer)
         pipe.set_progress_bar_config(disable=True)
         return pipe
+
+
+def refuse_flf2v_file(stream, where: str) -> None:
+    """ModelLoadError at `where` when the transformer file `stream` is FLF2V's, from its header."""
+    key = next((k for k in stream.keys() if FLF2V_KEY.match(k)), None)
+    if key is not None:
+        raise ModelLoadError(f"{where}: {stream.path.name} holds " + FLF2V_REFUSAL.format(
+            what=f"`{key}` {tuple(stream.shape(key))}"))
