@@ -3,12 +3,10 @@ in ComfyUI's layout (as its clip_vision_h.safetensors: transformers 4 names unde
 with `visual_projection`) and in OpenCLIP's (`visual.`, q/k/v stacked) loads as
 `model.parts.image_encoder.path` and gives the image embeddings of the diffusers folder's encoder;
 a tower of another shape (a ViT-L clip_vision_l where ViT-H is wanted) is named by the preflight
-and the load before any weight loads. Wan 2.1 FLF2V (its `img_emb.emb_pos`, a folder's
-`pos_embed_seq_len`) is refused before any weight loads, naming the file or folder."""
+and the load before any weight loads."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -112,44 +110,3 @@ def test_a_vit_l_file_is_named_by_the_preflight_and_before_any_weight_loads(tiny
         WanI2VFamily(config).load()
     assert loaded == []
 
-
-def test_flf2v_files_and_folders_are_refused_before_any_weight_loads(tiny, shape_images, tmp_path, monkeypatch):
-    from modules.model.detect import detect_family
-    from modules.model.wan_i2v import WanI2VFamily
-    from modules.trainer.preflight import _model_problems
-
-    # the released FLF2V 14B's header as ComfyUI repackages it: the I2V 14B's plus `img_emb.emb_pos`
-    prefix = "model.diffusion_model."
-    flf2v = tmp_path / "wan2.1_flf2v_720p_14B_fp8_e4m3fn.safetensors"
-    save_file({prefix + "patch_embedding.weight": torch.zeros(5120, 36, 1, 2, 2, dtype=torch.float8_e4m3fn),
-               **{f"{prefix}blocks.{i}.self_attn.norm_q.weight": torch.zeros(1) for i in range(40)},
-               prefix + "blocks.0.cross_attn.k_img.weight": torch.zeros(1),
-               prefix + "img_emb.proj.1.weight": torch.zeros(1280, 1280, dtype=torch.float8_e4m3fn),
-               prefix + "img_emb.emb_pos": torch.zeros(1, 514, 1280, dtype=torch.float8_e4m3fn)}, str(flf2v))
-    assert detect_family(flf2v) == "wan_i2v"  # its family by the keys; refused for its kind below
-    file_message = (r"^model\.base: wan2\.1_flf2v_720p_14B_fp8_e4m3fn\.safetensors holds Wan 2\.1 FLF2V 14B "
-                    r"\(first-last-frame to video: .*`model\.diffusion_model\.img_emb\.emb_pos` \(1, 514, 1280\)\); "
-                    r"model\.family 'wan_i2v' trains Wan 2\.1 I2V 14B .* FLF2V is not supported")
-    parts = {part: {"path": str(tiny / part)} for part in ("text_encoder", "image_encoder", "vae")}
-    file_config = train_config(flf2v, shape_images, tmp_path, {"model": {"family": "wan_i2v", "parts": parts}})
-    problems, _ = _model_problems(file_config)
-    assert any(re.match(file_message, str(problem)) for problem in problems), problems
-
-    # a diffusers folder's transformer whose config has FLF2V's pos_embed_seq_len
-    transformer = tmp_path / "flf2v-diffusers" / "transformer"
-    transformer.mkdir(parents=True)
-    config = json.loads((tiny / "transformer" / "config.json").read_text(encoding="utf-8"))
-    (transformer / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": 34}), encoding="utf-8")
-    folder_message = (rf"^model\.parts\.transformer\.path: {re.escape(str(transformer))} holds Wan 2\.1 FLF2V 14B "
-                      r"\(.*its config's pos_embed_seq_len 34\)")
-    folder_config = train_config(tiny, shape_images, tmp_path, {"model": {
-        "family": "wan_i2v", "parts": {"transformer": {"path": str(transformer)}}}})
-    problems, _ = _model_problems(folder_config)
-    assert any(re.match(folder_message, str(problem)) for problem in problems), problems
-
-    loaded = []
-    monkeypatch.setattr(WanI2VFamily, "load_part", lambda self, part, *a, **k: loaded.append(part))
-    for config, message in ((file_config, file_message), (folder_config, folder_message)):
-        with pytest.raises(ModelLoadError, match=message):
-            WanI2VFamily(config).load()
-    assert loaded == []
