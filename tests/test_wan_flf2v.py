@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import numpy
 import pytest
@@ -156,7 +157,26 @@ def test_a_sample_from_a_first_and_last_frame_is_a_video_another_last_frame_chan
     assert sample(paths[0], paths[1], frames=1).shape == (1, SIDE, SIDE, 3)  # its own last frame
     with pytest.raises(UserError, match=r"has 1 image\(s\); .* samples from a first and a last frame"):
         sample(paths[0])
+    # a config's prompt with one image is named before any weight loads, and an I2V transformer's with two
+    from modules.model.wan_i2v import WanI2VFamily
 
+    tiny = Path(family.config.model.base)
+    for transformer, images in ((None, paths[:1]), (_i2v_transformer_config(tiny, tmp_path), paths[:2])):
+        config = train_config(tiny, tmp_path, tmp_path, {"model": {"family": "wan_i2v", "parts": {
+            "transformer": {"path": str(transformer) if transformer else None}}}, "sampling": {
+            "prompts": [{"prompt": "a", "frames": 5, "control_images": [str(p) for p in images]}]}})
+        with pytest.raises(UserError, match=rf"^sampling\.prompts\[0\]\.control_images: {len(images)} given; "
+                                            r"Wan 2\.1 I2V 14B with this transformer samples from"):
+            WanI2VFamily(config).load()
+
+
+def _i2v_transformer_config(tiny, tmp_path):
+    """The tiny transformer's config folder as an I2V's (no image positions), weights left out."""
+    folder = tmp_path / "i2v" / "transformer"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = json.loads((tiny / "transformer" / "config.json").read_text(encoding="utf-8"))
+    (folder / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": None}), encoding="utf-8")
+    return folder
 
 def test_its_single_file_is_told_before_weights_load_and_loads_the_folders_tensors(tiny, tmp_path, clips):
     from safetensors.torch import load_file, save_file
@@ -210,8 +230,4 @@ def test_the_released_flf2v_header_picks_its_config_and_keeps_caches_apart_from_
         config = train_config(tiny, clips[0], tmp_path, {"model": {"family": "wan_i2v", "parts": parts}})
         return WanI2VFamily(config).fingerprint("vae", "image_encoder")
 
-    i2v_transformer = tmp_path / "i2v" / "transformer"  # the tiny's transformer config as the I2V's
-    i2v_transformer.mkdir(parents=True)
-    config = json.loads((tiny / "transformer" / "config.json").read_text(encoding="utf-8"))
-    (i2v_transformer / "config.json").write_text(json.dumps({**config, "pos_embed_seq_len": None}), encoding="utf-8")
-    assert identity(None) != identity(i2v_transformer)
+    assert identity(None) != identity(_i2v_transformer_config(tiny, tmp_path))

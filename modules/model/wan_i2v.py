@@ -113,6 +113,7 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
 
         if self.single_file is not None:
             self.single_file_stream()  # the transformer file's parts and shape, before the image encoder loads
+        self._check_prompt_images()
         for spec in self.part_specs:  # every part's own file checked (a ViT-L CLIP named) before any weight loads
             if self.from_single_file(spec.name):
                 self.single_file_stream(spec.name)
@@ -128,6 +129,17 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
         self.parts = {spec.name: self.parts[spec.name] for spec in self.part_specs}
         self.image_processor = CLIPImageProcessorPil.from_pretrained(str(self.support_folder("image_processor")),
                                                                   local_files_only=True)
+
+    def _check_prompt_images(self) -> None:
+        """Before any weight loads: each sample prompt's images are what this transformer samples from,
+        one (I2V) or two (FLF2V: first and last frame). The declaration allows both, the config being
+        silent on which transformer it names; a prompt with none the preflight has named already."""
+        wanted = {1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)",
+                  2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)"}[self.image_frames]
+        for index, prompt in enumerate(self.config.sampling.prompts):
+            if prompt.control_images and len(prompt.control_images) != self.image_frames:
+                raise UserError(f"sampling.prompts[{index}].control_images: {len(prompt.control_images)} given; "
+                                f"{self.label} with this transformer samples from {wanted}")
 
     @property
     def max_sequence_length(self) -> int:
