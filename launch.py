@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--family", default="sd15")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--variant", help="a model of a family of several: flux2's 'klein' (default) or "
-                      "'dev'; qwen_image_edit_plus's '2509' (default) or '2511'")
+                      "'dev'; qwen_image_edit_plus's '2509' (default) or '2511'; wan_i2v's 'i2v' (default) or "
+                      "'flf2v' (Wan 2.1 FLF2V)")
     tiny.set_defaults(run=cmd_make_tiny_model)
 
     info = sub.add_parser("info", help="families, presets, devices, and the weight dtypes that work here")

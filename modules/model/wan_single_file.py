@@ -131,6 +131,14 @@ def check_vae_file(stream, folder: Path, where: str, label: str) -> None:
                              f"{vae_kind(*wanted)}: name that VAE's single file or its diffusers vae/ folder here")
 
 
+def _with_flf2v_positions(state: dict) -> dict:
+    """diffusers 0.42's single-file converter passes FLF2V's `img_emb.emb_pos` through unrenamed; its
+    scripts/convert_wan_to_diffusers.py names it `condition_embedder.image_embedder.pos_embed`."""
+    if "img_emb.emb_pos" in state:
+        state["condition_embedder.image_embedder.pos_embed"] = state.pop("img_emb.emb_pos")
+    return state
+
+
 def single_file_part(part: str):
     """Where `part` sits in a Wan single file (the transformer's, the VAE's or the UMT5 file)."""
     from diffusers.loaders import single_file_utils as convert
@@ -138,33 +146,37 @@ def single_file_part(part: str):
     from modules.loading.single_file import SingleFilePart
 
     return {
-        "transformer": SingleFilePart(
-            TRANSFORMER_PREFIXES, lambda sd, model: convert.convert_wan_transformer_to_diffusers(sd)),
+        "transformer": SingleFilePart(TRANSFORMER_PREFIXES, lambda sd, model: _with_flf2v_positions(
+            convert.convert_wan_transformer_to_diffusers(sd))),
         "vae": SingleFilePart(VAE_PREFIXES, wan_vae_to_diffusers),
         "text_encoder": SingleFilePart(TEXT_ENCODER_PREFIXES, lambda sd, model: sd),
     }.get(part)
 
 
-def transformer_shape(keys, shape_of) -> tuple[int, int, int, int]:
-    """(width, block count, input channels, image embedding width) of the transformer in a file, from
-    its header: the patch embedding is (width, channels, 1, 2, 2), 16 channels for text-to-video, 36
-    for image-to-video; Wan 2.1 I2V's image embedder's first Linear `img_emb.proj.1` is (image width,
-    image width), 1280 for CLIP ViT-H/14 (0: no image embedder, as in Wan 2.2 I2V's experts)."""
+def transformer_shape(keys, shape_of) -> tuple[int, int, int, int, int]:
+    """(width, block count, input channels, image embedding width, image positions) of the transformer
+    in a file, from its header: the patch embedding is (width, channels, 1, 2, 2), 16 channels for
+    text-to-video, 36 for image-to-video; Wan 2.1 I2V's image embedder's first Linear `img_emb.proj.1`
+    is (image width, image width), 1280 for CLIP ViT-H/14 (0: no image embedder, as in Wan 2.2 I2V's
+    experts); Wan 2.1 FLF2V's `img_emb.emb_pos` (1, positions, image width) positions the CLIP tokens
+    of its first and last frames, 2 x 257 (0: none, the I2V's)."""
     def key(pattern):
         return next((k for k in keys if re.match(r"^(model\.diffusion_model\.)?" + pattern + "$", k)), None)
 
-    patch, image = key(r"patch_embedding\.weight"), key(r"img_emb\.proj\.1\.weight")
+    patch, image, positions = key(r"patch_embedding\.weight"), key(r"img_emb\.proj\.1\.weight"), key(r"img_emb\.emb_pos")
     blocks = {int(m.group(1)) for k in keys if (m := re.match(r"^(?:model\.diffusion_model\.)?blocks\.(\d+)\.", k))}
     width, channels = shape_of(patch)[:2] if patch else (0, 0)
-    return width, max(blocks, default=-1) + 1, channels, (shape_of(image)[1] if image else 0)
+    return (width, max(blocks, default=-1) + 1, channels, (shape_of(image)[1] if image else 0),
+            (shape_of(positions)[1] if positions else 0))
 
 
 def transformer_config_folder(folder: Path, width: int, blocks: int, channels: int, image_width: int = 0,
-                              where: str = "model.base") -> Path:
-    """The config folder beside `folder` (transformer/, transformer_14b/, ...) whose architecture
-    has this width, block count, input channels and image embedding width (`image_dim`; 0: none)
-    (`folder` itself first); ModelLoadError at `where` naming what the file holds when none has (a
-    file without a patch embedding: `folder`, and the load names what is missing)."""
+                              image_positions: int = 0, where: str = "model.base") -> Path:
+    """The config folder beside `folder` (transformer/, transformer_14b/, transformer_flf2v/, ...) whose
+    architecture has this width, block count, input channels, image embedding width (`image_dim`;
+    0: none) and image positions (`pos_embed_seq_len`; 0: none) (`folder` itself first);
+    ModelLoadError at `where` naming what the file holds when none has (a file without a patch
+    embedding: `folder`, and the load names what is missing)."""
     from modules.loading.diffusers_folder import ModelLoadError
 
     if not width:
@@ -176,12 +188,14 @@ def transformer_config_folder(folder: Path, width: int, blocks: int, channels: i
             continue
         config = json.loads(config_path.read_text(encoding="utf-8"))
         shape = (config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0), config.get("num_layers"),
-                 config.get("in_channels"), config.get("image_dim") or 0)
-        if shape == (width, blocks, channels, image_width):
+                 config.get("in_channels"), config.get("image_dim") or 0, config.get("pos_embed_seq_len") or 0)
+        if shape == (width, blocks, channels, image_width, image_positions):
             return candidate
     kind = {16: "text-to-video", 36: "image-to-video"}.get(channels, f"{channels} input channels")
     if image_width:
         kind += f", with an image embedder {image_width} wide"
+    if image_positions:
+        kind += f" over {image_positions} positions (first and last frames: FLF2V)"
     raise ModelLoadError(f"{where}: the file holds a Wan transformer {width} wide with {blocks} blocks "
                          f"({kind}); no config in {folder.parent}/transformer*/ has that architecture: set "
                          f"model.parts.{folder.name}.path to a diffusers {folder.name}/ folder of the model")

@@ -20,8 +20,9 @@ DECLARATION = replace(
         PartSpec("transformer", "transformer", "lora_unet", default_train=True),
         PartSpec("vae", "vae", None),
     ),
-    # every sample starts from one prompt image (sampling.prompts[].control_images[0]); training
-    # conditions on each clip's own first frame, so concepts take no paired control images
-    prompt_control_images=(1, 1),
+    # every sample starts from one prompt image (sampling.prompts[].control_images[0]); Wan 2.1 FLF2V's
+    # ends on a second, its last frame (the variant, told by its transformer: modules/model/wan_i2v.py).
+    # Training conditions on each clip's own first (and last) frame, so concepts take no paired controls
+    prompt_control_images=(1, 2),
     implementation="modules.model.wan_i2v:WanI2VFamily",
 )
