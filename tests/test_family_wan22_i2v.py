@@ -5,7 +5,8 @@ condition is WanImageToVideoPipeline's own and another first frame changes the p
 expert's file loads into its own transformer of WanImageToVideoPipeline with no key dropped and
 equal outputs (and through ComfyUI's key map); a resumed run equals an uninterrupted one; half the
 expert parked trains the same adapter; fp8 and nf4 base weights train; the folder is told from Wan 2.1 I2V
-and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning."""
+and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning; a full fine-tune
+of both experts on a clip saves folders WanTransformer3DModel loads with the trained weights."""
 
 from __future__ import annotations
 
@@ -206,3 +207,34 @@ def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with
                                                        "sampling": {"prompts": [{"prompt": "a", "frames": 5}]}})
     assert any(p.startswith("sampling.prompts[0].control_images: none given; Wan 2.2 I2V A14B samples from 1")
                for p in map(str, preflight_problems(no_image))), preflight_problems(no_image)
+
+
+def test_a_full_fine_tune_of_both_experts_saves_transformers_diffusers_loads(tmp_path, tiny, clips):
+    """`save_format` auto, as the full fine-tune preset saves: the pipeline folder with each trained
+    expert in its own transformer/ or transformer_2/, each loaded by WanTransformer3DModel with the
+    trained weights, and the whole WanImageToVideoPipeline (no image encoder, boundary_ratio 0.9)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[0], tmp_path, {
+        "model": {"family": "wan22_i2v"}, "data": {"resolution": 16},  # both experts train by default
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}, "repeats": 4}],
+        "method": {"type": "fine_tune", "save_format": "auto"}, "optimizer": {"lr": 1e-3},
+        # noise levels drawn about evenly either side of the boundary, so both experts meet samples in two steps
+        "loss": {"logit_mean": 1.0}, "schedule": {"max_steps": 2, "batch_size": 4}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    assert trainer.family.trained_parts_not_run() == set()  # each expert met a sample of its timesteps
+    saved = trainer.end()
+    assert saved == tmp_path / "out" / "lora" and saved.is_dir()
+    for expert in EXPERTS:
+        trained = {k: v.float() for k, v in trainer.family.parts[expert].state_dict().items()}
+        loaded = WanTransformer3DModel.from_pretrained(str(saved / expert)).state_dict()
+        original = WanTransformer3DModel.from_pretrained(str(tiny / expert)).state_dict()
+        assert set(loaded) == set(trained), expert
+        assert all(torch.equal(loaded[k].float(), trained[k]) for k in trained), expert
+        assert any(not torch.equal(loaded[k], original[k]) for k in original), expert  # it trained
+    pipe = WanImageToVideoPipeline.from_pretrained(str(saved), local_files_only=True)
+    assert pipe.image_encoder is None and pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.9
