@@ -4,7 +4,7 @@ the loss falls while the high-noise expert rests; a sample from a control image 
 condition is WanImageToVideoPipeline's own and another first frame changes the prediction; each
 expert's file loads into its own transformer of WanImageToVideoPipeline with no key dropped and
 equal outputs (and through ComfyUI's key map); a resumed run equals an uninterrupted one; half the
-expert parked trains the same adapter; fp8 and nf4 base weights train; the folder is told from Wan 2.1 I2V
+expert parked trains the same adapter; fp8 and nf4 base weights train; the skip and keep-in-fp32 lists hold on both experts; the folder is told from Wan 2.1 I2V
 and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning; a full fine-tune
 of both experts on a clip saves folders WanTransformer3DModel loads with the trained weights."""
 
@@ -178,6 +178,30 @@ def test_offloading_half_the_low_noise_expert_trains_the_same_adapter(fake_devic
 @pytest.mark.parametrize("mode", ["float8", "nf4"])
 def test_quantized_base_weights_initialize_and_step(tmp_path, tiny, one_image, mode):
     initializes_and_steps(tiny, one_image, tmp_path, "wan22_i2v", "transformer_2", mode, False, LOW_NOISE_ONLY)
+
+
+def test_the_skip_and_keep_in_fp32_lists_hold_on_both_36_channel_experts(tmp_path, tiny, one_image):
+    """WanTransformer3DModel's `_keep_in_fp32_modules` and `_skip_layerwise_casting_patterns` (their
+    union) on each expert stored in float8, as the I2V A14B LoRA preset stores them: the time embedder,
+    norms and modulation tables float32, the condition embedder dense, the blocks quantized."""
+    from modules.model.wan22_i2v import Wan22I2VFamily
+    from modules.quantization.base import QuantizedLinear
+
+    kept = ("scale_shift_table", "blocks.0.scale_shift_table", "blocks.1.norm2.weight",
+            "condition_embedder.time_embedder.linear_1.weight")
+    parts = dict.fromkeys(EXPERTS, {"weight_dtype": "float8"})
+    family = Wan22I2VFamily(train_config(tiny, one_image, tmp_path, {
+        "model": {"family": "wan22_i2v", "parts": parts}, "train_dtype": "bfloat16"}))
+    family.load()
+    for expert in EXPERTS:
+        state = family.parts[expert].state_dict()
+        assert {name: state[name].dtype for name in kept} == dict.fromkeys(kept, torch.float32), expert
+        assert state["condition_embedder.text_embedder.linear_1.weight"].dtype == torch.bfloat16, expert
+        report = family.quantization_reports[expert]
+        for name in ("condition_embedder.text_embedder.linear_1", "condition_embedder.time_proj"):
+            assert "_skip_layerwise_casting_patterns" in report.skipped[name], (expert, report.skipped[name])
+            assert not isinstance(family.parts[expert].get_submodule(name), QuantizedLinear), expert
+        assert isinstance(family.parts[expert].get_submodule("blocks.0.attn1.to_q"), QuantizedLinear), expert
 
 
 def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with_the_condition(
