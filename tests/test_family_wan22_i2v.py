@@ -1,12 +1,13 @@
 """Wan 2.2 I2V A14B on a tiny offline model (tiny/wan22_i2v.py: two tiny 36-channel experts, no image
 encoder, boundary_ratio 0.9): a low-noise LoRA trains on a clip conditioned on its first frame and
-the loss falls while the high-noise expert rests; a sample from a control image writes a video; the
-condition is WanImageToVideoPipeline's own and another first frame changes the prediction; each
-expert's file loads into its own transformer of WanImageToVideoPipeline with no key dropped and
-equal outputs (and through ComfyUI's key map); a resumed run equals an uninterrupted one; half the
-expert parked trains the same adapter; fp8 and nf4 base weights train; the skip and keep-in-fp32 lists hold on both experts; the folder is told from Wan 2.1 I2V
-and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning; a full fine-tune
-of both experts on a clip saves folders WanTransformer3DModel loads with the trained weights."""
+the loss falls while the high-noise expert rests, as it does on a still image; a sample from a
+control image writes a video; the condition is WanImageToVideoPipeline's own and another first frame
+changes the prediction; each expert's file loads into its own transformer of WanImageToVideoPipeline
+with no key dropped and equal outputs (and through ComfyUI's key map); a resumed run equals an
+uninterrupted one; half the expert parked trains the same adapter; fp8 and nf4 base weights train;
+the skip and keep-in-fp32 lists hold on both experts; the folder is told from Wan 2.1 I2V and Wan
+2.2 T2V before any weight loads; the planner steps with the conditioning; a full fine-tune of both
+experts on a clip saves folders WanTransformer3DModel loads with the trained weights."""
 
 from __future__ import annotations
 
@@ -106,6 +107,21 @@ def test_a_low_noise_lora_trains_on_a_clip_and_samples_a_video_from_an_image(tmp
         assert file.metadata()["ss_base_model_version"] == "wan_2.2_i2v_a14b"
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in set(file.keys())
 
+
+def test_a_low_noise_lora_trains_on_a_still_image_and_the_loss_falls(tmp_path, tiny, clips):
+    """A still image: a one-frame video, its own first frame the condition."""
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[1].parent, tmp_path, LOW_NOISE_ONLY, {
+        "data": {"resolution": 16}, "adapter": {"layer_preset": "attn-mlp"},
+        "schedule": {"epochs": 12, "batch_size": 1}, "optimizer": {"lr": 3e-2}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert trainer.dataset.collate([0], trainer.device).latents.shape == (1, 16, 4, 4)
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()
+    after = fixed_loss(trainer, draws=8)
+    assert after < before * 0.8, (before, after)
 
 def test_the_condition_is_the_pipelines_and_only_the_first_frame_conditions(family):
     """WanImageToVideoPipeline.prepare_latents' condition ([mask (4), condition latents (16)]) for the
