@@ -1,11 +1,13 @@
 """Wan 2.2 I2V A14B on a tiny offline model (tiny/wan22_i2v.py: two tiny 36-channel experts, no image
 encoder, boundary_ratio 0.9): a low-noise LoRA trains on a clip conditioned on its first frame and
-the loss falls while the high-noise expert rests; a sample from a control image writes a video; the
-condition is WanImageToVideoPipeline's own and another first frame changes the prediction; each
-expert's file loads into its own transformer of WanImageToVideoPipeline with no key dropped and
-equal outputs (and through ComfyUI's key map); a resumed run equals an uninterrupted one; half the
-expert parked trains the same adapter; fp8 and nf4 base weights train; the folder is told from Wan 2.1 I2V
-and Wan 2.2 T2V before any weight loads; the planner steps with the conditioning."""
+the loss falls while the high-noise expert rests, as it does on a still image; a sample from a
+control image writes a video; the condition is WanImageToVideoPipeline's own and another first frame
+changes the prediction; each expert's file loads into its own transformer of WanImageToVideoPipeline
+with no key dropped and equal outputs (and through ComfyUI's key map); a resumed run equals an
+uninterrupted one; half the expert parked trains the same adapter; fp8 and nf4 base weights train;
+the skip and keep-in-fp32 lists hold on both experts; the folder is told from Wan 2.1 I2V and Wan
+2.2 T2V before any weight loads; the planner steps with the conditioning; a full fine-tune of both
+experts on a clip saves folders WanTransformer3DModel loads with the trained weights."""
 
 from __future__ import annotations
 
@@ -106,6 +108,21 @@ def test_a_low_noise_lora_trains_on_a_clip_and_samples_a_video_from_an_image(tmp
         assert "lora_unet_blocks_0_self_attn_q.lora_down.weight" in set(file.keys())
 
 
+def test_a_low_noise_lora_trains_on_a_still_image_and_the_loss_falls(tmp_path, tiny, clips):
+    """A still image: a one-frame video, its own first frame the condition."""
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[1].parent, tmp_path, LOW_NOISE_ONLY, {
+        "data": {"resolution": 16}, "adapter": {"layer_preset": "attn-mlp"},
+        "schedule": {"epochs": 12, "batch_size": 1}, "optimizer": {"lr": 3e-2}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert trainer.dataset.collate([0], trainer.device).latents.shape == (1, 16, 4, 4)
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()
+    after = fixed_loss(trainer, draws=8)
+    assert after < before * 0.8, (before, after)
+
 def test_the_condition_is_the_pipelines_and_only_the_first_frame_conditions(family):
     """WanImageToVideoPipeline.prepare_latents' condition ([mask (4), condition latents (16)]) for the
     clip's first frame is the family's (no image embeddings: the pipeline has no image encoder and
@@ -179,6 +196,30 @@ def test_quantized_base_weights_initialize_and_step(tmp_path, tiny, one_image, m
     initializes_and_steps(tiny, one_image, tmp_path, "wan22_i2v", "transformer_2", mode, False, LOW_NOISE_ONLY)
 
 
+def test_the_skip_and_keep_in_fp32_lists_hold_on_both_36_channel_experts(tmp_path, tiny, one_image):
+    """WanTransformer3DModel's `_keep_in_fp32_modules` and `_skip_layerwise_casting_patterns` (their
+    union) on each expert stored in float8, as the I2V A14B LoRA preset stores them: the time embedder,
+    norms and modulation tables float32, the condition embedder dense, the blocks quantized."""
+    from modules.model.wan22_i2v import Wan22I2VFamily
+    from modules.quantization.base import QuantizedLinear
+
+    kept = ("scale_shift_table", "blocks.0.scale_shift_table", "blocks.1.norm2.weight",
+            "condition_embedder.time_embedder.linear_1.weight")
+    parts = dict.fromkeys(EXPERTS, {"weight_dtype": "float8"})
+    family = Wan22I2VFamily(train_config(tiny, one_image, tmp_path, {
+        "model": {"family": "wan22_i2v", "parts": parts}, "train_dtype": "bfloat16"}))
+    family.load()
+    for expert in EXPERTS:
+        state = family.parts[expert].state_dict()
+        assert {name: state[name].dtype for name in kept} == dict.fromkeys(kept, torch.float32), expert
+        assert state["condition_embedder.text_embedder.linear_1.weight"].dtype == torch.bfloat16, expert
+        report = family.quantization_reports[expert]
+        for name in ("condition_embedder.text_embedder.linear_1", "condition_embedder.time_proj"):
+            assert "_skip_layerwise_casting_patterns" in report.skipped[name], (expert, report.skipped[name])
+            assert not isinstance(family.parts[expert].get_submodule(name), QuantizedLinear), expert
+        assert isinstance(family.parts[expert].get_submodule("blocks.0.attn1.to_q"), QuantizedLinear), expert
+
+
 def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with_the_condition(
         tmp_path, tiny, tiny_family_model, clips):
     from modules.config.loading import build_config
@@ -206,3 +247,34 @@ def test_the_folder_is_told_apart_before_weights_load_and_the_planner_steps_with
                                                        "sampling": {"prompts": [{"prompt": "a", "frames": 5}]}})
     assert any(p.startswith("sampling.prompts[0].control_images: none given; Wan 2.2 I2V A14B samples from 1")
                for p in map(str, preflight_problems(no_image))), preflight_problems(no_image)
+
+
+def test_a_full_fine_tune_of_both_experts_saves_transformers_diffusers_loads(tmp_path, tiny, clips):
+    """`save_format` auto, as the full fine-tune preset saves: the pipeline folder with each trained
+    expert in its own transformer/ or transformer_2/, each loaded by WanTransformer3DModel with the
+    trained weights, and the whole WanImageToVideoPipeline (no image encoder, boundary_ratio 0.9)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[0], tmp_path, {
+        "model": {"family": "wan22_i2v"}, "data": {"resolution": 16},  # both experts train by default
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}, "repeats": 4}],
+        "method": {"type": "fine_tune", "save_format": "auto"}, "optimizer": {"lr": 1e-3},
+        # noise levels drawn about evenly either side of the boundary, so both experts meet samples in two steps
+        "loss": {"logit_mean": 1.0}, "schedule": {"max_steps": 2, "batch_size": 4}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    assert trainer.family.trained_parts_not_run() == set()  # each expert met a sample of its timesteps
+    saved = trainer.end()
+    assert saved == tmp_path / "out" / "lora" and saved.is_dir()
+    for expert in EXPERTS:
+        trained = {k: v.float() for k, v in trainer.family.parts[expert].state_dict().items()}
+        loaded = WanTransformer3DModel.from_pretrained(str(saved / expert)).state_dict()
+        original = WanTransformer3DModel.from_pretrained(str(tiny / expert)).state_dict()
+        assert set(loaded) == set(trained), expert
+        assert all(torch.equal(loaded[k].float(), trained[k]) for k in trained), expert
+        assert any(not torch.equal(loaded[k], original[k]) for k in original), expert  # it trained
+    pipe = WanImageToVideoPipeline.from_pretrained(str(saved), local_files_only=True)
+    assert pipe.image_encoder is None and pipe.transformer_2 is not None and pipe.config.boundary_ratio == 0.9

@@ -1,13 +1,14 @@
 """Wan 2.1 I2V on a tiny offline model (tiny/wan_i2v.py: Wan 2.1's pieces with a 36-channel
 transformer, image cross-attention and a tiny CLIPVisionModel): a LoRA trains on a clip, its first
-frame the condition, and the loss falls; the transformer's condition (mask and condition latents)
-and image embeddings are WanImageToVideoPipeline's own for the same first frame, and cached with
-the clip's latents; another first frame changes the prediction; the saved layouts load in
-`WanImageToVideoPipeline.load_lora_weights` with no key dropped and equal outputs, and through
-ComfyUI's key map; the model class's skip and keep-in-fp32 lists hold for the image layers; a
-sample prompt with an image writes a video, and one without is refused before the run; a resumed
-run and one with half the transformer parked train the adapter of a plain run; fp8 and nf4 base
-weights train."""
+frame the condition, and the loss falls, as it does on a still image; the transformer's condition
+(mask and condition latents) and image embeddings are WanImageToVideoPipeline's own for the same
+first frame, and cached with the clip's latents; another first frame changes the prediction; the
+saved layouts load in `WanImageToVideoPipeline.load_lora_weights` with no key dropped and equal
+outputs, and through ComfyUI's key map; the model class's skip and keep-in-fp32 lists hold for the
+image layers; a sample prompt with an image writes a video, and one without is refused before the
+run; a resumed run and one with half the transformer parked train the adapter of a plain run; fp8
+and nf4 base weights train; a full fine-tune on a clip saves a folder whose transformer
+WanTransformer3DModel loads with the trained weights."""
 
 from __future__ import annotations
 
@@ -260,6 +261,21 @@ def test_a_still_image_trains_as_a_one_frame_video_conditioned_on_itself_and_the
         f"{family.one_frame_note}"]
 
 
+def test_a_lora_trains_on_a_still_image_and_the_loss_falls(tmp_path, tiny, clips):
+    """A still image: a one-frame video, its own first frame the condition."""
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[1].parent, tmp_path, {
+        "model": {"family": "wan_i2v"}, "data": {"resolution": 16}, "adapter": {"layer_preset": "attn-mlp"},
+        "schedule": {"epochs": 15, "batch_size": 1}, "optimizer": {"lr": 2e-2}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    assert trainer.dataset.collate([0], trainer.device).latents.shape == (1, 16, 4, 4)
+    before = fixed_loss(trainer, draws=8)
+    trainer.train()
+    after = fixed_loss(trainer, draws=8)
+    assert after < before * 0.8, (before, after)
+
 def test_the_preflight_sizes_the_cache_with_the_first_frame_conditioning(family, tmp_path, clips):
     from modules.data.dataset import prepare_dataset
     from modules.trainer.video_preflight import BLOCK, cache_folder, estimate_video_cache
@@ -289,3 +305,32 @@ def test_offloading_half_the_transformer_trains_the_same_adapter(fake_device, tm
 @pytest.mark.parametrize("mode", ["float8", "nf4"])
 def test_quantized_base_weights_initialize_and_step(tmp_path, tiny, one_image, mode):
     initializes_and_steps(tiny, one_image, tmp_path, "wan_i2v", "transformer", mode, dora=mode == "float8")
+
+
+def test_a_full_fine_tune_on_a_clip_saves_a_transformer_diffusers_loads(tmp_path, tiny, clips):
+    """`save_format` auto, as the full fine-tune preset saves: the pipeline folder, whose transformer/
+    WanTransformer3DModel loads with the trained weights (the image cross-attention's too) and whose
+    whole WanImageToVideoPipeline (CLIP image encoder included) loads."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    config = train_config(tiny, clips[0], tmp_path, {
+        "model": {"family": "wan_i2v"}, "data": {"resolution": 16},
+        "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}],
+        "method": {"type": "fine_tune", "save_format": "auto"}, "optimizer": {"lr": 1e-3},
+        "schedule": {"max_steps": 2, "batch_size": 1}})
+    trainer = GenericTrainer(config)
+    trainer.start()
+    trainer.train()
+    saved = trainer.end()
+    assert saved == tmp_path / "out" / "lora" and saved.is_dir()
+    trained = {k: v.float() for k, v in trainer.family.transformer.state_dict().items()}
+    loaded = WanTransformer3DModel.from_pretrained(str(saved / "transformer")).state_dict()
+    original = WanTransformer3DModel.from_pretrained(str(tiny / "transformer")).state_dict()
+    assert set(loaded) == set(trained)
+    assert all(torch.equal(loaded[k].float(), trained[k]) for k in trained)
+    changed = {k for k in original if not torch.equal(loaded[k], original[k])}
+    assert any(".attn2.add_k_proj." in k for k in changed), sorted(changed)[:5]  # the image cross-attention trained
+    pipe = WanImageToVideoPipeline.from_pretrained(str(saved), local_files_only=True)
+    assert pipe.image_encoder is not None and pipe.transformer.config.in_channels == 36

@@ -6,7 +6,8 @@ never written (or left stale) by hand.
 
 Each run (RUNS): a built-in Wan preset on its released architecture (resources/model_configs/<family>),
 with a video concept of `frames`-frame windows at a data.resolution where the released clip size
-(480p for Wan 2.1 and 2.2 A14B, 1280x704 for TI2V 5B) trains at about its own size. Per step:
+(480p for Wan 2.1 and 2.2 A14B, 1280x720 for the 720P presets, 1280x704 for TI2V 5B) trains at about
+its own size, for as many frames as the preset is sized for where that is fewer than the released 81. Per step:
 `plan_run`'s figures of the trained denoiser and its time on the default GPU class (the planner's
 square step at data.resolution). Per clip window: the latent cache entry the data pipeline writes for
 that bucket (modules/trainer/video_preflight.py). Planning each real width takes 20-60 s of CPU.
@@ -42,6 +43,8 @@ class VideoRun:
 
 RUNS = (
     VideoRun("Wan 2.1 1.3B LoRA", "Wan 2.1 1.3B LoRA 8GB", 81, 640, (832, 480)),
+    VideoRun("Wan 2.1 14B 720P LoRA", "Wan 2.1 14B 720P LoRA 24GB", 33, 960, (1280, 720)),
+    VideoRun("Wan 2.1 I2V 14B 720P LoRA", "Wan 2.1 I2V 14B 720P LoRA 24GB", 29, 960, (1280, 720)),
     VideoRun("Wan 2.2 TI2V 5B LoRA", "Wan 2.2 TI2V 5B LoRA 16GB", 121, 960, (1280, 704)),
     VideoRun("Wan 2.2 A14B LoRA (the low-noise expert)", "Wan 2.2 A14B LoRA 24GB", 81, 640, (832, 480), "transformer_2"),
 )
@@ -84,17 +87,21 @@ def cache_phrase(run: VideoRun) -> str:
 
 
 def cost_line(run: VideoRun) -> str:
+    from modules.config.families import get_family_class
     from modules.plan.gpu_classes import DEFAULT_GPU_CLASS
     from modules.plan.run_plan import plan_run
 
     with tempfile.TemporaryDirectory() as clips:
         config = _config(run, clips)
-        plan = plan_run(config, None, None, DEFAULT_GPU_CLASS, fix=False)
+        # the released model the preset's name says (Wan 2.1's 14B, not the 1.3B the family's configs default to)
+        variant = get_family_class(config.model.family).released_variant(run.preset)
+        plan = plan_run(config, None, None, DEFAULT_GPU_CLASS, fix=False, variant=variant)
     part = plan.parts[run.part]
     parked = f" and {_gib(part.parked)} of its blocks in RAM" if part.parked else ""
+    offloaded = " and activation offloading" if config.model.parts[run.part].activation_offloading else ""
     step = (f"per step the {'expert' if run.part != 'transformer' else 'transformer'} holds "
             f"{_gib(sum(part.device.values()))} on the GPU ({_gib(part.device['weights'])} {part.weight_dtype} weights, "
-            f"{_gib(part.device['activations'])} activations with gradient checkpointing){parked}, "
+            f"{_gib(part.device['activations'])} activations with gradient checkpointing{offloaded}){parked}, "
             f"{plan.flops / 1e12:.0f} TFLOP, ~{plan.transfer['seconds_per_step']:.0f} s on the planner's "
             f"{plan.transfer['gpu_class']}")
     return (f"{run.label} (preset \"{run.preset}\", `data.resolution` {run.resolution}: "
