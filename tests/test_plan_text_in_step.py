@@ -23,7 +23,10 @@ PLACEHOLDER = "<tok>"
 EMBEDDING = {"method": {"type": "embedding"}, "embeddings": [{"placeholder": PLACEHOLDER, "vectors": 2}]}
 TEXT_LORA = {"model": {"parts": {"text_encoder": {"train": True}}}}
 CASES = {"sd15-embedding": ("sd15", EMBEDDING), "sd15-text-encoder-lora": ("sd15", TEXT_LORA),
-         "chroma-embedding": ("chroma", EMBEDDING)}
+         "chroma-embedding": ("chroma", EMBEDDING), "anima-embedding": ("anima", EMBEDDING),
+         "krea2-embedding": ("krea2", EMBEDDING), "fibo2-embedding": ("fibo2", EMBEDDING),
+         "fibo_edit-embedding": ("fibo_edit", EMBEDDING), "wan-text-encoder-lora": ("wan", TEXT_LORA),
+         "qwen_image_edit-embedding": ("qwen_image_edit", EMBEDDING)}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -54,8 +57,8 @@ def test_planned_peak_counts_the_text_encoders_in_the_step(case, fake_device, tm
 def _declares_tokens(name: str) -> bool:
     from modules.model.base import ModelFamily
 
-    family = get_family_class(name)  # (an encoder that reads the controls too has none: its encodings are cached)
-    return family.planning_tokens is not ModelFamily.planning_tokens and not family.text_sees_controls
+    family = get_family_class(name)  # (an encoder that reads the controls too: the tokens of a caption without them)
+    return family.planning_tokens is not ModelFamily.planning_tokens
 
 
 TOKEN_FAMILIES = [name for name in family_names() if _declares_tokens(name)]

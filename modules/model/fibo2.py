@@ -183,6 +183,11 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
         bundles = [torch.cat([normalized[layer] for layer in bundle], dim=-1) for bundle in self.out_layers]
         return {"hidden_states": torch.stack(bundles, dim=1), "attention_mask": mask}
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(TEXT_WINDOW)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(TEXT_WINDOW)
         width = self.parts["text_encoder"].config.hidden_size * LAYERS_PER_BUNDLE
