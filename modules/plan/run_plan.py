@@ -199,7 +199,9 @@ class Planner:
         import torch
 
         family = self.sizes(config, self.weight_modes(config))["family"]
-        counted = text_in_step(config, family) and family.planning_tokens(1, torch.device("meta")) is not None
+        # (as the fake pass: an encoder that sees the controls is not run on them)
+        counted = text_in_step(config, family) and family.planning_tokens(1, torch.device("meta")) is not None \
+            and not (self.controls(config).count and family.text_sees_controls)
         text = family.text_parts if counted else ()
         return {family.denoiser_part, *trained_kinds(config, family), *text}
 
@@ -397,6 +399,8 @@ class Planner:
                                             "a text encoder trains" if any(config.model.parts[p].train
                                                                            for p in family.text_parts)
                                             else "the captions vary") + ")" + (
-                "" if figures.text_counted else "; their activations are not counted: the family's text encoding "
-                "cannot run on shapes alone (planning_tokens)"))
+                "" if figures.text_counted else "; their activations are not counted: " + (
+                    "the text encoder sees the control images, whose encodings are only cached (the data "
+                    "refuses this run: concepts[].controls)" if controls.count and family.text_sees_controls
+                    else "the family's text encoding cannot run on shapes alone (planning_tokens)")))
         return plan
