@@ -6,7 +6,8 @@ Against the peak a real run reaches on the fake device (as tests/test_plan_accur
 within 10% for an SD1.5 embedding run, an SD1.5 text-encoder LoRA run, and an embedding run of Chroma
 (T5), Anima (Qwen3 and its LLM adapter), Krea-2, FIBO-2, FIBO Edit and Qwen-Image-Edit/-Plus (a
 caption without control images), and a UMT5 LoRA run of the Wan families (Wan 2.1 I2V, whose tiny
-model reads 512 tokens, is planned 18-22% over: not here yet). The guard: the plan's error is less than half of what the encoders add to the plan (the
+model reads 512 tokens, is planned 22% over on the fake device: its attention dropout runs in SDPA's
+math path, fused there and unfused on meta; docs/memory-and-offload.md). The guard: the plan's error is less than half of what the encoders add to the plan (the
 plan of the same config with the encoders left out of its step), so a plan that leaves them out
 again fails here even where the tiny encoders are a small share of the step."""
 
