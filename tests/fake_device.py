@@ -97,6 +97,10 @@ def enable_fake_device() -> torch.device:
         "record_stream": _record_stream,
     }.items():
         impls.impl(op_name, fn, "PrivateUse1")
+    # torch's conjugate and negative fallbacks materialise a lazy view by a clone, whose copy_ reaches
+    # _copy_from with the bit still set: it recursed until the C stack overflowed (FIBO-2's complex RoPE)
+    for key in ("Conjugate", "Negative"):
+        impls.impl("_copy_from", _copy_from, key)
 
     # Libraries unregister their kernels when garbage collected: keep them with the device module.
     mod._libraries = (lib, impls)

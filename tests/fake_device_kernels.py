@@ -12,7 +12,15 @@ from fake_device_tensors import (
 
 
 def _as_cpu(t: torch.Tensor) -> torch.Tensor:
-    return _cpu_view(t) if _is_fake(t) else t
+    if not _is_fake(t):
+        return t
+    view = _cpu_view(t)
+    # a lazily conjugated or negated view (complex RoPE's backward) keeps its bit, so the CPU copy resolves it
+    if t.is_conj():
+        view = view.conj()
+    if t.is_neg():
+        view = torch._neg_view(view)
+    return view
 
 
 def _empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):

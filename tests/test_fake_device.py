@@ -287,3 +287,23 @@ def test_tiny_vae_encodes_a_batch_of_two(fake_device, tiny_model):
         expected = vae.encode(pixels).latent_dist.mean
         got = vae.to(fake_device).encode(pixels.to(fake_device)).latent_dist.mean
     _same(got, expected, atol=1e-4)
+
+
+def test_complex_rotary_backward_matches_cpu(fake_device):
+    """A rotary embedding in complex numbers (FIBO-2's): its backward multiplies by a lazily
+    conjugated view, whose copy onto the device once recursed until the process crashed."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    freqs = torch.polar(torch.ones(5, 4), torch.randn(5, 4))
+
+    def rotate(x, freqs):
+        return torch.view_as_real(torch.view_as_complex(x.unflatten(-1, (-1, 2))) * freqs).flatten(-2)
+
+    cpu_x = x.clone().requires_grad_(True)
+    rotate(cpu_x, freqs).square().sum().backward()
+    fake_x = x.to(fake_device).requires_grad_(True)
+    rotate(fake_x, freqs.to(fake_device)).square().sum().backward()
+    _same(fake_x.grad, cpu_x.grad, atol=1e-6)
+    lazy = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+    _same(lazy.to(fake_device).conj().clone(), lazy.conj().clone())
+    _same(torch._neg_view(x.to(fake_device)).clone(), -x)

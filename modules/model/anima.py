@@ -217,6 +217,13 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
                              source_attention_mask=mask.to(device))
         return {"prompt_embeds": embeds}
 
+    def planning_tokens(self, batch, device):
+        # both tokenizers pad to the same window: Qwen3's ids and the adapter's T5 query ids
+        length = self.planning_length(MAX_TEXT_TOKENS)
+        ones = torch.ones(batch, length, dtype=torch.long, device=device)
+        return {"input_ids": self.planning_ids(batch, length, device), "attention_mask": ones,
+                "t5_input_ids": self.planning_ids(batch, length, device), "t5_attention_mask": ones.clone()}
+
     def planning_conditioning(self, batch, device):
         conditioner = self.parts["text_conditioner"].config
         length = max(self.planning_length(MAX_TEXT_TOKENS), conditioner.min_sequence_length)

@@ -280,6 +280,13 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         tests/test_plan_conditioning.py checks it against tokenize on each tiny model."""
         return None
 
+    def planning_tokens_with_controls(self, batch: int, device: torch.device, controls: int, width: int,
+                                      height: int) -> dict[str, torch.Tensor] | None:
+        """planning_tokens for samples that carry `controls` control images at width x height. The same
+        where the text encoder does not see them; else None (not counted) unless the family says how
+        its encoder's pass over them is planned (text_sees_controls)."""
+        return None if controls and self.text_sees_controls else self.planning_tokens(batch, device)
+
     def planning_conditioning_with_controls(self, batch: int, device: torch.device, controls: int,
                                             width: int, height: int) -> dict[str, torch.Tensor]:
         """planning_conditioning for samples that carry `controls` control images at width x height: what

@@ -68,7 +68,7 @@ from modules.errors import UserError
 from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.keys.fibo2 import FIBO2_KEYS
-from modules.util.torch_utils import make_generator
+from modules.util.torch_utils import make_generator, shape_only
 
 # the tokens of a caption kept (the pipeline reads up to 4096; a prompt's gist-token count stops
 # growing at the transformer's `gist_max_text_len`, 2048 as released)
@@ -333,10 +333,24 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
         base_mask = base_mask.to(device)
         rows = base_mask.any(dim=1)
         base = hidden.new_zeros(hidden.shape)
-        if rows.any():  # the captions with images of their text, again without them
+        # the planner's step reads no caption: it plans captions without images of their text (no second pass)
+        if not shape_only(rows) and rows.any():  # the captions with images of their text, again without them
             base[rows] = self._encode(tokens["base_input_ids"][rows.cpu()], base_mask[rows], {})
         return {"hidden_states": hidden, "attention_mask": mask, "base_hidden_states": base,
                 "base_attention_mask": base_mask}
+
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(TEXT_WINDOW)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device),
+                # as tokenize gives a caption without images of its text: no second pass
+                "base_input_ids": torch.zeros(batch, length, dtype=torch.long, device=device),
+                "base_attention_mask": torch.zeros(batch, length, dtype=torch.long, device=device)}
+
+    def planning_tokens_with_controls(self, batch, device, controls, width, height):
+        # the image to edit sits inside the fixed window: the language model's pass is as long (the vision
+        # tower's pass, whose activations no gradient keeps, is left out)
+        return self.planning_tokens(batch, device)
 
     def planning_conditioning(self, batch, device):
         # an image's tokens sit inside the fixed window: the image to edit lengthens nothing here

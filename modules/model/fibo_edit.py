@@ -187,6 +187,11 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
                          output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
         return {"hidden_states": torch.stack([hidden[i] for i in self._kept_layers], dim=1), "attention_mask": mask}
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(TEXT_WINDOW)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(TEXT_WINDOW)
         width = self.parts["text_encoder"].config.hidden_size

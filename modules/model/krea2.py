@@ -224,6 +224,12 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
         return {"hidden_states": hidden[:, TEMPLATE_TOKENS_DROPPED:],
                 "attention_mask": mask[:, TEMPLATE_TOKENS_DROPPED:].long()}
 
+    def planning_tokens(self, batch, device):
+        # the template's prefix, the caption window and the suffix (tokenize: the window includes the suffix)
+        length = TEMPLATE_TOKENS_DROPPED + self.planning_length(MAX_TEXT_TOKENS)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(MAX_TEXT_TOKENS)
         taps = len(getattr(self, "select_layers", DEFAULT_SELECT_LAYERS))

@@ -208,18 +208,30 @@ class QwenImageEditFamily(QwenImageFamily):
         hidden = encoder(input_ids=tokens["input_ids"].to(device), attention_mask=mask, **images,
                          use_cache=False).last_hidden_state  # no KV cache: a checkpointed layer recomputes
         # as QwenImageEditPipeline._get_qwen_prompt_embeds: the real tokens past the template's first 64
-        # (image tokens and caption), at the front, zero-padded to a length fixed by the image tokens
-        length = tokens["input_ids"].shape[1] - EDIT_TOKENS_DROPPED
-        kept = [h[m.bool()][EDIT_TOKENS_DROPPED:] for h, m in zip(hidden, mask)]
-        embeds = hidden.new_zeros(hidden.shape[0], length, hidden.shape[-1])
-        kept_mask = torch.zeros(hidden.shape[0], length, dtype=torch.long, device=hidden.device)
-        for i, states in enumerate(kept):
-            embeds[i, :len(states)] = states
-            kept_mask[i, :len(states)] = 1
+        # (image tokens and caption), at the front, zero-padded to a length fixed by the image tokens.
+        # tokenize pads on the right, so they are already at the front past the drop: a slice and the
+        # mask select them (no selection by value: the planner runs this on tensors without data)
+        kept_mask = mask[:, EDIT_TOKENS_DROPPED:].contiguous()
+        embeds = torch.where(kept_mask.bool().unsqueeze(-1), hidden[:, EDIT_TOKENS_DROPPED:], 0)
         return {"hidden_states": embeds, "attention_mask": kept_mask}
 
     def planning_tokens(self, batch, device):
-        return None  # its encoder reads each caption with its control images: those encodings are cached
+        # a caption without control images
+        length = EDIT_TOKENS_DROPPED + self.planning_length(MAX_TEXT_TOKENS)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
+    def planning_tokens_with_controls(self, batch, device, controls, width, height):
+        # a caption with its controls' image block as plain tokens of the same count: the language model's
+        # pass over the same sequence, which holds what the backward keeps (their pixel patches and the VL
+        # model's image positions need real values, which the planner has not; the vision tower's pass,
+        # whose activations no gradient keeps, is left out)
+        if not controls:
+            return self.planning_tokens(batch, device)
+        length = EDIT_TOKENS_DROPPED + self.planning_length(MAX_TEXT_TOKENS) + self.image_block_tokens(
+            controls, width, height)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
 
     def planning_conditioning(self, batch, device):
         return self.planning_conditioning_with_controls(batch, device, 0, 0, 0)

@@ -178,6 +178,11 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
     def caption_windows(self) -> list[tuple[object, int]]:
         return [(self.tokenizer, self.max_sequence_length)]
 
+    def planning_tokens(self, batch, device):
+        length = self.planning_length(MAX_TEXT_TOKENS)
+        return {"input_ids": self.planning_ids(batch, length, device),
+                "attention_mask": torch.ones(batch, length, dtype=torch.long, device=device)}
+
     def planning_conditioning(self, batch, device):
         length = self.planning_length(MAX_TEXT_TOKENS)
         return {"hidden_states": torch.empty(batch, length, self.parts["text_encoder"].config.d_model,

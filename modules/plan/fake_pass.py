@@ -107,9 +107,8 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
     from modules.util.torch_utils import make_generator
 
     denoiser = family.denoiser_part
-    # (a text encoder that sees the controls encodes each caption with them: those can only be cached)
-    tokens = family.planning_tokens(batch, TRAIN) if text_in_step and not (
-        controls and family.text_sees_controls) else None
+    tokens = family.planning_tokens_with_controls(batch, TRAIN, controls, resolution, resolution) \
+        if text_in_step else None
     runs = {denoiser, *trained, *(family.text_parts if tokens is not None else ())}
     checkpointed = [part for part in runs if checkpointing.get(part) and family.checkpoint_blocks(part)]
     if fake is None:  # (and where a text encoder runs: transformers' mask helpers read a value, `mask.all()`,

@@ -199,7 +199,9 @@ class Planner:
         import torch
 
         family = self.sizes(config, self.weight_modes(config))["family"]
-        counted = text_in_step(config, family) and family.planning_tokens(1, torch.device("meta")) is not None
+        side = largest_resolution(config)  # as the fake pass asks
+        counted = text_in_step(config, family) and family.planning_tokens_with_controls(
+            1, torch.device("meta"), self.controls(config).count, side, side) is not None
         text = family.text_parts if counted else ()
         return {family.denoiser_part, *trained_kinds(config, family), *text}
 
@@ -389,14 +391,20 @@ class Planner:
                               f"({controls.source}): their tokens join the denoiser's sequence")
             if family.text_sees_controls:
                 plan.notes.append("the text encoder sees the control images too: their image tokens lengthen the "
-                                  "conditioning the denoiser reads; the encoder itself is not in the step (its "
-                                  "encodings of each caption with its controls are cached)")
+                                  "conditioning the denoiser reads" + (
+                                      "; where the encoder runs in the step, its language model is planned over "
+                                      "as many tokens (the vision tower's pass, which no gradient keeps, is not)"
+                                      if text_in_step(config, family) else
+                                      "; the encoder itself is not in the step (its encodings of each caption "
+                                      "with its controls are cached)"))
         if text_in_step(config, family):
             plan.notes.append(f"the text encoders ({', '.join(family.text_parts)}) run in every step (the text is not "
                               "cached: " + ("an embedding changes what a caption encodes to" if config.embeddings else
                                             "a text encoder trains" if any(config.model.parts[p].train
                                                                            for p in family.text_parts)
                                             else "the captions vary") + ")" + (
-                "" if figures.text_counted else "; their activations are not counted: the family's text encoding "
-                "cannot run on shapes alone (planning_tokens)"))
+                "" if figures.text_counted else "; their activations are not counted: " + (
+                    "the family cannot plan its text encoder's pass over the control images "
+                    "(planning_tokens_with_controls)" if controls.count and family.text_sees_controls
+                    else "the family's text encoding cannot run on shapes alone (planning_tokens)")))
         return plan

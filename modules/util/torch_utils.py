@@ -53,3 +53,11 @@ def make_generator(device: torch.device, seed: int) -> torch.Generator:
         return torch.Generator(device=device).manual_seed(seed)
     except RuntimeError:
         return torch.Generator().manual_seed(seed)
+
+
+def shape_only(tensor: torch.Tensor) -> bool:
+    """True for the planner's tensors (meta or fake: modules/plan/), whose values cannot be read, so
+    code that branches on a value takes the branch the plan counts."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
