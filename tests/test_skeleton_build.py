@@ -12,8 +12,9 @@ import torch
 CONFIGS = Path(__file__).resolve().parents[1] / "resources" / "model_configs"
 
 # a computed buffer (SD3's positional table), tied weights (T5), rotary buffers (Wan; Qwen2.5-VL's
-# language model and vision tower)
+# language model and vision tower), rotary tables held as plain attributes (Qwen-Image)
 CASES = {
+    "qwen_image/transformer": ("diffusers", "QwenImageTransformer2DModel"),
     "sd3/transformer_sd3_medium": ("diffusers", "SD3Transformer2DModel"),
     "sd3/text_encoder_3": ("transformers", "T5EncoderModel"),
     "wan/transformer": ("diffusers", "WanTransformer3DModel"),
@@ -29,8 +30,9 @@ def _class(folder: str):
 
 
 def _architecture(model: torch.nn.Module) -> dict:
-    """What a plan reads of a part: every module's class, every tensor's name, shape and dtype, and
-    which names share one tensor."""
+    """What a plan reads of a part: every module's class, every tensor's name, shape and dtype, which
+    names share one tensor, and where a tensor held as a plain attribute is (it stays there when
+    the part moves to the device, and is copied there by the forward that reads it)."""
     named = list(model.named_parameters(remove_duplicate=False))
     first = {}
     return {
@@ -38,6 +40,8 @@ def _architecture(model: torch.nn.Module) -> dict:
         "parameters": [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in named],
         "tied": [(name, first.setdefault(id(p), name)) for name, p in named],
         "buffers": [(name, tuple(b.shape), b.dtype) for name, b in model.named_buffers()],
+        "plain": [(name, key, tuple(v.shape), v.dtype, v.device) for name, module in model.named_modules()
+                  for key, v in vars(module).items() if isinstance(v, torch.Tensor)],
         "training": model.training,
     }
 

@@ -9,7 +9,8 @@ so a constructor's tensors are shapes and dtypes only (SD3.5's 384x384 positiona
 CPU when computed), and the torch.nn.init functions do nothing (diffusers' `no_init_weights`; on a
 meta default device transformers skips its own `_init_weights` too), where each would run its meta
 kernel, ~3 ms a call in torch._refs, to fill nothing. The names, shapes and dtypes of parameters
-and buffers are those of the streamed load's build (tests/test_skeleton_build.py).
+and buffers are those of the streamed load's build, and a tensor held as a plain attribute is on
+the CPU as there (tests/test_skeleton_build.py).
 """
 
 from __future__ import annotations
@@ -32,7 +33,21 @@ def skeleton_model(cls: Any, folder: Path, where: str) -> nn.Module:
         with torch.device("meta"), no_init_weights():
             return make()
 
-    return tie_skeleton_weights(model_from_config(cls, folder, where, build)).requires_grad_(False).eval()
+    model = tie_skeleton_weights(model_from_config(cls, folder, where, build))
+    _plain_tensors_on_the_cpu(model)
+    return model.requires_grad_(False).eval()
+
+
+def _plain_tensors_on_the_cpu(model: nn.Module) -> None:
+    """A tensor a module holds as a plain attribute (neither parameter nor buffer: Qwen-Image's
+    rotary tables, `pos_freqs`) stays where it was built when the model moves (`Module.to`), on
+    the CPU, and the forward that reads it copies it to the device each step, which the planner's
+    pass counts as it does in training: such tensors are made on the CPU again, as the load's build
+    has them (zeros: a plan reads no values)."""
+    for module in model.modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                setattr(module, name, torch.zeros(value.shape, dtype=value.dtype, device="cpu"))
 
 
 def tie_skeleton_weights(model: nn.Module) -> nn.Module:
