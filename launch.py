@@ -315,12 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the train device to probe and size auto precision for (default: auto, as in training)")
     info.set_defaults(run=cmd_info)
 
-    from modules.cli.label_command import add_caption_parser, add_mask_parser
+    from modules.cli.label_arguments import add_caption_parser, add_download_parser, add_mask_parser
 
     add_caption_parser(sub).set_defaults(run=cmd_caption)
     add_mask_parser(sub).set_defaults(run=cmd_mask)
-    from modules.cli.download_command import add_download_parser
-
     add_download_parser(sub).set_defaults(run=cmd_download_model)
     plan = sub.add_parser("plan", help="what a config needs on the train device and the host, per part, "
                           "and whether it fits (before anything loads)")

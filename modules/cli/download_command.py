@@ -61,16 +61,3 @@ def download_command(args) -> int:
                 + (f" (use --model {args.repo_id} or --model {folder})" if whole else ""),
                 folder=str(folder), stopped=not whole)
     return 0 if whole else 1
-
-
-def add_download_parser(sub):
-    parser = sub.add_parser("download-model", help="fetch a captioning/tagging/masking model from the Hugging Face "
-                            "hub into the user's models folder, after showing its files and size")
-    parser.add_argument("repo_id", metavar="OWNER/NAME", help="the model's hub id, e.g. Salesforce/blip-image-captioning-base")
-    parser.add_argument("--revision", help="a branch, tag or commit (default: main)")
-    parser.add_argument("--to", metavar="DIR", help="the folder to put it under (default: the user's models folder)")
-    parser.add_argument("--list", action="store_true", help="list the files and their size; download nothing")
-    parser.add_argument("--yes", action="store_true", help="download without asking")
-    parser.add_argument("--protocol", choices=["text", "jsonl"], default="text",
-                        help="jsonl: JSON events on stdout, {\"command\": \"stop\"} on stdin (docs/run-protocol.md)")
-    return parser

@@ -49,18 +49,27 @@ _MARKER = "scaled_fp8"
 # --- the empty model -----------------------------------------------------------------------------
 
 def empty_model(cls: Any, folder: Path, where: str) -> nn.Module:
-    """The architecture of a diffusers or transformers class from its config.json, on meta."""
+    """The architecture of a diffusers or transformers class from its config.json, its parameters
+    on meta (its buffers computed on the CPU: a checkpoint does not hold them), to load into."""
     from accelerate import init_empty_weights
 
+    def build(make):
+        with init_empty_weights():
+            return make()
+
+    return model_from_config(cls, folder, where, build)
+
+
+def model_from_config(cls: Any, folder: Path, where: str, build: Callable[[Callable[[], nn.Module]], nn.Module]) -> nn.Module:
+    """`cls` made from the config.json in `folder` by `build(make)`, which calls `make()` in the
+    context it builds in (here or a skeleton: skeleton_build.py)."""
     _quiet_loaders()
     try:
         if hasattr(cls, "load_config"):  # diffusers ModelMixin
             config = cls.load_config(str(folder), local_files_only=True)
-            with init_empty_weights():
-                return cls.from_config(config)
+            return build(lambda: cls.from_config(config))
         config = cls.config_class.from_pretrained(str(folder), local_files_only=True)
-        with init_empty_weights():
-            return cls(config)
+        return build(lambda: cls(config))
     except (OSError, ValueError, TypeError) as error:
         raise ModelLoadError(f"{where}: cannot read the {cls.__name__} config in {folder}: {error}") from None
 
@@ -232,20 +241,6 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     _tie_weights(model, expected, seen)
     _refuse_mismatch(model, where, folder, sorted(set(expected) - seen), unexpected, mismatched)
     return model.requires_grad_(False).eval(), report
-
-
-def tie_skeleton_weights(model: nn.Module) -> nn.Module:
-    """An empty model's tied weights made one tensor, as a load of a released file (which holds
-    one name of each tied pair: _tie_weights) leaves them; accelerate's empty init gives each
-    name a tensor of its own, so a skeleton would hold T5's `shared` embedding twice."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    if isinstance(tied, dict):
-        names = dict(model.named_parameters(remove_duplicate=False))
-        for alias, source in tied.items():
-            if alias in names and source in names:
-                module_name, _, attr = alias.rpartition(".")
-                setattr(model.get_submodule(module_name), attr, names[source])
-    return model
 
 
 def _tie_weights(model: nn.Module, expected: dict, seen: set[str]) -> None:

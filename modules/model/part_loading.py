@@ -192,14 +192,16 @@ class PartLoading:
     def load_part(self, part: str, cls: type, rename: Callable[[str], str] | None = None,
                   ignore_unexpected: list[str] | None = None) -> nn.Module:
         """Stream a part from its folder into `cls`, quantized as its weight mode says (a skeleton
-        part: its architecture only, parameters on the meta device)."""
-        from modules.loading.streamed_load import empty_model, load_streamed, tie_skeleton_weights
+        part: its architecture only, every tensor on the meta device: skeleton_build.py)."""
+        from modules.loading.streamed_load import empty_model, load_streamed
 
         folder, where = self.part_folder(part), f"model.parts.{part}"
+        if part in self.skeleton_parts:
+            from modules.loading.skeleton_build import skeleton_model
+
+            return skeleton_model(cls, folder, where)
         part_config = self.config.model.parts[part]
         model, sources = empty_model(cls, folder, where), None
-        if part in self.skeleton_parts:
-            return tie_skeleton_weights(model).requires_grad_(False).eval()
         setattr(model, FAMILY_SKIP_ATTRIBUTE, self.quantize_skip_patterns.get(part, ()))
         if self.from_single_file(part):  # original-layout keys, converted to diffusers names
             from modules.loading.single_file import convert_part

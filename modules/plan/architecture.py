@@ -89,7 +89,7 @@ def store_as_planned(module: nn.Module, part: str, mode: str, compute_dtype: tor
     quantized = set(targets) if is_quantized_mode(mode) else set()
     casts: dict[int, torch.Tensor] = {}  # a tensor two modules share (tied weights) stays one tensor
     for name, child in module.named_modules():
-        if name in quantized or any(name.startswith(q + ".") for q in quantized):
+        if _within(name, quantized):
             continue
         dtype = torch.float32 if keeps_float32(module, name) else dense
         for attr, tensor in [*child.named_parameters(recurse=False), *child.named_buffers(recurse=False)]:
@@ -104,3 +104,13 @@ def store_as_planned(module: nn.Module, part: str, mode: str, compute_dtype: tor
                 continue
             (child._parameters if attr in child._parameters else child._buffers)[attr] = cast
     module.requires_grad_(False)
+
+
+def _within(name: str, layers: set[str]) -> bool:
+    """`name` is one of `layers` or a module inside one (its dotted prefixes looked up: a part has
+    thousands of modules and of quantized layers)."""
+    while name:
+        if name in layers:
+            return True
+        name = name.rpartition(".")[0]
+    return False
