@@ -42,6 +42,9 @@ class IdlePart:
 
 def rest_idle_parts(trainer: GenericTrainer, text_cached: bool) -> list[IdlePart]:
     """Each part the step never runs sent to the temp device (after the caches are filled)."""
+    temp = torch.device(trainer.config.temp_device)
+    if trainer.device == temp:  # (training on the host: there is no other place to go)
+        return []
     names = idle_parts(trainer.config, trainer.family, trainer.trained_parts, text_cached)
     rested = []
     for name in names:
@@ -50,7 +53,7 @@ def rest_idle_parts(trainer: GenericTrainer, text_cached: bool) -> list[IdlePart
         conductor = trainer.conductors.pop(name, None)  # (the step's evict/materialize no longer touch it)
         owned = conductor.owned_modules() if conductor is not None else set()
         tensors = [t for t in layer_tensors(trainer.family.parts[name]) if id(t.module) not in owned]
-        part = IdlePart(name, HomeCopies(tensors, trainer.device, torch.device(trainer.config.temp_device)), conductor)
+        part = IdlePart(name, HomeCopies(tensors, trainer.device, temp), conductor)
         part.rest()
         rested.append(part)
         trainer.callbacks.on_status(f"model.parts.{name}: not in the training step: on {trainer.config.temp_device} "
