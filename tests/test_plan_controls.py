@@ -51,7 +51,7 @@ def _planned(model, family, pairs, shape_images, tmp_path, counts, **overlay):
     plans = [plan_run(config, None, None, planner=planner) for config in configs]
     for count, plan in zip(counts, plans):
         assert any(f"with {count} control image(s)" in note for note in plan.notes) == (count > 0), plan.notes
-    peaks, flops = [p.device_peak for p in plans], [p.flops for p in plans]
+    peaks, flops = [p.step_peak for p in plans], [p.flops for p in plans]
     assert peaks == sorted(set(peaks)) and flops == sorted(set(flops)), (counts, peaks, flops)
     return plans
 

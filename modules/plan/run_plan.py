@@ -12,7 +12,12 @@ Per part (docs/memory-and-offload.md, "Planning"):
 - activations: the most the training step holds beyond those (fake_pass.py), on the denoiser; the
   text encoders are in that step wherever the text cannot be cached (text_in_step);
 - offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
-The device peak is the sum. Host: during the load the final model (the streamed load) but the
+The training step's peak is the sum. A part the step never runs (data/step_parts.py: a frozen text
+encoder with the text cached, a VAE with the latents cached) holds nothing then: it is on the host
+(trainer/idle_parts.py). It is on the device as placed while the caches are filled and while
+samples are made, beside the step's parts' weights, adapters and optimizer state:
+`outside_step`, the weights of those phases (their encoders' and the sampler's activations are
+not planned). The device peak is the larger of the two. Host: during the load the final model (the streamed load) but the
 quantized layers an accelerator stores as they load, during training a resting part's bytes and
 the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune's with their
 optimizer state. Transfers: each parked block comes over in the forward and again in the
@@ -67,10 +72,15 @@ class RunPlan:
     fixes: list[str] = field(default_factory=list)
     auto: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    outside_step: int = 0  # on the device while caching and sampling: every part as placed, no activations
+
+    @property
+    def step_peak(self) -> int:
+        return sum(sum(p.device.values()) for p in self.parts.values())
 
     @property
     def device_peak(self) -> int:
-        return sum(sum(p.device.values()) for p in self.parts.values())
+        return max(self.step_peak, self.outside_step)
 
     @property
     def fits(self) -> bool | None:
@@ -83,7 +93,8 @@ class RunPlan:
     def as_dict(self) -> dict:
         return {"family": self.family, "budget": dict(self.budget),
                 "parts": {name: part.as_dict() for name, part in self.parts.items()},
-                "device": {"peak": self.device_peak, "budget": self.budget["vram"]},
+                "device": {"peak": self.device_peak, "step": self.step_peak, "outside_step": self.outside_step,
+                           "budget": self.budget["vram"]},
                 "host": dict(self.host), "transfer": dict(self.transfer), "flops_per_step": self.flops,
                 "fits": self.fits, "fixes": list(self.fixes), "auto": dict(self.auto), "notes": list(self.notes)}
 
@@ -164,6 +175,13 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     return plan
 
 
+def _tensors_outside_blocks(module, blocks) -> list[int]:
+    """The bytes of each tensor of `module` that none of its blocks holds (a tied one once)."""
+    in_blocks = {id(t.get()) for block in blocks for t in layer_tensors(block)}
+    unique = {id(t.get()): t.get() for t in layer_tensors(module) if id(t.get()) not in in_blocks}
+    return [tensor_bytes(tensor) for tensor in unique.values()]
+
+
 def host_bytes_at_load(config: TrainConfig, size: dict, fraction: float) -> int:
     """What of a part the streamed load puts in host memory: all of it, but for an accelerator train
     device the quantized layers of a part that parks nothing, which are quantized and stored on the
@@ -231,6 +249,7 @@ class Planner:
                     "blocks": [block_bytes(b) for b in family.checkpoint_blocks(name)],
                     "block_tensors": [[tensor_bytes(t.get()) for t in layer_tensors(b)]
                                       for b in family.checkpoint_blocks(name)],
+                    "other_tensors": _tensors_outside_blocks(module, family.checkpoint_blocks(name)),
                     "quantized_bytes": sum(block_bytes(m) for m in module.modules() if isinstance(m, QuantizedLinear)),
                     "parameters": sum(p.numel() for p in floating),
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in floating),
@@ -307,6 +326,11 @@ class Planner:
         state_per_parameter = optimizer_state_bytes_per_parameter(config) if trained else 0.0
         fused = bool(getattr(config.method, "fused_backward", False))
         resting = set(family.resting_parts())  # only sampling runs them: on the host while training
+        from modules.data.step_parts import idle_parts
+
+        # caching runs them, the step never does: as placed while caching and sampling, else on the host
+        idle = set(idle_parts(config, family, trained, not text_in_step(config, family)))
+        outside_step, idle_resident_tensors = 0, []
         fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
         parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
         for name, size in sized["parts"].items():
@@ -354,6 +378,11 @@ class Planner:
                     transfer += parked_bytes
             if name == family.denoiser_part:
                 device["activations"] = figures.activations
+            outside_step += sum(device[k] for k in ("weights", "trained", "optimizer_state", "offload_window"))
+            if name in idle:  # its resident tensors wait on the host in pinned home copies
+                idle_resident_tensors += size["other_tensors"] + [t for i, tensors in enumerate(size["block_tensors"])
+                                                                  if i not in set(parked) for t in tensors]
+                device = dict.fromkeys(DEVICE_KEYS, 0)
             parked_total += parked_bytes
             if parked and name not in resting:  # (a resting part is pinned only while samples are made)
                 host_parked_tensors += [t for i in parked for t in size["block_tensors"][i]]
@@ -362,16 +391,22 @@ class Planner:
         from modules.offload.pinned_arenas import plan_arenas
 
         pinned = plan_arenas(host_parked_tensors).pinned_bytes if host_parked_tensors else 0
+        idle_pinned = plan_arenas(idle_resident_tensors).pinned_bytes if idle_resident_tensors else 0
         gpu = gpu_class(gpu_class_name)
         resting_bytes = sum(sized["parts"][name]["bytes"] for name in resting if name in sized["parts"])
         # a resting part waits on the host as it is; the parked blocks in pinned arenas where the device
         # pins, a fine-tune's with their optimizer state
         host = {"load_peak": loaded_on_host,
-                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state,
-                "pinned": pinned}
+                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state + idle_pinned,
+                "pinned": pinned + idle_pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
-        plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops)
+        plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops,
+                       outside_step=outside_step if idle else 0)
+        if idle:
+            plan.notes.append(f"not in the training step ({', '.join(n for n in config.model.parts if n in idle)}): "
+                              f"on the host while training, on the device as placed while caching and sampling "
+                              f"({outside_step / 2**30:.2f} GiB of weights then, their activations not planned)")
         if sized["released"]:
             from modules.config.families import get_family_class
 

@@ -48,6 +48,7 @@ from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.planned_autos import resolve_planned_autos
 from modules.trainer.preflight import run_preflight
+from modules.trainer.idle_parts import IdlePart, idle_parts_woken, rest_idle_parts
 from modules.trainer.resting_parts import resting_parts_woken
 from modules.trainer.tensorboard_log import TensorBoardLog
 from modules.trainer.sdpa import with_pinned_sdpa
@@ -88,7 +89,9 @@ class GenericTrainer:
         self.family = None
         self.methods: list[TrainingMethod] = []  # config.method first, then its companions
         self.ema: EMA | None = None
-        self.conductors: dict[str, LayerOffloadConductor] = {}
+        self.conductors: dict[str, LayerOffloadConductor] = {}  # of the parts the training step runs
+        self.idle_parts: list[IdlePart] = []  # parts the step never runs, off the train device (idle_parts.py)
+        self.text_cached = False  # whether the step reads the text from the cache (setup_data)
         self.sharded: list[str] = []  # parts split across the processes (sharding.py)
         self.trains_sharded = False  # whether some of them are trained (a fine-tune)
         self.dataset: TrainDataset | None = None
@@ -157,6 +160,7 @@ class GenericTrainer:
         except StopRequested:  # asked between two cached batches: what was encoded stays for the next run
             self.dataset = None
             return self._stopped_while_loading()
+        self.idle_parts = rest_idle_parts(self, self.text_cached)  # the caches are filled: what only they ran leaves
         self.sample_action = TimedAction(config.schedule.sample_every)
         self.backup_action = TimedAction(config.schedule.backup_every)
         self.save_action = TimedAction(config.schedule.save_every)
@@ -197,7 +201,8 @@ class GenericTrainer:
         for conductor in self.conductors.values():
             conductor.evict()
         try:
-            with resting_parts_woken(self):  # a part only sampling runs comes over for it (resting_parts.py)
+            # a part only sampling runs comes over for it (resting_parts.py), one the step does not run back
+            with resting_parts_woken(self), idle_parts_woken(self):
                 yield
         finally:
             for conductor in self.conductors.values():
@@ -283,6 +288,7 @@ class GenericTrainer:
         # each method says whether cached text stays valid while it trains (trained text encoders,
         # embeddings), the data whether captions are fixed
         cache_text = caches_text(self.config, self.family) and all(m.text_cache_allowed() for m in self.methods)
+        self.text_cached = cache_text
         self.validation_set = None
         with self.ranks.main_first():  # rank 0 fills the caches, then the other ranks read them
             self.dataset = prepare_dataset(self.config, self.family, self.device, self.cache_dir,

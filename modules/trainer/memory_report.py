@@ -83,7 +83,8 @@ class MemoryReport:
                   "measured": measured_memory(self.trainer.device, getattr(self.trainer, "rss_before_load", None))}
         plan = getattr(self.trainer, "plan", None)
         if plan:  # beside what the plan said before loading (modules/plan/), where one was made
-            report["planned"] = {"device_peak": plan["device"]["peak"], "host_train_peak": plan["host"]["train_peak"],
+            # (the training step's: the peaks were reset as training began, after the caches were filled)
+            report["planned"] = {"device_peak": plan["device"].get("step", plan["device"]["peak"]), "host_train_peak": plan["host"]["train_peak"],
                                  "host_load_peak": plan["host"]["load_peak"]}
         self.trainer.callbacks.on_memory(report)
 
