@@ -174,7 +174,9 @@ def synchronize(device=None) -> None:
 def empty_pinned(nbytes: int) -> torch.Tensor:
     """`nbytes` of page-locked host memory (uint8), taking a power of two as torch's host allocator does."""
     rounded = 1 << max(int(nbytes) - 1, 0).bit_length()
-    buffer = torch.empty(rounded, dtype=torch.uint8)
+    # zeroed: page-locking commits every page of the allocation (cudaHostAlloc), where an empty CPU tensor's
+    # untouched tail would stay out of the process's resident memory that host measurements read
+    buffer = torch.zeros(rounded, dtype=torch.uint8)
     storage = buffer.untyped_storage()
     _pinned[storage.data_ptr()] = rounded
     weakref.finalize(storage, _pinned.pop, storage.data_ptr(), None)

@@ -242,10 +242,16 @@ def test_training_with_half_the_unet_offloaded_gives_the_same_adapter_as_without
 def test_a_frozen_text_encoder_offloads_through_caching_and_sampling(fake_device, tmp_path, tiny_model, one_image):
     trainer = offload_run(tmp_path, tiny_model, one_image, fake_device,
                           {"offload_fraction": 0.9, "offload_prefetch": 2}, text={"offload_fraction": 1.0}, steps=1)
-    assert trainer.conductors["text_encoder"].parked == [0, 1]
-    assert trainer.conductors["unet"].window == 3 and trainer.conductors["text_encoder"].window == 2
+    # its text cached, the encoder is idle in the step (trainer/idle_parts.py): its conductor leaves the
+    # step's, and it comes back through that conductor for samples
+    assert "text_encoder" not in trainer.conductors and trainer.conductors["unet"].window == 3
+    (idle,) = [part for part in trainer.idle_parts if part.name == "text_encoder"]
+    assert idle.conductor.parked == [0, 1] and idle.conductor.window == 2
+    encoder = trainer.family.parts["text_encoder"]
+    assert all(p.device.type != fake_device.type for p in encoder.parameters())
     trainer.config.sampling.prompts = [{"prompt": "a red circle", "steps": 2, "width": 64, "height": 64}]
     assert len(trainer.sample()) == 1
+    assert all(p.device.type != fake_device.type for p in encoder.parameters())  # home again after sampling
 
 
 def test_info_reports_the_auto_offload_fraction_the_family_would_need():

@@ -48,13 +48,16 @@ def test_planned_peak_counts_the_text_encoders_in_the_step(case, fake_device, tm
     plan = run_plan.plan_run(config, None, None)
     assert any("run in every step" in note for note in plan.notes) and \
         not any("not counted" in note for note in plan.notes)
-    planned = plan.device_peak
+    planned = plan.step_peak
     with monkeypatch.context() as patch:  # the step as planned before: the text cache standing in
         patch.setattr(run_plan, "text_in_step", lambda config, family: False)
-        encoders = abs(planned - run_plan.plan_run(config, None, None).device_peak)
+        encoders = abs(planned - run_plan.plan_run(config, None, None).step_peak)
     measured, steps, _ = measured_device_peak(config)
     assert steps == 2
-    assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"
+    # Wan 2.2 TI2V: ~150 KB over (UMT5's attention dropout kept as a 4-byte mask on meta, 1 byte on the fake
+    # device's math path, as Wan 2.1 I2V above), 12% of the step now that its large VAE is idle in it
+    tolerance = 0.12 if family == "wan22_ti2v" else 0.10
+    assert planned == pytest.approx(measured, rel=tolerance), f"planned {planned} bytes, measured {measured}"
     assert abs(planned - measured) < encoders / 2, (
         f"planned {planned} bytes, measured {measured}: off by more than half of the text encoders' "
         f"{encoders} bytes in the step")
@@ -116,4 +119,4 @@ def test_an_encoder_that_sees_the_controls_is_planned_over_their_tokens(family, 
     assert not any("not counted" in note for note in plan.notes), plan.notes
     measured, steps, _ = measured_device_peak(config)
     assert steps == 2
-    assert plan.device_peak == pytest.approx(measured, rel=0.03), f"planned {plan.device_peak} bytes, measured {measured}"
+    assert plan.step_peak == pytest.approx(measured, rel=0.03), f"planned {plan.step_peak} bytes, measured {measured}"
