@@ -239,10 +239,10 @@ class Wan22Family(WanFamily):
         return sigmas.float() * self.noise_scheduler.config.num_train_timesteps >= self.boundary_timestep
 
     def denoise(self, noisy: torch.Tensor, sigmas: torch.Tensor, text: dict[str, torch.Tensor]) -> torch.Tensor:
-        from torch._subclasses.fake_tensor import is_fake
+        from modules.util.torch_utils import shape_only
 
         running = self.running_experts()
-        if len(running) == 1 or is_fake(sigmas) or sigmas.is_meta:
+        if len(running) == 1 or shape_only(sigmas):
             # one expert trains (its range is all that is drawn); or the planner's step (fake or meta
             # tensors), whose sigmas hold no values: one expert's pass over the batch is what a step
             # holds at most

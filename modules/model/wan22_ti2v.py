@@ -33,7 +33,7 @@ from modules.model.noise import Prediction
 from modules.model.wan import WanFamily
 from modules.model.wan_single_file import SIGNATURE, VAE22_SIGNATURE, VAE_PREFIXES, wan22_vae_to_diffusers
 from modules.sampling.control_images import fitted_control_images
-from modules.util.torch_utils import make_generator
+from modules.util.torch_utils import make_generator, shape_only
 
 
 def token_timesteps(timesteps: torch.Tensor, latents_shape, patch_size, clean_first_frame: bool) -> torch.Tensor:
@@ -96,10 +96,8 @@ class Wan22TI2VFamily(WanFamily):
             return False
         if share == 1:
             return True
-        from torch._subclasses.fake_tensor import is_fake
-
         draw = torch.rand(1, generator=generator, device=generator.device)
-        if is_fake(draw):  # the planner's step on fake tensors (modules/plan/): both kinds cost the same
+        if shape_only(draw):  # the planner's step on fake or meta tensors (modules/plan/): both kinds cost the same
             return share >= 0.5
         return bool(draw.item() < share)
 
