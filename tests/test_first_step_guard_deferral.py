@@ -14,6 +14,7 @@ from conftest import train_config
 from torch import nn
 
 from modules.trainer.callbacks import TrainCallbacks
+from modules.trainer.first_step_guard import FirstStepGuard
 from modules.trainer.generic_trainer import GenericTrainer
 from modules.trainer.guards import SETTLE_STEPS, TrainingError, check_first_step, snapshot
 
@@ -116,14 +117,14 @@ def _fine_tune(tiny_model, one_image, tmp_path, overlay: dict):
 
 def _watched_after_step_one(monkeypatch) -> list[set[str]]:
     watched = []
-    real = GenericTrainer._first_step_guard
+    real = FirstStepGuard.first_step
 
-    def spy(trainer, before):
-        pending = real(trainer, before)
+    def spy(guard, before):
+        pending = real(guard, before)
         watched.append(set(pending.names) if pending is not None else set())
         return pending
 
-    monkeypatch.setattr(GenericTrainer, "_first_step_guard", spy)
+    monkeypatch.setattr(FirstStepGuard, "first_step", spy)
     return watched
 
 

@@ -40,8 +40,8 @@ from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.commands import TrainCommands
 from modules.trainer.cpu_notice import cpu_notice
 from modules.trainer.distributed import join_process_group, rank_device
-from modules.trainer.guards import (SETTLE_STEPS, PendingMoves, TrainingError, check_finite, check_first_step,
-                                    snapshot)
+from modules.trainer.first_step_guard import FirstStepGuard
+from modules.trainer.guards import TrainingError, check_finite
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer import outputs
 from modules.trainer.memory_report import MemoryReport
@@ -219,37 +219,6 @@ class GenericTrainer:
     def named_trained_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(method.state_prefix + n, p) for method in self.methods for n, p in method.named_parameters()]
 
-    def _first_step_record(self) -> tuple[dict[str, bool], dict[str, bool]]:
-        """What the methods recorded of the first step for its guard: gradients seen, weights moved."""
-        seen = {}
-        for method in self.methods:
-            seen.update({method.state_prefix + n: v for n, v in (method.gradients_seen() or {}).items()})
-        return seen, self._recorded_moves()
-
-    def _recorded_moves(self) -> dict[str, bool]:
-        return {method.state_prefix + n: v for method in self.methods
-                for n, v in (method.recorded_moves() or {}).items()}
-
-    def _watch_moves(self, pending: PendingMoves) -> None:
-        """Has the methods record, in the next step, whether the guard's watched tensors move."""
-        for method in self.methods:
-            prefix = method.state_prefix
-            method.record_moves({name[len(prefix):] for name in pending.names if name.startswith(prefix)})
-
-    def _first_step_guard(self, first_step_snapshot: dict[str, torch.Tensor]) -> PendingMoves | None:
-        """The first-step guard (guards.py) after this run's first optimizer step; what it watches on
-        is judged by the end of the warm-up plus SETTLE_STEPS (a resumed run: from its first step)."""
-        in_optimizer = set().union(*(method.stepped_parameters(self.optimizer) for method in self.methods))
-        deadline = max(self.config.lr_scheduler.warmup_steps, self.step) + SETTLE_STEPS
-        pending = check_first_step(self._guarded_parameters(), first_step_snapshot, *self._first_step_record(),
-                                   in_optimizer=in_optimizer, deadline=deadline)
-        if pending is not None:
-            self._watch_moves(pending)
-        return pending
-
-    def _guarded_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(m.state_prefix + n, p) for m in self.methods for n, p in m.guarded_parameters()]
-
     def setup_model(self) -> None:
         config = self.config
         for method in self.methods:
@@ -331,8 +300,7 @@ class GenericTrainer:
         params = [p for method in self.methods if not method.steps_in_backward() for p in method.parameters()]
         compute_dtype = dtype_of(config.train_dtype)
         scaler = self.scaler
-        first_step_snapshot = snapshot(self.named_trained_parameters())
-        pending = None  # the first-step guard's watched tensors, until they move (guards.py)
+        guard = FirstStepGuard(self)  # snapshots the trained tensors before the first step
         notice = cpu_notice(self)  # before a first step that can take many minutes there
         if notice:
             self.callbacks.on_warning(notice)
@@ -370,14 +338,8 @@ class GenericTrainer:
                     scaler.update()
                 self.scheduler.step()
                 skipped = scaler.get_scale() < scale  # the scaler skipped a step with inf/nan gradients
-                if first_step_snapshot is not None and not skipped:
-                    pending = self._first_step_guard(first_step_snapshot)
-                    first_step_snapshot = None
-                elif pending is not None and not skipped:  # tensors the first step could not show moving
-                    pending.check(self._guarded_parameters(), self.step + 1, self._recorded_moves())
-                    pending = None if pending.done else pending
-                    if pending is not None:
-                        self._watch_moves(pending)
+                if not skipped:
+                    guard.after_step()
                 if self.ema is not None and not skipped and (self.step + 1) % self.config.ema.update_every == 0:
                     self.ema.update()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -390,7 +352,7 @@ class GenericTrainer:
                 self._on_boundary(epoch_finished)
                 if self.stopping or epoch_finished:
                     break
-        if pending is not None and (note := pending.unresolved()):
+        if note := guard.unresolved():
             self.callbacks.on_warning(note)
         if self.stopping and self.step > self.steps_at_start:
             self.callbacks.on_status("stopping: writing a backup")
