@@ -44,6 +44,7 @@ released scheduler shifts by 16 (diffusers' scripts/convert_wan_to_diffusers.py:
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 
 import torch
@@ -81,6 +82,17 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
     tiny_model_variants = ("i2v", "flf2v")  # Wan 2.1 I2V 14B's architecture, or FLF2V's (make_tiny_model's variant)
+
+    @classmethod
+    def tiny_model_options(cls, preset_name: str) -> dict:
+        # an FLF2V preset trains (and its test runs) on the FLF2V transformer, two frames' image positions
+        return {"variant": "flf2v"} if re.search(r"\bFLF2V\b", preset_name) else {}
+
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        # "flf2v": planned on resources/model_configs/wan_i2v/transformer_flf2v/; else WanFamily's ("14b",
+        # which names no folder here: transformer/ is the I2V 14B's)
+        return cls.tiny_model_options(preset_name).get("variant") or super().released_variant(preset_name)
 
     def single_file_part(self, part: str):
         if part == "image_encoder":
