@@ -50,6 +50,7 @@ from functools import cached_property
 import torch
 
 from modules.config.families.wan_i2v import DECLARATION
+from modules.config.prompt_control_images import ExactPromptImages, exact_count_problems
 from modules.errors import UserError
 from modules.model.wan import MAX_TEXT_TOKENS, WanFamily
 from modules.model.wan_first_frame import WanFirstFrame
@@ -142,16 +143,23 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
         self.image_processor = CLIPImageProcessorPil.from_pretrained(str(self.support_folder("image_processor")),
                                                                   local_files_only=True)
 
+    def exact_prompt_images(self) -> ExactPromptImages:
+        """One image (I2V) or two (FLF2V: first and last frame), as the transformer's config says; the
+        declaration allows both, the config alone being silent on which transformer it names."""
+        takes = {1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)",
+                 2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)"}[self.image_frames]
+        return ExactPromptImages(self.image_frames, f"{self.label} with this transformer samples from {takes}")
+
     def _check_prompt_images(self) -> None:
-        """Before any weight loads: each sample prompt's images are what this transformer samples from,
-        one (I2V) or two (FLF2V: first and last frame). The declaration allows both, the config being
-        silent on which transformer it names; a prompt with none the preflight has named already."""
-        wanted = {1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)",
-                  2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)"}[self.image_frames]
-        for index, prompt in enumerate(self.config.sampling.prompts):
-            if prompt.control_images and len(prompt.control_images) != self.image_frames:
-                raise UserError(f"sampling.prompts[{index}].control_images: {len(prompt.control_images)} given; "
-                                f"{self.label} with this transformer samples from {wanted}")
+        """Before any weight loads, for a load without the preflight (a family built in code, a sample
+        command's): each sample prompt's images are what this transformer samples from; a prompt with
+        none is left to the preflight. A transformer built on meta (the planner's, also the preflight's
+        fit check on a GPU) samples nothing: the preflight names the prompts with all its other problems."""
+        if "transformer" in self.skeleton_parts:
+            return
+        problems = exact_count_problems(self.config.sampling.prompts, self.exact_prompt_images(), none_too=False)
+        if problems:
+            raise UserError(problems[0])
 
     @property
     def max_sequence_length(self) -> int:
