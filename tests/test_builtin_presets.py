@@ -6,7 +6,8 @@ type, the saved file loads with `load_lora_weights` and every adapter in it land
 Overridden, and only because the test must run on a tiny model on CPU in seconds: model.base
 (the tiny model), concepts (the shape images), data.resolution (64), schedule.max_steps (2),
 the sample prompts' steps/width/height (2 steps, 64 px: the tiny models' size) and frames (at most 5:
-still a video), a prompt image where the family samples from one (a shape image), train_device
+still a video), the prompt images (shape images, as many as the preset names, at least the one a family
+that samples from an image needs), train_device
 (cpu), workspace_dir and output.path (tmp_path), tensorboard (off). Everything else, the weight
 modes, train_dtype, output dtype and format, adapter, optimizer, batch size, gradient
 accumulation, checkpointing and offloading, is the preset's own. A weight mode this CPU cannot run
@@ -47,10 +48,11 @@ def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
     # a preset without prompts (the GUI's defaults have none) samples one, so sampling is tested too
     prompts = [{**prompt, "steps": 2, "width": 64, "height": 64, "frames": min(prompt.get("frames", 1), 5)}
                for prompt in preset_overlay.get("sampling", {}).get("prompts", [{"prompt": "a red square"}])]
-    # a family that samples from an image (image-to-video) starts from one of the shape images
+    # a family that samples from an image (image-to-video) starts from shape images: as many as the preset's
+    # prompt names (FLF2V's first and last frames, files on its user's disk), at least the family's fewest
     fewest = get_family_declaration(preset_overlay.get("model", {}).get("family", "sd15")).prompt_images[0]
-    first_image = sorted(images.glob("*.png"))[:fewest]
-    prompts = [{**prompt, "control_images": prompt.get("control_images") or list(map(str, first_image))}
+    shapes = sorted(images.glob("*.png"))
+    prompts = [{**prompt, "control_images": list(map(str, shapes[:max(len(prompt.get("control_images", [])), fewest)]))}
                for prompt in prompts]
     # an embedding preset's placeholder goes into the captions, as its user writes it into theirs
     placeholders = " ".join(e["placeholder"] for e in preset_overlay.get("embeddings", []) if e.get("train", True))

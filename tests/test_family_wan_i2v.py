@@ -208,7 +208,8 @@ def test_a_prompt_with_an_image_samples_a_video_and_one_without_is_refused(famil
     assert Image.open(poster).size == (16, 16)
     config = train_config(family.config.model.base, clips[0], tmp_path, {"model": {"family": "wan_i2v"}, "sampling": {
         "prompts": [{"prompt": "a", "frames": 5}]}})
-    assert any(p.startswith("sampling.prompts[0].control_images: none given; Wan 2.1 I2V 14B samples from 1")
+    assert any(p.startswith("sampling.prompts[0].control_images: none given; Wan 2.1 I2V 14B with this transformer "
+                            "samples from one image, its first frame")
                for p in map(str, preflight_problems(config))), preflight_problems(config)
 
 

@@ -1,6 +1,7 @@
 """The planner's sizes of Wan's parts: a built-in preset is planned on the released model it is
 made for (Wan 2.1 comes as a 1.3B and a 14B: the preset's name says which; the 720P presets are
-the 14B's, T2V and I2V, whose 480P and 720P checkpoints share one architecture), and UMT5's tied
+the 14B's, T2V and I2V, whose 480P and 720P checkpoints share one architecture; an FLF2V preset is
+planned on the FLF2V transformer), and UMT5's tied
 `shared` / `encoder.embed_tokens` embedding is one tensor in the plan as it is in a loaded model."""
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _transformer_parameters(preset: str) -> int:
 @pytest.mark.parametrize("preset, parameters", [("Wan 2.1 14B LoRA 24GB", 14_288_491_584),
                                                 ("Wan 2.1 14B 720P LoRA 24GB", 14_288_491_584),
                                                 ("Wan 2.1 1.3B LoRA 8GB", 1_418_996_800),
-                                                ("Wan 2.1 I2V 14B 720P LoRA 24GB", 16_394_878_784)])
+                                                ("Wan 2.1 I2V 14B 720P LoRA 24GB", 16_394_878_784),
+                                                # the I2V 14B's plus FLF2V's image positions, (1, 514, 1280)
+                                                ("Wan 2.1 FLF2V 14B 720P LoRA 24GB", 16_394_878_784 + 514 * 1280)])
 def test_a_wan_preset_is_planned_on_the_transformer_its_name_says(preset, parameters):
     # (resources/model_configs/wan/SOURCES.md: the 1.3B's transformer/ and the 14B's transformer_14b/)
     assert _transformer_parameters(preset) == parameters

@@ -231,3 +231,47 @@ def test_the_released_flf2v_header_picks_its_config_and_keeps_caches_apart_from_
         return WanI2VFamily(config).fingerprint("vae", "image_encoder")
 
     assert identity(None) != identity(_i2v_transformer_config(tiny, tmp_path))
+
+
+@pytest.mark.parametrize("variant, takes", [("flf2v", 2), ("i2v", 1)])
+def test_the_preflight_names_a_prompt_of_other_than_the_images_its_transformer_takes_before_loading(
+        variant, takes, tiny_family_model, clips, tmp_path, monkeypatch):
+    """FLF2V samples from two images (first and last frame), the I2V from one: told by the transformer's
+    config (pos_embed_seq_len) in the preflight, with the run's other problems, not by the load."""
+    from modules.model.wan_i2v import WanI2VFamily
+    from modules.trainer.preflight import preflight_problems
+
+    def load(self):
+        raise AssertionError("the preflight loaded the model")
+
+    monkeypatch.setattr(WanI2VFamily, "load", load)
+    images = [tmp_path / "first.png", tmp_path / "last.png"]
+    for i, path in enumerate(images):
+        sliding_frame(4 * i, 32, 255).save(path)
+    model = tiny_family_model("wan_i2v", variant=variant)
+
+    def problems(*given):
+        config = train_config(model, clips[0], tmp_path, {
+            "model": {"family": "wan_i2v"}, "data": {"resolution": SIDE},
+            "sampling": {"prompts": [{"prompt": "a", "frames": 5, "control_images": [str(p) for p in given]}]}})
+        return preflight_problems(config)
+
+    assert problems(*images[:takes]) == []
+    wanted = {2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)",
+              1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)"}[takes]
+    other = images[:3 - takes]  # FLF2V: one image; I2V: two
+    assert problems(*other) == [f"sampling.prompts[0].control_images: {len(other)} given; "
+                                f"Wan 2.1 I2V 14B with this transformer samples from {wanted}"]
+    assert problems() == [f"sampling.prompts[0].control_images: none given; "
+                          f"Wan 2.1 I2V 14B with this transformer samples from {wanted}"]
+
+
+def test_the_planner_builds_an_flf2v_model_whatever_its_prompts_images(tiny, clips, tmp_path):
+    """The planner's build (also the preflight's fit check on a GPU) samples nothing: a one-image
+    prompt is the preflight's to name with the run's other problems, not a load error out of the plan."""
+    from modules.plan.architecture import build_architecture
+
+    config = train_config(tiny, clips[0], tmp_path, {"model": {"family": "wan_i2v"}, "sampling": {
+        "prompts": [{"prompt": "a", "frames": 5, "control_images": [str(tmp_path / "first.png")]}]}})
+    modes = {part: "float32" for part in config.model.parts}
+    assert build_architecture(config, modes).family.parts["transformer"].config.pos_embed_seq_len == 34

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from modules.config.family_declaration import CLASS_ATTRIBUTES, FamilyDeclaration, PartSpec  # noqa: F401  (PartSpec re-exported)
+from modules.config.prompt_control_images import ExactPromptImages
 from modules.model.adapter_keys import AdapterKeyNames
 from modules.model.noise import draw_noise, draw_unit_times
 from modules.model.part_loading import PartLoading
@@ -104,6 +105,12 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     def prompt_images(self) -> tuple[int, int]:
         """(fewest, most) images a sample prompt's control_images may hold (as its declaration's)."""
         return self.prompt_control_images or (0, self.control_images)
+
+    def exact_prompt_images(self) -> ExactPromptImages | None:
+        """How many images each sample prompt takes with this model's files, where they narrow
+        `prompt_images` (Wan 2.1 I2V: one, or two with its FLF2V transformer), read from config files
+        before any weight loads: the preflight checks the prompts against it. None: the range is the model's."""
+        return None
 
     @classmethod
     def claims_model_index(cls, index: dict) -> int:

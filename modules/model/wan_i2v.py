@@ -44,11 +44,13 @@ released scheduler shifts by 16 (diffusers' scripts/convert_wan_to_diffusers.py:
 from __future__ import annotations
 
 import json
+import re
 from functools import cached_property
 
 import torch
 
 from modules.config.families.wan_i2v import DECLARATION
+from modules.config.prompt_control_images import ExactPromptImages, exact_count_problems
 from modules.errors import UserError
 from modules.model.wan import MAX_TEXT_TOKENS, WanFamily
 from modules.model.wan_first_frame import WanFirstFrame
@@ -81,6 +83,17 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
     image_parts = ("vae", "image_encoder")
     pixel_conditioning = ("image_condition", "image_embeds")
     tiny_model_variants = ("i2v", "flf2v")  # Wan 2.1 I2V 14B's architecture, or FLF2V's (make_tiny_model's variant)
+
+    @classmethod
+    def tiny_model_options(cls, preset_name: str) -> dict:
+        # an FLF2V preset trains (and its test runs) on the FLF2V transformer, two frames' image positions
+        return {"variant": "flf2v"} if re.search(r"\bFLF2V\b", preset_name) else {}
+
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        # "flf2v": planned on resources/model_configs/wan_i2v/transformer_flf2v/; else WanFamily's ("14b",
+        # which names no folder here: transformer/ is the I2V 14B's)
+        return cls.tiny_model_options(preset_name).get("variant") or super().released_variant(preset_name)
 
     def single_file_part(self, part: str):
         if part == "image_encoder":
@@ -130,16 +143,23 @@ class WanI2VFamily(WanFirstFrame, WanFamily):
         self.image_processor = CLIPImageProcessorPil.from_pretrained(str(self.support_folder("image_processor")),
                                                                   local_files_only=True)
 
+    def exact_prompt_images(self) -> ExactPromptImages:
+        """One image (I2V) or two (FLF2V: first and last frame), as the transformer's config says; the
+        declaration allows both, the config alone being silent on which transformer it names."""
+        takes = {1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)",
+                 2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)"}[self.image_frames]
+        return ExactPromptImages(self.image_frames, f"{self.label} with this transformer samples from {takes}")
+
     def _check_prompt_images(self) -> None:
-        """Before any weight loads: each sample prompt's images are what this transformer samples from,
-        one (I2V) or two (FLF2V: first and last frame). The declaration allows both, the config being
-        silent on which transformer it names; a prompt with none the preflight has named already."""
-        wanted = {1: "one image, its first frame (a second, the last frame, is for a Wan 2.1 FLF2V transformer)",
-                  2: "two images, its first and last frames (a Wan 2.1 FLF2V transformer)"}[self.image_frames]
-        for index, prompt in enumerate(self.config.sampling.prompts):
-            if prompt.control_images and len(prompt.control_images) != self.image_frames:
-                raise UserError(f"sampling.prompts[{index}].control_images: {len(prompt.control_images)} given; "
-                                f"{self.label} with this transformer samples from {wanted}")
+        """Before any weight loads, for a load without the preflight (a family built in code, a sample
+        command's): each sample prompt's images are what this transformer samples from; a prompt with
+        none is left to the preflight. A transformer built on meta (the planner's, also the preflight's
+        fit check on a GPU) samples nothing: the preflight names the prompts with all its other problems."""
+        if "transformer" in self.skeleton_parts:
+            return
+        problems = exact_count_problems(self.config.sampling.prompts, self.exact_prompt_images(), none_too=False)
+        if problems:
+            raise UserError(problems[0])
 
     @property
     def max_sequence_length(self) -> int:

@@ -5,8 +5,9 @@ A run that would fail only after minutes of loading (or, worse, at its final sav
 a second instead: an output path that is a folder or on a read-only disk, a workspace that cannot
 be written or cannot hold the planned backups, a train device this torch does not have, a model
 folder of another family than `model.family`, damaged weight files, captions that are not UTF-8,
-dtypes and weight modes that do not run here, a run whose planned peak is over the train device's
-free memory (fit_check.py: the plan of modules/plan/, where the device says what is free), video
+dtypes and weight modes that do not run here, sample prompts of more or fewer images than the model
+takes (the count its config files fix where they do: Wan 2.1 FLF2V's two), a run whose planned peak is
+over the train device's free memory (fit_check.py: the plan of modules/plan/, where the device says what is free), video
 concepts whose new latent cache entries the cache folder's disk cannot hold (video_preflight.py, whose
 estimate of clips, windows, decode time and cache size the run also says). Nothing is written (a write
 test creates and removes one temp file); nothing is loaded but file headers, JSON and the first one or
@@ -70,7 +71,7 @@ def _collect(config: TrainConfig, notes: list[str] | None = None, made: dict | N
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch, captions = _concept_problems(config)
     problems = (device_problems + place_problems + model_problems + _init_from_problems(config) + caption_problems
-                + _loss_problems(config) + _frame_problems(config) + _control_problems(config))
+                + _loss_problems(config) + _frame_problems(config) + _control_problems(config, family))
     if config.embeddings:
         from modules.methods.embedding_files import embedding_problems
 
@@ -297,21 +298,27 @@ def _loss_problems(config: TrainConfig) -> list[str]:
     return []
 
 
-def _control_problems(config: TrainConfig) -> list[str | UserError]:
+def _control_problems(config: TrainConfig, family=None) -> list[str | UserError]:
     """Control images where the family takes none (or more than it takes), and sample prompts'
-    control images that are not there."""
+    control images that are not there. `family` (its files readable): the model's own count of prompt
+    images where its config files say one (Wan 2.1 FLF2V: two, first and last frame; its I2V: one),
+    else the declaration's range."""
     from modules.config.families import get_family_declaration
     from modules.config.prompt_control_images import prompt_control_problems
     from modules.data.concepts import DataError
     from modules.data.pairs import check_controls
 
-    family = get_family_declaration(config.model.family)
+    declaration = get_family_declaration(config.model.family)
     problems: list[str | UserError] = []
     try:
-        check_controls(config, family, [(i, c) for i, c in enumerate(config.concepts) if c.enabled])
+        check_controls(config, declaration, [(i, c) for i, c in enumerate(config.concepts) if c.enabled])
     except DataError as error:
         problems.append(error)
-    problems += prompt_control_problems(config.sampling.prompts, family)
+    try:
+        exact = family.exact_prompt_images() if family is not None else None
+    except (OSError, ValueError):  # a config file that does not read: the load names it
+        exact = None
+    problems += prompt_control_problems(config.sampling.prompts, declaration, exact)
     return problems
 
 
