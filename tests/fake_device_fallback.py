@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
 from fake_device_tensors import (
     _CPU, NAME, _cpu_view, _generator, _is_fake, _new_fake, _point_at, _resize, _same_device_error, _wrap,
@@ -25,6 +26,28 @@ def _fallback(op, *args, **kwargs):
 
 _op_info_cache: dict = {}
 
+# The dtype torch stores a wrapped number in (a Python scalar an op took as a Tensor, as `x % 2` does)
+_WRAPPED_DTYPES = {bool: torch.bool, int: torch.int64, float: torch.float64, complex: torch.complex128}
+
+
+def _takes_a_tensor(argument) -> bool:
+    kind = argument.type
+    if isinstance(kind, torch.OptionalType):
+        kind = kind.getElementType()
+    return isinstance(kind, torch.TensorType)
+
+
+def _number_as_tensor(value, tensors) -> torch.Tensor:
+    """A wrapped number as the 0-dim CPU tensor that computes what the number did.
+
+    A wrapped number never sets the dtype within its kind (float16 0-dim % 0.7 stays float16), a
+    0-dim tensor does: so it takes the dtype the op's tensors promote to with it. Stored first as
+    torch does (0.1 as float64), then cast as the kernel casts it (no float32 rounding on the way)."""
+    stored = torch.tensor(value, dtype=_WRAPPED_DTYPES[type(value)])
+    if not tensors:
+        return stored
+    return stored.to(elementwise_dtypes(*tensors, value, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT)[1])
+
 
 def _op_info(op):
     """Per-op facts from the schema, computed once (the fallback runs for every op)."""
@@ -38,6 +61,7 @@ def _op_info(op):
             [a.name for a in args],
             {a.name for a in args if a.kwarg_only and a.name in writes},  # out= arguments
             writes,
+            {a.name for a in args if _takes_a_tensor(a)},
             schema.name in _INDEX_OPS,
             torch.Tag.nondeterministic_seeded in op.tags,
         )
@@ -46,7 +70,7 @@ def _op_info(op):
 
 
 def _run_on_cpu(op, args, kwargs, outs_to_temp: bool):
-    op_name, names, out_names, write_names, index_op, seeded = _op_info(op)
+    op_name, names, out_names, write_names, tensor_names, index_op, seeded = _op_info(op)
 
     fakes: dict[int, torch.Tensor] = {}  # id(cpu view) -> fakegpu tensor it stands for
     storages: dict[int, torch.UntypedStorage] = {}  # data_ptr of a fakegpu storage -> that storage
@@ -73,12 +97,18 @@ def _run_on_cpu(op, args, kwargs, outs_to_temp: bool):
             return value
         if isinstance(value, torch.device) and value.type == NAME:
             return _CPU
+        if arg_name in tensor_names and type(value) in _WRAPPED_DTYPES:
+            # Boxing into Python turned a wrapped-number tensor back into a number, which the op's
+            # Tensor argument refuses: a 0-dim CPU tensor again (CPU scalars may join device tensors).
+            inputs = [v for n, v in named if n in tensor_names and n not in out_names and isinstance(v, torch.Tensor)]
+            return _number_as_tensor(value, inputs)
         if isinstance(value, (list, tuple)):
             return type(value)(convert(v, arg_name) for v in value)  # noqa: F821 (itself; deleted after use to break the cycle)
         if isinstance(value, torch.Generator) and value.device.type != NAME:
             raise RuntimeError(f"Expected a '{NAME}' device type for generator but found '{value.device.type}'")
         return value
 
+    named = [*zip(names, args), *kwargs.items()]
     cpu_args = [convert(a, names[i] if i < len(names) else "") for i, a in enumerate(args)]
     cpu_kwargs = {k: convert(v, k) for k, v in kwargs.items()}
     # convert and back below call themselves: each is a reference cycle through its own cell, holding

@@ -289,6 +289,23 @@ def test_tiny_vae_encodes_a_batch_of_two(fake_device, tiny_model):
     _same(got, expected, atol=1e-4)
 
 
+@pytest.mark.parametrize("compute", [
+    lambda x: x % 2,
+    lambda x: torch.remainder(x, 2),
+    lambda x: torch.fmod(x, 1.5),
+    lambda x: torch.xlogy(2, x.abs()),  # the number in the first argument
+    lambda x: x.double() % 0.1,  # 0.1 reaches a float64 kernel unrounded
+    lambda x: x[0].half() % 0.7,  # a 0-dim tensor with a number computes in its own dtype
+    lambda x: x.long() % 2.5,  # a float number makes an integer tensor's result float
+    lambda x: x.long() & 3,
+])
+def test_a_python_number_where_the_op_takes_a_tensor_matches_cpu(fake_device, compute):
+    """torch hands the fallback a wrapped number (`x % 2` calls remainder with `2` as a Tensor) as
+    a Python number, which the CPU op refused for its Tensor argument."""
+    x = torch.randn(6, generator=torch.Generator().manual_seed(0)) * 10
+    _same(compute(x.to(fake_device)), compute(x))
+
+
 def test_complex_rotary_backward_matches_cpu(fake_device):
     """A rotary embedding in complex numbers (FIBO-2's): its backward multiplies by a lazily
     conjugated view, whose copy onto the device once recursed until the process crashed."""

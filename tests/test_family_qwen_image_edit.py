@@ -22,7 +22,7 @@ from family_cross import (
     prediction_with,
     resumed_training_matches,
 )
-from test_family_qwen_image import _comfyui_qwen_image_map, _rope_in_real_arithmetic
+from test_family_qwen_image import _comfyui_qwen_image_map
 
 from modules.adapters.formats.files import file_state, save_adapter_file
 from modules.config.loading import build_config
@@ -187,13 +187,7 @@ def test_resume_on_pairs_equals_an_uninterrupted_run(which, request, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["edit", "plus"])
-def test_offloading_half_the_transformer_trains_the_same_adapter_on_pairs(which, request, fake_device, tmp_path,
-                                                                          monkeypatch):
-    from diffusers.models.transformers import transformer_qwenimage as qwen
-
-    # the fake device cannot resolve the conjugate view the complex RoPE's backward makes (as in
-    # tests/test_family_qwen_image.py, which checks the stand-in equals the complex one)
-    monkeypatch.setattr(qwen, "apply_rotary_emb_qwen", _rope_in_real_arithmetic)
+def test_offloading_half_the_transformer_trains_the_same_adapter_on_pairs(which, request, fake_device, tmp_path):
     model, pairs, overlay = _paired_run(which, request)
     offloaded_training_matches(model, pairs, tmp_path, overlay["model"]["family"], "transformer", fake_device,
                                overlay)
