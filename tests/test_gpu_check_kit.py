@@ -45,8 +45,24 @@ def test_the_cpu_dry_run_runs_every_part_and_each_passes_or_skips_with_a_reason(
     assert set(width) == {"sdxl_unet", "flux1_slice", "sdxl_unet_nf4"}
     assert width["sdxl_unet"]["status"] == width["flux1_slice"]["status"] == "passed"
     assert all(case["figures"]["offload_0.5"]["blocks_parked"] > 0 for case in width.values() if "figures" in case)
+    compared = parts["plan_vs_measured"]["cases"]  # the plan against the trainer's memory event, per offload
+    assert [case["name"] for case in compared] == ["sdxl offload 0.0", "sdxl offload 0.5"]
+    assert all(case["status"] == "passed" and case["figures"]["ratio"] > 0 for case in compared), compared
+    assert compared[1]["figures"]["parked_blocks"] != compared[0]["figures"]["parked_blocks"]
     markdown = (out / "report.md").read_text()
     assert all(f"## {name}: " in markdown for name in parts)
+
+
+def test_a_planned_peak_is_measured_as_the_device_allocates_and_held_to_ten_percent():
+    from tools.gpu_check.parts.plan_vs_measured import measured_peak, verdict
+
+    assert measured_peak({"device_peak_allocated": 5, "host_peak_rss": 90, "host_rss_before_load": 10}) == (
+        5, "device peak allocated")
+    assert measured_peak({"device_peak_allocated": None, "host_peak_rss": 90, "host_rss_before_load": 10})[0] == 80
+    assert verdict(100, 109, dry=False) == verdict(100, 91, dry=False) == {"status": "passed"}
+    over, under = verdict(100, 111, dry=False), verdict(100, 89, dry=False)
+    assert over["status"] == under["status"] == "failed" and "1.11x the planned" in over["reason"]
+    assert verdict(100, 300, dry=True) == {"status": "passed"}  # the CPU's measure: the plumbing, not the 10%
 
 
 def test_the_torch_api_scan_finds_an_unguarded_api_this_torch_lacks(tmp_path):

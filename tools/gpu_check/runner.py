@@ -27,12 +27,13 @@ REPO = Path(__file__).resolve().parent.parent.parent
 # (part, its seconds on a GPU)
 PARTS = [
     ("environment", 15),
-    ("torch_compat", 35),
-    ("cuda_tests", 70),
-    ("families", 100),
-    ("weight_modes", 75),
-    ("real_width", 100),
-    ("compile_smoke", 55),  # together 450 s: run.sh's default total, 7.5 minutes
+    ("torch_compat", 30),
+    ("cuda_tests", 60),
+    ("families", 80),
+    ("weight_modes", 60),
+    ("real_width", 80),
+    ("plan_vs_measured", 80),
+    ("compile_smoke", 45),  # together 450 s: run.sh's default total, 7.5 minutes
 ]
 DRY_RUN_BUDGET_S = 600  # a part's budget in the dry run: its sizes are the smallest, its time is the CPU's
 RESERVE_S = 5  # for the report after the last part

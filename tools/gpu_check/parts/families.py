@@ -5,8 +5,6 @@ third step. The dry run: SD1.5 alone, on the CPU."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import time
@@ -15,32 +13,11 @@ SETTINGS = {"data": {"resolution": 64}, "schedule": {"max_steps": 2, "sample_eve
             "tensorboard": False}
 
 
-def _events(argv: list[str]) -> tuple[int, list[dict]]:
-    import launch
-
-    stdout = io.StringIO()
-    with contextlib.redirect_stdout(stdout):
-        code = launch.main(argv)
-    events = []
-    for line in stdout.getvalue().splitlines():
-        with contextlib.suppress(ValueError):
-            events.append(json.loads(line))
-    return code, events
-
-
-def _problem(code: int, events: list[dict], wanted: list[str]) -> str | None:
-    names = [event.get("event") for event in events]
-    errors = [event.get("message") for event in events if event.get("event") == "error"]
-    if code or errors:
-        return f"exit {code}: {'; '.join(map(str, errors))[:400]}"
-    missing = [name for name in wanted if name not in names]
-    return f"no {', '.join(missing)} event" if missing else None
-
-
 def run_family(family: str, context) -> dict:
     from modules.config.presets import list_presets
     from modules.data.synthetic_images import write_shape_images
     from modules.config.families import get_family_class
+    from tools.gpu_check.parts.launch_events import launch_events, launch_problem
 
     builtin = [p for p in list_presets() if p.builtin and p.family == family]
     preset = next((p for p in builtin if "LoRA" in p.name), builtin[0] if builtin else None)
@@ -52,7 +29,7 @@ def run_family(family: str, context) -> dict:
     if options.get("variant"):
         argv += ["--variant", options["variant"]]
     started = time.monotonic()
-    code, _ = _events(argv)
+    code, _ = launch_events(argv)
     if code:
         return {"status": "failed", "reason": f"make-tiny-model exited {code}"}
     prompts = [{"prompt": "a red square", "steps": 2, "width": 64, "height": 64}]
@@ -63,13 +40,13 @@ def run_family(family: str, context) -> dict:
     (work / "config.json").write_text(json.dumps(config))
     train = ["train", "--config", str(work / "config.json"), "--protocol", "jsonl"] + (
         ["--preset", preset.name] if preset else [])
-    code, events = _events(train)
-    problem = _problem(code, events, ["sample", "backup", "saved", "finished"])
+    code, events = launch_events(train)
+    problem = launch_problem(code, events, ["sample", "backup", "saved", "finished"])
     if problem:
         return {"status": "failed", "reason": f"train: {problem}"}
     trained_s = time.monotonic() - started
-    code, resumed = _events(train + ["--resume", "--set", "schedule.max_steps=3"])
-    problem = _problem(code, resumed, ["progress", "saved", "finished"])
+    code, resumed = launch_events(train + ["--resume", "--set", "schedule.max_steps=3"])
+    problem = launch_problem(code, resumed, ["progress", "saved", "finished"])
     steps = [event["step"] for event in resumed if event.get("event") == "progress"]
     if not problem and steps != [3]:
         problem = f"resumed at the wrong step: progress steps {steps}, expected [3]"

@@ -25,7 +25,8 @@ TINY_FLUX = dict(num_attention_heads=2, attention_head_dim=16, axes_dims_rope=[4
                  pooled_projection_dim=16)
 
 
-def _config(family: str, part: str) -> dict:
+def released_config(family: str, part: str) -> dict:
+    """The released model's config of `part` (resources/model_configs), without diffusers' own keys."""
     config = json.loads((REPO / "resources" / "model_configs" / family / part / "config.json").read_text())
     return {k: v for k, v in config.items() if not k.startswith("_")}
 
@@ -35,7 +36,7 @@ def build_sdxl(device, dtype, dry: bool):
 
     from modules.model.components.unet import unet_checkpoint_blocks
 
-    config = {**_config("sdxl", "unet"), **(TINY_SDXL if dry else {})}
+    config = {**released_config("sdxl", "unet"), **(TINY_SDXL if dry else {})}
     with torch.device(device):
         unet = UNet2DConditionModel.from_config(config).to(dtype).requires_grad_(False)
     side = 16 if dry else 128  # latents of 128 px (dry) or 1024 px
@@ -58,7 +59,7 @@ def build_sdxl(device, dtype, dry: bool):
 def build_flux_slice(device, dtype, dry: bool):
     from diffusers import FluxTransformer2DModel
 
-    config = {**_config("flux", "transformer"), "num_layers": 2, "num_single_layers": 4, **(TINY_FLUX if dry else {})}
+    config = {**released_config("flux", "transformer"), "num_layers": 2, "num_single_layers": 4, **(TINY_FLUX if dry else {})}
     with torch.device(device):
         model = FluxTransformer2DModel.from_config(config).to(dtype).requires_grad_(False)
     image_tokens, text_tokens = (64, 16) if dry else (4096, 512)  # 1024 px: 128x128 latents in 2x2 patches
