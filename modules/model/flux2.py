@@ -107,6 +107,14 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
     def tiny_model_options(cls, preset_name: str) -> dict:
         return {"variant": "dev"} if re.search(r"\bdev\b", preset_name) else {}
 
+    @classmethod
+    def released_variant(cls, preset_name: str) -> str | None:
+        # klein comes in two sizes: the released configs' plain folders are the 4B's, `*_klein_9b`
+        # the 9B's (what a "9B" preset is sized for); [dev] presets keep the tiny stand-in's "dev"
+        if re.search(r"\b9B\b", preset_name):
+            return "klein_9b"
+        return super().released_variant(preset_name)
+
     def load(self) -> None:
         from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
         from transformers import AutoProcessor, AutoTokenizer, Qwen3Model

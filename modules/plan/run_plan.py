@@ -28,6 +28,7 @@ FLOPs and the host link of a named GPU class (gpu_classes.py), marked estimated.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from modules.config.method_configs import METHODS
@@ -411,7 +412,11 @@ class Planner:
             from modules.config.families import get_family_class
 
             folder = get_family_class(config.model.family).released_config_folder()
-            plan.notes.append(f"planned on the released architecture (resources/model_configs/{folder.name})")
+            # a variant's own folders (FLUX.2 klein 9B's `*_klein_9b`) named, so the plan says which model it sized
+            variant_folders = sorted(Path(part.path).name for part in sized["config"].model.parts.values()
+                                     if part.path and Path(part.path).parent == folder)
+            also = f": {', '.join(variant_folders)}" if variant_folders else ""
+            plan.notes.append(f"planned on the released architecture (resources/model_configs/{folder.name}{also})")
         from modules.plan.fake_pass import planned_frames
 
         frames = planned_frames(config, family)
