@@ -73,7 +73,11 @@ def test_the_text_encoders_in_the_step_plan_on_meta_as_on_fake_tensors(case, tin
     family, overlay = TEXT_IN_STEP[case]
     config = build_config([{"model": {"family": family, "base": str(tiny_family_model(family))},
                             "data": {"resolution": 64}}, overlay])
+    from transformers.utils import import_utils
+
+    is_fake_tensor = import_utils.is_fake_tensor
     on_meta = _plan(config, False, monkeypatch)
+    assert import_utils.is_fake_tensor is is_fake_tensor, "the pass left transformers treating meta tensors as traced"
     assert any("run in every step" in note for note in on_meta["notes"])
     assert on_meta == _plan(config, True, monkeypatch)
 
