@@ -3,7 +3,9 @@
 fake tensors. Both passes must give the same plan to the byte: compared here on tiny models of
 the kinds of architecture the presets plan (a UNet, FLUX's two kinds of block, SD3's positional
 table kept on the CPU by the skeleton, a video transformer), with adapters, a fine-tune,
-checkpointing and nf4 weights."""
+checkpointing and nf4 weights; and the steps that run the text encoders (an embedding, a trained
+encoder), whose transformers mask helpers take on meta the branch they take on fake tensors
+(modules/plan/traced_meta.py): CLIP, T5, UMT5, Qwen3, Qwen3-VL, SmolLM3, Qwen2.5-VL."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 
 from modules.config.loading import build_config
 from modules.plan import fake_pass
-from modules.plan.meta_ops import MetaOpCache
+from modules.plan.meta_ops import MetaOpCache, MetaValueRead
 
 CASES = {
     "sd15 nf4 lora, checkpointing, batch 2": ("sd15", {"model": {"parts": {"unet": {
@@ -24,13 +26,34 @@ CASES = {
     "sd3 fine-tune": ("sd3", {"method": {"type": "fine_tune"}}),
     "wan clips": ("wan", {"concepts": [{"path": "{images}", "video": {"frames": 5}}], "data": {"resolution": 32}}),
 }
+EMBEDDING = {"method": {"type": "embedding"}, "embeddings": [{"placeholder": "<tok>", "vectors": 2}]}
+TEXT_LORA = {"model": {"parts": {"text_encoder": {"train": True}}}}
+TEXT_IN_STEP = {  # family: the encoder it runs in the step
+    "sd15 text-encoder lora": ("sd15", TEXT_LORA),  # CLIP
+    "chroma embedding": ("chroma", EMBEDDING),  # T5
+    "anima embedding": ("anima", EMBEDDING),  # Qwen3 (and its LLM adapter)
+    "krea2 embedding": ("krea2", EMBEDDING),  # Qwen3-VL's language model
+    "fibo2 embedding": ("fibo2", EMBEDDING),  # Qwen3-VL
+    "fibo_edit embedding": ("fibo_edit", EMBEDDING),  # SmolLM3
+    "qwen_image_edit embedding": ("qwen_image_edit", EMBEDDING),  # Qwen2.5-VL
+    "qwen_image_edit_plus embedding": ("qwen_image_edit_plus", EMBEDDING),
+    "wan text-encoder lora": ("wan", TEXT_LORA),  # UMT5
+}
+
+
+def _no_fake_tensors(*args, **kwargs):
+    raise AssertionError("the pass made a FakeTensorMode where the meta pass should have run")
 
 
 def _plan(config, fake: bool, monkeypatch) -> dict:
+    """fake: the pass on fake tensors; else the pass as measure_step picks it, which must be meta."""
     from modules.plan.run_plan import plan_run
 
     with monkeypatch.context() as patch:
-        patch.setattr(fake_pass, "measure_step", functools.partial(fake_pass.measure_step, fake=fake))
+        if fake:
+            patch.setattr(fake_pass, "measure_step", functools.partial(fake_pass.measure_step, fake=True))
+        else:
+            patch.setattr(fake_pass, "FakeTensorMode", _no_fake_tensors)
         return plan_run(config, 2**30, 2**34, fix=False).as_dict()
 
 
@@ -43,6 +66,26 @@ def test_the_meta_pass_plans_what_the_fake_pass_plans(case, tiny_family_model, s
     on_meta = _plan(config, False, monkeypatch)
     assert on_meta == _plan(config, True, monkeypatch)
     assert on_meta["flops_per_step"] > 0 and max(p["device"]["activations"] for p in on_meta["parts"].values()) > 0
+
+
+@pytest.mark.parametrize("case", list(TEXT_IN_STEP))
+def test_the_text_encoders_in_the_step_plan_on_meta_as_on_fake_tensors(case, tiny_family_model, monkeypatch):
+    family, overlay = TEXT_IN_STEP[case]
+    config = build_config([{"model": {"family": family, "base": str(tiny_family_model(family))},
+                            "data": {"resolution": 64}}, overlay])
+    from transformers.utils import import_utils
+
+    is_fake_tensor = import_utils.is_fake_tensor
+    on_meta = _plan(config, False, monkeypatch)
+    assert import_utils.is_fake_tensor is is_fake_tensor, "the pass left transformers treating meta tensors as traced"
+    assert any("run in every step" in note for note in on_meta["notes"])
+    assert on_meta == _plan(config, True, monkeypatch)
+
+
+def test_a_value_read_on_meta_names_the_line_that_read_it():
+    mask = torch.empty(2, 7, dtype=torch.bool, device="meta")
+    with MetaOpCache(), pytest.raises(MetaValueRead, match=r"test_plan_meta_pass\.py:\d+"):
+        bool(mask.all())
 
 
 def test_activation_offloading_plans_on_fake_tensors(tiny_model):

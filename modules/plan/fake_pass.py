@@ -40,6 +40,7 @@ from modules.offload.checkpointing import checkpoint_blocks_
 from modules.plan.attention import efficient_attention
 from modules.plan.live_bytes import LiveBytes
 from modules.plan.meta_ops import MetaOpCache
+from modules.plan.traced_meta import meta_tensors_traced
 
 TRAIN = torch.device("meta")  # the fake pass's train device (fake tensors on it cost nothing)
 TEMP = torch.device("cpu")
@@ -111,10 +112,12 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         if text_in_step else None
     runs = {denoiser, *trained, *(family.text_parts if tokens is not None else ())}
     checkpointed = [part for part in runs if checkpointing.get(part) and family.checkpoint_blocks(part)]
-    if fake is None:  # (and where a text encoder runs: transformers' mask helpers read a value, `mask.all()`,
-        # which a meta tensor cannot give and a fake one answers)
-        fake = any(activation_offloading.get(part) for part in checkpointed) or tokens is not None
+    if fake is None:
+        fake = any(activation_offloading.get(part) for part in checkpointed)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else MetaOpCache()
+    if fake and tokens is not None:  # the mode's own tensors, as the latents are: a meta input would be
+        # converted to a fake copy at each use, so a view of it (a mask's slice) counted its storage as new
+        tokens = {name: mode.from_tensor(ids) for name, ids in tokens.items()}
     latents, pixel_conditioning = image_latents(family, batch, resolution, mode, planned_frames(config, family))
     if controls:  # a batch input, as the pixel conditioning is: handed to the denoiser with the text
         pixel_conditioning["control_latents"] = control_latents(family, batch, controls, resolution, mode)
@@ -127,7 +130,8 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
     # on meta, LiveBytes runs each op through the cache itself (so the cache is no mode of its own here)
     live = LiveBytes(TRAIN, None if fake else mode.run)
     held = []
-    with mode if fake else contextlib.nullcontext():
+    # (on meta, transformers' mask helpers take the branch they take for fake tensors: traced_meta.py)
+    with mode if fake else meta_tensors_traced():
         if adapter_set_builder is not None and any(kind == "adapter" for kind in trained.values()):
             adapters = adapter_set_builder([p for p, kind in trained.items() if kind == "adapter"], TRAIN)
             held += list(adapters.parameters())

@@ -10,6 +10,10 @@ storage: those always run the kernel), each checked when noted to be what an emp
 shape and strides is (same storage bytes, offset 0), so a replica counts exactly the bytes the
 kernel's output would. Anything else (a tensor off meta, a subclass, an argument of another kind)
 runs the kernel every time. tests/test_plan_meta_pass.py compares passes with and without.
+
+A meta tensor has no values: code in the step that reads one (`bool(mask.all())`, `.item()`) gets
+an error naming the line that read it, which should ask `modules.util.torch_utils.shape_only` (or,
+in transformers, `is_tracing`: traced_meta.py) and take the branch the plan counts.
 """
 
 from __future__ import annotations
@@ -21,10 +25,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
 _TENSOR_TYPES = frozenset((torch.Tensor, torch.nn.Parameter))  # (not subclasses that dispatch ops their own way)
 _UNCACHED = object()  # the note of a key whose outputs are not all new storages
+_VALUE_READ = torch.ops.aten._local_scalar_dense.default  # what bool(t), t.item(), int(t) come to
 
 
 class _Uncacheable(Exception):
     pass
+
+
+class MetaValueRead(RuntimeError):
+    """The planner's step read a value from a meta tensor (a bug in the code that read it)."""
 
 
 class MetaOpCache(TorchDispatchMode):
@@ -40,6 +49,8 @@ class MetaOpCache(TorchDispatchMode):
         return self.run(func, args, kwargs or {})
 
     def run(self, func, args, kwargs):
+        if func is _VALUE_READ and args[0].is_meta:  # (a CPU tensor's value is there to read)
+            raise MetaValueRead(_value_read_message(args[0]))
         try:
             key = (func, _key(args), tuple(kwargs), _key(kwargs.values()))
         except _Uncacheable:
@@ -121,3 +132,21 @@ def _flat_tensors(value):
     elif isinstance(value, dict):
         for item in value.values():
             yield from _flat_tensors(item)
+
+
+def _value_read_message(tensor: torch.Tensor) -> str:
+    return (f"the plan's step read the value of a meta tensor ({tuple(tensor.shape)}, {tensor.dtype}) at "
+            f"{_reader()}: the planner's tensors hold no values; that code should take the branch the plan "
+            f"counts where modules.util.torch_utils.shape_only(tensor) is true")
+
+
+def _reader() -> str:
+    """file:line of the innermost caller outside torch and this package: the code that read the value."""
+    import os
+    import traceback
+
+    skipped = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+    for frame in reversed(traceback.extract_stack()):
+        if not frame.filename.startswith(skipped):
+            return f"{frame.filename}:{frame.lineno} ({frame.name})"
+    return "an unknown line"
