@@ -11,7 +11,9 @@ Per part (docs/memory-and-offload.md, "Planning"):
   per parameter (optim/state_size.py); a fine-tune's parked blocks park their state with them;
 - activations: the most the training step holds beyond those (fake_pass.py), on the denoiser; the
   text encoders are in that step wherever the text cannot be cached (text_in_step);
-- offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
+- offload_window: the parked blocks resident at once (schedule.bytes_in_flight);
+- a frozen text encoder's token table is on the host, not in its weights (offload/host_tables.py,
+  the trainer's rule): host train_peak counts it.
 The training step's peak is the sum. A part the step never runs (data/step_parts.py: a frozen text
 encoder with the text cached, a VAE with the latents cached) holds nothing then: it is on the host
 (trainer/idle_parts.py). It is on the device as placed while the caches are filled and while
