@@ -37,10 +37,13 @@ def host_table_parts(config: TrainConfig, family: ModelFamily, trained: Iterable
     the device: an encoder `embeddings` add tokens to (their lookup hooks the table's module on the
     device: methods/embedding.py), a sharded one (its weights are FSDP's), one only sampling runs (it
     waits on the temp device whole). (Training on the CPU the rule holds and changes nothing.)"""
+    encoders = [name for name in config.model.parts if name in family.text_parts]
+    if not encoders:
+        return ()
     kept = {*trained, *config.distributed.shard_parts, *family.resting_parts()}
     if config.embeddings:
         kept.update(family.embedding_slots)
-    return tuple(name for name in config.model.parts if name in family.text_parts and name not in kept)
+    return tuple(name for name in encoders if name not in kept)
 
 
 def table_lookups(encoder: nn.Module) -> list[nn.Embedding]:
