@@ -27,7 +27,7 @@ def fake_trainer(device: str, tf32: bool):
     """What setup_train_device reads, with no part to move (so no CUDA call is made)."""
     return SimpleNamespace(device=torch.device(device), config=SimpleNamespace(tf32=tf32, temp_device="cpu",
                                                                               model=SimpleNamespace(parts={})),
-                           family=SimpleNamespace(parts={}), callbacks=None)
+                           family=SimpleNamespace(parts={}, text_parts=()), trained_parts=[], callbacks=None)
 
 
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])

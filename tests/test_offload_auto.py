@@ -28,13 +28,13 @@ class Stack(nn.Module):
 def toy_trainer(device, capacity: int, fractions: dict[str, float | str]):
     parts = {name: Stack(8 if name == "transformer" else 4, extra=name == "text_encoder") for name in fractions}
     config = SimpleNamespace(
-        temp_device="cpu", tf32=True, method=SimpleNamespace(type="adapter"),
-        model=SimpleNamespace(parts={name: SimpleNamespace(offload_fraction=f, offload_prefetch=1, train=False)
+        temp_device="cpu", tf32=True, method=SimpleNamespace(type="adapter"), embeddings=[],
+        distributed=SimpleNamespace(shard_parts=[]), model=SimpleNamespace(parts={name: SimpleNamespace(offload_fraction=f, offload_prefetch=1, train=False)
                                      for name, f in fractions.items()}))
     family = SimpleNamespace(name="toy", parts=parts, checkpoint_blocks=lambda name: list(parts[name].blocks),
-                             resting_parts=lambda: ())
+                             resting_parts=lambda: (), text_parts=(), embedding_slots={})
     statuses = []
-    trainer = SimpleNamespace(config=config, family=family, device=device,
+    trainer = SimpleNamespace(config=config, family=family, device=device, trained_parts=[],
                               callbacks=SimpleNamespace(on_status=statuses.append))
     return trainer, statuses
 

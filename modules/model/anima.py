@@ -40,6 +40,7 @@ from modules.model.components.cosmos_padding_mask import ensure_padding_mask_res
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.keys.anima import ANIMA_KEYS
 from modules.model.qwen_image import latent_normalisation
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # AnimaTextEncoderStep's default `max_sequence_length` (both tokenizers)
@@ -206,11 +207,11 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder, conditioner = self.parts["text_encoder"], self.parts["text_conditioner"]
-        mask = tokens["attention_mask"].to(encoder.device)
+        mask = tokens["attention_mask"].to(compute_device(encoder))
         # (AnimaTextEncoderStep also zeroes the padding's states; the adapter's source mask hides them either way)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
+        hidden = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask,
                          use_cache=False).last_hidden_state  # no KV cache: a checkpointed layer recomputes
-        device = next(conditioner.parameters()).device
+        device = compute_device(conditioner)
         embeds = conditioner(source_hidden_states=hidden.to(device, self.compute_dtype("text_conditioner")),
                              target_input_ids=tokens["t5_input_ids"].to(device),
                              target_attention_mask=tokens["t5_attention_mask"].to(device),

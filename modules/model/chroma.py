@@ -30,6 +30,7 @@ from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.flux import flux_transformer_to_diffusers, image_ids, pack_latents, unpack_latents
 from modules.model.keys.chroma import CHROMA_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -128,8 +129,8 @@ class ChromaFamily(FlowMatchingTraining, ModelFamily):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # as ChromaPipeline._get_t5_prompt_embeds: unlike FLUX, T5 sees the attention mask
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device)
-        hidden = encoder(tokens["input_ids"].to(encoder.device), attention_mask=mask, output_hidden_states=False)[0]
+        mask = tokens["attention_mask"].to(compute_device(encoder))
+        hidden = encoder(tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask, output_hidden_states=False)[0]
         return {"hidden_states": hidden, "attention_mask": mask}
 
     def planning_tokens(self, batch, device):

@@ -68,6 +68,7 @@ from modules.errors import UserError
 from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.keys.fibo2 import FIBO2_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator, shape_only
 
 # the tokens of a caption kept (the pipeline reads up to 4096; a prompt's gist-token count stops
@@ -313,13 +314,13 @@ class Fibo2Family(FlowMatchingTraining, ModelFamily):
 
     def _encode(self, ids: torch.Tensor, mask: torch.Tensor, images: dict) -> torch.Tensor:
         encoder = self.parts["text_encoder"]
-        hidden = encoder(input_ids=ids.to(encoder.device), attention_mask=mask, **images, output_hidden_states=True,
+        hidden = encoder(input_ids=ids.to(compute_device(encoder)), attention_mask=mask, **images, output_hidden_states=True,
                          use_cache=False).hidden_states  # no KV cache: a checkpointed layer recomputes
         return self._bundles(hidden)
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        device = encoder.device
+        device = compute_device(encoder)
         mask = tokens["attention_mask"].to(device)
         images = {}
         if "pixel_values" in tokens:

@@ -52,6 +52,7 @@ from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.keys.fibo_edit import FIBO_EDIT_KEYS
 from modules.sampling.control_images import fitted_control_images
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # the tokens of a caption kept (the pipeline reads up to 3000)
@@ -182,8 +183,8 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
+        mask = tokens["attention_mask"].to(compute_device(encoder))
+        hidden = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask,
                          output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
         return {"hidden_states": torch.stack([hidden[i] for i in self._kept_layers], dim=1), "attention_mask": mask}
 

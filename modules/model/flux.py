@@ -31,6 +31,7 @@ from modules.model.components.clip import (
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, ldm_vae_single_file, load_vae
 from modules.model.keys.flux import FLUX_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -210,8 +211,8 @@ class FluxFamily(FlowMatchingTraining, ModelFamily):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # as FluxPipeline.encode_prompt: CLIP's pooled output, T5's last hidden states
         clip, t5 = self.parts["text_encoder"], self.parts["text_encoder_2"]
-        pooled = clip(tokens["input_ids"].to(clip.device), output_hidden_states=False).pooler_output
-        hidden = t5(tokens["input_ids_2"].to(t5.device), output_hidden_states=False)[0]
+        pooled = clip(tokens["input_ids"].to(compute_device(clip)), output_hidden_states=False).pooler_output
+        hidden = t5(tokens["input_ids_2"].to(compute_device(t5)), output_hidden_states=False)[0]
         return {"pooled": pooled, "hidden_states": hidden}
 
     def planning_tokens(self, batch, device):

@@ -53,6 +53,7 @@ from modules.model.components import mistral3_text
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.flux2 import FLUX2_KEYS
 from modules.sampling.control_images import fitted_control_images
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -269,8 +270,8 @@ class Flux2Family(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        output = encoder(input_ids=tokens["input_ids"].to(encoder.device),
-                         attention_mask=tokens["attention_mask"].to(encoder.device),
+        output = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)),
+                         attention_mask=tokens["attention_mask"].to(compute_device(encoder)),
                          output_hidden_states=True, use_cache=False)
         stacked = torch.stack([output.hidden_states[k] for k in self.out_layers], dim=2)  # (B, L, 3, D)
         return {"hidden_states": stacked.flatten(2)}

@@ -49,6 +49,7 @@ from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.krea2 import KREA2_KEYS
 from modules.model.qwen_image import latent_normalisation
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # Krea2Pipeline's prompt_template_encode_prefix / _suffix, prompt_template_encode_start_idx and
@@ -215,10 +216,10 @@ class Krea2Family(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device).bool()
+        mask = tokens["attention_mask"].to(compute_device(encoder)).bool()
         # positions count real tokens only, the same on mRoPE's three axes
         positions = (mask.long().cumsum(dim=-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
-        out = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask, position_ids=positions,
+        out = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask, position_ids=positions,
                       output_hidden_states=True, use_cache=False)
         hidden = torch.stack([out.hidden_states[i] for i in self.select_layers], dim=2)
         return {"hidden_states": hidden[:, TEMPLATE_TOKENS_DROPPED:],

@@ -39,6 +39,7 @@ from modules.model.base import ModelFamily, numbered_blocks
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.flux import pack_latents, unpack_latents
 from modules.model.keys.qwen_image import QWEN_IMAGE_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # QwenImagePipeline.prompt_template_encode and prompt_template_encode_start_idx
@@ -172,9 +173,9 @@ class QwenImageFamily(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device)
+        mask = tokens["attention_mask"].to(compute_device(encoder))
         # (no KV cache: a checkpointed layer recomputed in the backward would append to it a second time)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask,
+        hidden = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask,
                          use_cache=False).last_hidden_state
         # as QwenImagePipeline._get_qwen_prompt_embeds: the real tokens past the template's first 34, at
         # the front, zero-padded (here to a fixed length, so captions batch and cache). tokenize pads on

@@ -43,6 +43,7 @@ from modules.errors import UserError
 from modules.loading.diffusers_folder import ModelLoadError
 from modules.model.flux import pack_latents, unpack_latents
 from modules.model.qwen_image import MAX_TEXT_TOKENS, QwenImageFamily, latent_normalisation
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # QwenImageEditPipeline.prompt_template_encode, with the image block taken out into image_prompt()
@@ -199,7 +200,7 @@ class QwenImageEditFamily(QwenImageFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        device = encoder.device
+        device = compute_device(encoder)
         mask = tokens["attention_mask"].to(device)
         images = {}
         if "pixel_values" in tokens:

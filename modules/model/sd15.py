@@ -23,6 +23,7 @@ from modules.model.components.ddpm import DDPMTraining
 from modules.model.components.unet import ldm_unet_single_file, unet_checkpoint_blocks
 from modules.model.components.vae import encode_latents, ldm_vae_single_file, load_vae
 from modules.model.keys.sd15 import SD15_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -85,7 +86,7 @@ class SD15Family(DDPMTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         text_encoder = self.parts["text_encoder"]
-        hidden = text_encoder(tokens["input_ids"].to(text_encoder.device))[0]
+        hidden = text_encoder(tokens["input_ids"].to(compute_device(text_encoder)))[0]
         return {"hidden_states": hidden}
 
     def planning_tokens(self, batch, device):

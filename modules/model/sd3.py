@@ -32,6 +32,7 @@ from modules.model.components.clip import (
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.keys.sd3 import SD3_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -151,10 +152,10 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
         # side, zero-padded to T5's width, then T5's last hidden states after them in the sequence;
         # the pooled embedding is both CLIPs' projections side by side
         clip_l, clip_g, t5 = (self.parts[p] for p in self.text_parts)
-        out_l = clip_l(tokens["input_ids"].to(clip_l.device), output_hidden_states=True)
-        out_g = clip_g(tokens["input_ids_2"].to(clip_g.device), output_hidden_states=True)
+        out_l = clip_l(tokens["input_ids"].to(compute_device(clip_l)), output_hidden_states=True)
+        out_g = clip_g(tokens["input_ids_2"].to(compute_device(clip_g)), output_hidden_states=True)
         dtype = out_l.hidden_states[-2].dtype
-        t5_hidden = t5(tokens["input_ids_3"].to(t5.device))[0].to(dtype)
+        t5_hidden = t5(tokens["input_ids_3"].to(compute_device(t5)))[0].to(dtype)
         clip_hidden = torch.cat([out_l.hidden_states[-2], out_g.hidden_states[-2].to(dtype)], dim=-1)
         clip_hidden = torch.nn.functional.pad(clip_hidden, (0, t5_hidden.shape[-1] - clip_hidden.shape[-1]))
         return {"hidden_states": torch.cat([clip_hidden, t5_hidden.to(clip_hidden.device)], dim=-2),

@@ -25,6 +25,7 @@ from modules.model.components.unet import ldm_unet_single_file
 from modules.model.components.vae import ldm_vae_single_file, load_vae
 from modules.model.keys.sdxl import SDXL_KEYS
 from modules.model.sd15 import SD15Family
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -90,8 +91,8 @@ class SDXLFamily(SD15Family):
         # as StableDiffusionXLPipeline.encode_prompt: the penultimate hidden states of both encoders,
         # side by side, and the second encoder's pooled projection
         first, second = self.parts["text_encoder"], self.parts["text_encoder_2"]
-        out_1 = first(tokens["input_ids"].to(first.device), output_hidden_states=True)
-        out_2 = second(tokens["input_ids_2"].to(second.device), output_hidden_states=True)
+        out_1 = first(tokens["input_ids"].to(compute_device(first)), output_hidden_states=True)
+        out_2 = second(tokens["input_ids_2"].to(compute_device(second)), output_hidden_states=True)
         hidden = torch.cat([out_1.hidden_states[-2], out_2.hidden_states[-2].to(out_1.hidden_states[-2].dtype)],
                            dim=-1)
         return {"hidden_states": hidden, "pooled": out_2.text_embeds}

@@ -31,6 +31,7 @@ from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining, flow_sigmas
 from modules.model.keys.wan import DIFFUSERS_READS_BLOCK_LAYER, WAN_KEYS
 from modules.model.wan_single_file import PART_SIGNATURES, SIGNATURE
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 # WanPipeline's default `max_sequence_length`
@@ -164,8 +165,8 @@ class WanFamily(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device)
-        hidden = encoder(tokens["input_ids"].to(encoder.device), mask).last_hidden_state
+        mask = tokens["attention_mask"].to(compute_device(encoder))
+        hidden = encoder(tokens["input_ids"].to(compute_device(encoder)), mask).last_hidden_state
         # as WanPipeline._get_t5_prompt_embeds: the real tokens' states, zeros after them
         return {"hidden_states": hidden * mask.unsqueeze(-1).to(hidden.dtype)}
 

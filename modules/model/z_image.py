@@ -19,6 +19,7 @@ from modules.model.base import ModelFamily
 from modules.model.components.flow_matching import FlowMatchingTraining
 from modules.model.components.vae import encode_latents, load_vae
 from modules.model.keys.z_image import Z_IMAGE_KEYS
+from modules.util.compute_device import compute_device
 from modules.util.torch_utils import make_generator
 
 
@@ -98,9 +99,9 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
 
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
-        mask = tokens["attention_mask"].to(encoder.device)
+        mask = tokens["attention_mask"].to(compute_device(encoder))
         # (no KV cache: a checkpointed layer recomputed in the backward would append to it a second time)
-        hidden = encoder(input_ids=tokens["input_ids"].to(encoder.device), attention_mask=mask.bool(),
+        hidden = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask.bool(),
                          output_hidden_states=True, use_cache=False).hidden_states[-2]
         # padded to a fixed length so captions batch and cache; the mask picks the real tokens
         return {"hidden_states": hidden, "attention_mask": mask}

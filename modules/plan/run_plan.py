@@ -11,7 +11,9 @@ Per part (docs/memory-and-offload.md, "Planning"):
   per parameter (optim/state_size.py); a fine-tune's parked blocks park their state with them;
 - activations: the most the training step holds beyond those (fake_pass.py), on the denoiser; the
   text encoders are in that step wherever the text cannot be cached (text_in_step);
-- offload_window: the parked blocks resident at once (schedule.bytes_in_flight).
+- offload_window: the parked blocks resident at once (schedule.bytes_in_flight);
+- a frozen text encoder's token table is on the host, not in its weights (offload/host_tables.py,
+  the trainer's rule): host train_peak counts it.
 The training step's peak is the sum. A part the step never runs (data/step_parts.py: a frozen text
 encoder with the text cached, a VAE with the latents cached) holds nothing then: it is on the host
 (trainer/idle_parts.py). It is on the device as placed while the caches are filled and while
@@ -33,6 +35,7 @@ from typing import Any
 
 from modules.config.method_configs import METHODS
 from modules.config.train_config import TrainConfig
+from modules.offload.host_tables import host_table_parts, table_lookups
 from modules.offload.layer_tensors import block_bytes, layer_tensors, tensor_bytes
 from modules.offload.schedule import bytes_in_flight, choose_parked
 from modules.plan.gpu_classes import gpu_class, step_seconds
@@ -176,9 +179,10 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     return plan
 
 
-def _tensors_outside_blocks(module, blocks) -> list[int]:
-    """The bytes of each tensor of `module` that none of its blocks holds (a tied one once)."""
-    in_blocks = {id(t.get()) for block in blocks for t in layer_tensors(block)}
+def _tensors_outside_blocks(module, blocks, left_out=()) -> list[int]:
+    """The bytes of each tensor of `module` that none of its blocks (nor the modules `left_out`) holds
+    (a tied one once)."""
+    in_blocks = {id(t.get()) for block in [*blocks, *left_out] for t in layer_tensors(block)}
     unique = {id(t.get()): t.get() for t in layer_tensors(module) if id(t.get()) not in in_blocks}
     return [tensor_bytes(tensor) for tensor in unique.values()]
 
@@ -245,12 +249,16 @@ class Planner:
             sizes = {}
             for name, module in family.parts.items():
                 floating = [p for p in module.parameters() if p.is_floating_point()]
+                table = table_lookups(module) if name in family.text_parts else []
                 sizes[name] = {
                     "bytes": block_bytes(module),
                     "blocks": [block_bytes(b) for b in family.checkpoint_blocks(name)],
                     "block_tensors": [[tensor_bytes(t.get()) for t in layer_tensors(b)]
                                       for b in family.checkpoint_blocks(name)],
                     "other_tensors": _tensors_outside_blocks(module, family.checkpoint_blocks(name)),
+                    # its token table, which waits on the host where the encoder is frozen (host_tables.py)
+                    "table": sum(_tensors_outside_blocks(module, [])) - sum(_tensors_outside_blocks(module, [], table)),
+                    "tensors_beside_table": _tensors_outside_blocks(module, family.checkpoint_blocks(name), table),
                     "quantized_bytes": sum(block_bytes(m) for m in module.modules() if isinstance(m, QuantizedLinear)),
                     "parameters": sum(p.numel() for p in floating),
                     "parameter_bytes": sum(p.numel() * p.element_size() for p in floating),
@@ -331,6 +339,8 @@ class Planner:
 
         # caching runs them, the step never does: as placed while caching and sampling, else on the host
         idle = set(idle_parts(config, family, trained, not text_in_step(config, family)))
+        tables = set(host_table_parts(config, family, trained))  # looked up on the host, never on the device
+        table_total, table_parts = 0, []
         outside_step, idle_resident_tensors = 0, []
         fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
         parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
@@ -345,7 +355,10 @@ class Planner:
             parked_bytes = sum(blocks[i] for i in parked)
             in_flight = bytes_in_flight(blocks, parked, window) if parked else 0
             device = dict.fromkeys(DEVICE_KEYS, 0)
-            resident = size["bytes"] - parked_bytes
+            table = size["table"] if name in tables else 0
+            table_total += table
+            table_parts += [name] if table else []
+            resident = size["bytes"] - parked_bytes - table
             if name in resting:  # nothing of it on the train device during training
                 parked_bytes, in_flight, resident = size["bytes"], 0, 0
                 parked = list(range(len(blocks)))
@@ -380,9 +393,9 @@ class Planner:
             if name == family.denoiser_part:
                 device["activations"] = figures.activations
             outside_step += sum(device[k] for k in ("weights", "trained", "optimizer_state", "offload_window"))
-            if name in idle:  # its resident tensors wait on the host in pinned home copies
-                idle_resident_tensors += size["other_tensors"] + [t for i, tensors in enumerate(size["block_tensors"])
-                                                                  if i not in set(parked) for t in tensors]
+            if name in idle:  # its resident tensors wait on the host in pinned home copies (its host table is home)
+                idle_resident_tensors += (size["tensors_beside_table"] if table else size["other_tensors"]) + [
+                    t for i, tensors in enumerate(size["block_tensors"]) if i not in set(parked) for t in tensors]
                 device = dict.fromkeys(DEVICE_KEYS, 0)
             parked_total += parked_bytes
             if parked and name not in resting:  # (a resting part is pinned only while samples are made)
@@ -398,7 +411,8 @@ class Planner:
         # a resting part waits on the host as it is; the parked blocks in pinned arenas where the device
         # pins, a fine-tune's with their optimizer state
         host = {"load_peak": loaded_on_host,
-                "train_peak": resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state + idle_pinned,
+                "train_peak": (resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state + idle_pinned
+                               + table_total),
                 "pinned": pinned + idle_pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
@@ -408,6 +422,10 @@ class Planner:
             plan.notes.append(f"not in the training step ({', '.join(n for n in config.model.parts if n in idle)}): "
                               f"on the host while training, on the device as placed while caching and sampling "
                               f"({outside_step / 2**30:.2f} GiB of weights then, their activations not planned)")
+        if table_total:
+            plan.notes.append(f"token tables on the host ({', '.join(table_parts)}): "
+                              f"frozen, looked up there, the rows sent over ({table_total / 2**30:.2f} GiB off the "
+                              f"device)")
         if sized["released"]:
             from modules.config.families import get_family_class
 

@@ -27,6 +27,7 @@ from modules.data.shares import batch_share
 from modules.methods.base import TrainingMethod, build_methods
 from modules.config.families import get_family_class
 from modules.offload.conductor import LayerOffloadConductor
+from modules.offload.host_tables import HostTable
 from modules.optim.ema import EMA
 from modules.optim.optimizers import build_optimizer, evaluation_weights
 from modules.optim.schedulers import build_scheduler, warmup_note
@@ -90,6 +91,7 @@ class GenericTrainer:
         self.methods: list[TrainingMethod] = []  # config.method first, then its companions
         self.ema: EMA | None = None
         self.conductors: dict[str, LayerOffloadConductor] = {}  # of the parts the training step runs
+        self.host_tables: dict[str, HostTable] = {}  # frozen text encoders' token tables on the host (part_setup.py)
         self.idle_parts: list[IdlePart] = []  # parts the step never runs, off the train device (idle_parts.py)
         self.text_cached = False  # whether the step reads the text from the cache (setup_data)
         self.sharded: list[str] = []  # parts split across the processes (sharding.py)

@@ -52,6 +52,8 @@ def rest_idle_parts(trainer: GenericTrainer, text_cached: bool) -> list[IdlePart
             continue
         conductor = trainer.conductors.pop(name, None)  # (the step's evict/materialize no longer touch it)
         owned = conductor.owned_modules() if conductor is not None else set()
+        if name in trainer.host_tables:  # (its token table is home already: offload/host_tables.py)
+            owned = owned | trainer.host_tables[name].module_ids()
         tensors = [t for t in layer_tensors(trainer.family.parts[name]) if id(t.module) not in owned]
         part = IdlePart(name, HomeCopies(tensors, trainer.device, temp), conductor)
         part.rest()

@@ -11,6 +11,7 @@ import torch
 from modules.config.errors import ConfigError
 from modules.offload.checkpointing import checkpoint_blocks_
 from modules.offload.conductor import LayerOffloadConductor
+from modules.offload.host_tables import HostTable, host_tables, place_around_tables
 from modules.quantization.compile_gate import compile_blocker
 from modules.trainer.cuda_math import configure_cuda_math
 from modules.trainer.offload_fraction import offload_fraction, placement_order
@@ -50,25 +51,32 @@ def setup_optimizations(trainer: GenericTrainer) -> None:
 
 def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConductor]:
     """Move each part to the train device; a part with offload_fraction > 0 gets a
-    LayerOffloadConductor first, which keeps its parked blocks on the temp device."""
+    LayerOffloadConductor first, which keeps its parked blocks on the temp device; a frozen text
+    encoder's token table stays on the host (offload/host_tables.py: trainer.host_tables)."""
     configure_cuda_math(trainer.device, trainer.config.tf32)  # before the first matmul on the device
     conductors: dict[str, LayerOffloadConductor] = {}
+    trainer.host_tables = {name: HostTable(lookups, trainer.device) for name, lookups
+                           in host_tables(trainer.config, trainer.family, trainer.trained_parts).items()}
     # a part only sampling runs stays on the temp device (resting_parts.py brings it for samples)
     order = [name for name in placement_order(trainer) if name not in trainer.family.resting_parts()]
     for position, name in enumerate(order):
         module = trainer.family.parts[name]
         fraction = offload_fraction(trainer, name, order[position + 1:])
+        on_host = trainer.host_tables[name].module_ids() if name in trainer.host_tables else set()
         if fraction > 0:
             conductor = LayerOffloadConductor(trainer.family.checkpoint_blocks(name), fraction, trainer.device,
                                               torch.device(trainer.config.temp_device), name,
                                               trainer.config.model.parts[name].offload_prefetch)
             conductor.start()
-            owned = conductor.owned_modules()
-            for child in module.modules():
-                if id(child) not in owned:
-                    child._apply(lambda t: t.to(trainer.device), recurse=False)
+            place_around_tables(module, trainer.device, conductor.owned_modules() | on_host)
             conductors[name] = conductor
             trainer.callbacks.on_status(conductor.describe())
+        elif on_host:
+            place_around_tables(module, trainer.device, on_host)
         else:
             module.to(trainer.device)
+        if on_host and trainer.device.type != "cpu":
+            trainer.callbacks.on_status(f"model.parts.{name}: its token table stays on the host (frozen: looked up "
+                                        f"there, {trainer.host_tables[name].nbytes / 2**20:.1f} MiB off the train "
+                                        f"device)")
     return conductors

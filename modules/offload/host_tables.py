@@ -1,0 +1,109 @@
+"""A frozen text encoder's token table kept on the host: its lookup runs on the CPU and only the
+rows it looks up (batch x tokens x width) go to the train device.
+
+The table is the biggest single tensor of most text encoders (UMT5-XXL's 256384 x 4096 bfloat16
+is 1.96 GiB, Qwen's and Gemma's alike) and is only ever indexed, so on the train device it costs
+its whole size for a few MB of rows per caption. The one rule of which parts do this,
+`host_table_parts`, is asked by the trainer (trainer/part_setup.py places the encoder around its
+table, trainer/idle_parts.py leaves the table out of the home copies) and by the plan
+(plan/run_plan.py counts the table on the host), so the two cannot drift.
+
+The table is not pinned: no copy reads it (the lookup gathers its rows into a fresh tensor, and
+that is what crosses the link), so pinning would only lock its bytes in host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from modules.model.components.embedding_tokens import token_embedding
+from modules.offload.layer_tensors import layer_tensors, tensor_bytes
+from modules.util.compute_device import ROWS_DEVICE
+
+if TYPE_CHECKING:
+    from modules.config.train_config import TrainConfig
+    from modules.model.base import ModelFamily
+
+HOST = torch.device("cpu")
+
+
+def host_table_parts(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> tuple[str, ...]:
+    """The text parts whose token table stays on the host, in the family's order: the frozen ones
+    (not among `trained`, the parts an adapter, a fine-tune or a trained embedding changes). Kept on
+    the device: an encoder `embeddings` add tokens to (their lookup hooks the table's module on the
+    device: methods/embedding.py), a sharded one (its weights are FSDP's), one only sampling runs (it
+    waits on the temp device whole). (Training on the CPU the rule holds and changes nothing.)"""
+    encoders = [name for name in config.model.parts if name in family.text_parts]
+    if not encoders:
+        return ()
+    kept = {*trained, *config.distributed.shard_parts, *family.resting_parts()}
+    if config.embeddings:
+        kept.update(family.embedding_slots)
+    return tuple(name for name in encoders if name not in kept)
+
+
+def table_lookups(encoder: nn.Module) -> list[nn.Embedding]:
+    """The embedding modules holding `encoder`'s token table (T5's `shared` and the `embed_tokens`
+    its forward runs share one weight), or none where the table cannot stay on the host: no token
+    embedding, or its weight shared with a layer that computes with it (a tied output head)."""
+    try:
+        embed = token_embedding(encoder)
+    except (AttributeError, NotImplementedError):  # (a module without get_input_embeddings)
+        return []
+    if not isinstance(embed, nn.Embedding):
+        return []
+    weight = embed.weight
+    holders = [module for module in encoder.modules()
+               if any(p is weight for p in module.parameters(recurse=False))]
+    return holders if all(isinstance(module, nn.Embedding) for module in holders) else []
+
+
+def host_tables(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> dict[str, list[nn.Embedding]]:
+    """Part -> its table's embedding modules, for each part whose table stays on the host."""
+    tables = {name: table_lookups(family.parts[name]) for name in host_table_parts(config, family, trained)}
+    return {name: lookups for name, lookups in tables.items() if lookups}
+
+
+class HostTable:
+    """One encoder's token table on the host, its lookups sending their rows to `device`."""
+
+    def __init__(self, lookups: list[nn.Embedding], device: torch.device):
+        self.lookups, self.device = lookups, torch.device(device)
+        self.handles = []
+        for lookup in lookups:
+            for tensor in layer_tensors(lookup):  # (a Parameter keeps its identity: tied modules stay tied)
+                if tensor.get().device != HOST:
+                    tensor.put(tensor.get().to(HOST))
+            self.handles += [lookup.register_forward_pre_hook(self._ids_home, with_kwargs=True),
+                             lookup.register_forward_hook(self._rows_out)]
+            setattr(lookup, ROWS_DEVICE, self.device)  # what compute_device answers for the encoder
+
+    def module_ids(self) -> set[int]:
+        """ids of the modules that stay on the host (placement and home copies leave them alone)."""
+        return {id(lookup) for lookup in self.lookups}
+
+    @property
+    def nbytes(self) -> int:
+        unique = {id(t.get()): t.get() for lookup in self.lookups for t in layer_tensors(lookup)}
+        return sum(tensor_bytes(t) for t in unique.values())
+
+    @staticmethod
+    def _ids_home(_module, args, kwargs):
+        if args:
+            return (args[0].to(HOST), *args[1:]), kwargs
+        return args, {**kwargs, "input": kwargs["input"].to(HOST)}
+
+    def _rows_out(self, _module, _args, rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(self.device)
+
+
+def place_around_tables(module: nn.Module, device: torch.device, skipped: set[int]) -> None:
+    """Every layer of `module` onto `device` but those whose ids are in `skipped` (parked blocks'
+    layers, a host table's lookups), each moved on its own (Module._apply without recursing)."""
+    for child in module.modules():
+        if id(child) not in skipped:
+            child._apply(lambda t: t.to(device), recurse=False)

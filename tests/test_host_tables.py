@@ -1,0 +1,180 @@
+"""A frozen text encoder's token table stays on the host (modules/offload/host_tables.py): the lookup
+runs on the CPU and only its rows go to the train device, and the plan counts it the same way
+(modules/plan/run_plan.py, through the same host_table_parts).
+
+On the fake device, tiny Wan (UMT5) and FLUX.1 (CLIP-L and T5): after placement the table is on
+the CPU and the rest of the encoder on the device; a caption encodes to exactly what it encodes to
+with the table on the device; the measured peak of start (load, placement, caching) drops by the
+tables' bytes and so does the plan's `outside_step`; with the encoder's blocks parked
+(offload_fraction 1) it still encodes the same and trains; a trained encoder and an embedding run
+keep their table on the device."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from conftest import train_config
+from modules.config.families import family_names
+from modules.model.components.embedding_tokens import token_embedding
+from modules.util.compute_device import compute_device
+
+STEPS = {"schedule": {"epochs": 1, "batch_size": 2, "max_steps": 2},
+         "sampling": {"prompts": [{"prompt": "a red circle", "steps": 2, "width": 64, "height": 64, "seed": 1}]}}
+CAPTION = "a red circle on a blue square"
+
+
+def start(config, inspect, train: bool = False):
+    """Start `config` on its (fake) train device: (the peak of start over what the device held
+    before, what `inspect(trainer)` returned while the idle parts were woken for samples)."""
+    from modules.trainer.callbacks import TrainCallbacks
+    from modules.trainer.generic_trainer import GenericTrainer
+
+    memory = torch.get_device_module(config.train_device)
+    gc.collect()
+    before = memory.memory_allocated()
+    memory.reset_peak_memory_stats()
+    trainer = GenericTrainer(config, TrainCallbacks())
+    try:
+        trainer.start()
+        peak = memory.max_memory_allocated() - before
+        with torch.no_grad(), trainer.offload_paused():
+            inspected = inspect(trainer)
+        if train:
+            trainer.train()
+            assert trainer.step == 2 and all(path.exists() for path in trainer.sample())
+    finally:
+        trainer.release()
+    return peak, inspected
+
+
+def encoded(trainer) -> dict[str, torch.Tensor]:
+    family = trainer.family
+    return {key: value.cpu() for key, value in family.encode_text(family.tokenize([CAPTION])).items()}
+
+
+def tables(trainer) -> dict[str, torch.Tensor]:
+    return {name: token_embedding(trainer.family.parts[name]).weight for name in trainer.family.text_parts}
+
+
+def without_host_tables(patch) -> None:
+    """The trainer and the plan as they were: every table goes where its encoder goes."""
+    import modules.offload.host_tables as host_tables
+    import modules.plan.run_plan as run_plan
+
+    patch.setattr(host_tables, "host_table_parts", lambda config, family, trained: ())
+    patch.setattr(run_plan, "host_table_parts", lambda config, family, trained: ())
+
+
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_a_frozen_encoders_token_table_stays_on_the_host(family, fake_device, tmp_path, tiny_family_model,
+                                                         shape_images, monkeypatch):
+    from modules.plan.run_plan import plan_run
+
+    def config(where, *overlays):
+        return train_config(tiny_family_model(family), shape_images, tmp_path / where, STEPS,
+                            {"model": {"family": family}, "train_device": str(fake_device)}, *overlays)
+
+    def placed(trainer):
+        encoders = {name: trainer.family.parts[name] for name in trainer.family.text_parts}
+        return {"tables": {name: table.device.type for name, table in tables(trainer).items()},
+                "computes": {name: compute_device(module).type for name, module in encoders.items()},
+                "table_bytes": sum(table.nbytes for table in tables(trainer).values()),
+                "encoded": encoded(trainer)}
+
+    with monkeypatch.context() as patch:
+        without_host_tables(patch)
+        kept_peak, kept = start(config("kept"), placed)
+        kept_plan = plan_run(config("kept"), None, None)
+    peak, hosted = start(config("hosted"), placed)
+    plan = plan_run(config("hosted"), None, None)
+
+    assert set(kept["tables"].values()) == {"fakegpu"}
+    assert set(hosted["tables"].values()) == {"cpu"} and set(hosted["computes"].values()) == {"fakegpu"}
+    for key, value in kept["encoded"].items():  # the same rows, looked up elsewhere
+        assert torch.equal(hosted["encoded"][key], value), key
+    table_bytes = hosted["table_bytes"]
+    assert table_bytes > 0
+    # caching holds every part on the device: without the tables its peak is lower by their bytes
+    assert kept_peak - peak == pytest.approx(table_bytes, rel=0.02), f"peak {kept_peak} -> {peak}, tables {table_bytes}"
+    assert kept_plan.outside_step - plan.outside_step == table_bytes
+    assert plan.host["train_peak"] - kept_plan.host["train_peak"] >= table_bytes - (
+        kept_plan.host["pinned"] - plan.host["pinned"])  # home on the host, no longer in a pinned home copy
+    assert any("token tables on the host" in note for note in plan.notes)
+
+
+def test_parked_encoder_blocks_and_a_host_table_together(fake_device, tmp_path, tiny_family_model, shape_images,
+                                                         monkeypatch):
+    """offload_fraction 1: the encoder's blocks stream from the temp device and its table is looked up
+    on the host; a caption encodes as it does with everything on the device, and the run trains."""
+    def config(where, *overlays):
+        return train_config(tiny_family_model("wan"), shape_images, tmp_path / where, STEPS,
+                            {"model": {"family": "wan"}, "train_device": str(fake_device)}, *overlays)
+
+    def placed(trainer):
+        table = token_embedding(trainer.family.parts["text_encoder"]).weight
+        return table.device.type, encoded(trainer)
+
+    with monkeypatch.context() as patch:
+        without_host_tables(patch)
+        _, (_, reference) = start(config("kept"), placed)
+    parked = {"model": {"parts": {"text_encoder": {"offload_fraction": 1.0}}}}
+    _, (where, hosted) = start(config("parked", parked), placed, train=True)
+    assert where == "cpu"
+    for key, value in reference.items():
+        assert torch.equal(hosted[key], value), key
+
+
+@pytest.mark.parametrize("overlay", [
+    {"model": {"parts": {"text_encoder": {"train": True}}}},  # a LoRA on the encoder
+    {"method": {"type": "embedding"}, "embeddings": [{"placeholder": "<tok>", "vectors": 2, "init_text": "ab"}]},
+    # a frozen embedding (from a file) beside the LoRA: its lookup hooks the table's module on the device
+    {"embeddings": [{"placeholder": "<tok>", "train": False}]},
+], ids=["trained-encoder", "embedding", "frozen-embedding"])
+def test_an_encoder_the_step_changes_keeps_its_table_on_the_device(overlay, fake_device, tmp_path, tiny_family_model,
+                                                                    shape_images):
+    import json
+
+    from safetensors.torch import save_file
+
+    from modules.plan.run_plan import plan_run
+
+    model = tiny_family_model("wan")
+    if "embeddings" in overlay and not overlay["embeddings"][0].get("train", True):
+        width = json.loads((model / "text_encoder" / "config.json").read_text())["d_model"]
+        save_file({"umt5xxl": torch.randn(2, width)}, str(tmp_path / "tok.safetensors"))
+        overlay = {"embeddings": [{**overlay["embeddings"][0], "path": str(tmp_path / "tok.safetensors")}]}
+    config = train_config(model, shape_images, tmp_path, STEPS,
+                          {"model": {"family": "wan"}, "train_device": str(fake_device)}, overlay,
+                          {"concepts": [{"path": str(shape_images), "captions": {"prefix": "<tok> "}}]})
+    _, where = start(config, lambda trainer: {n: t.device.type for n, t in tables(trainer).items()})
+    assert where == {"text_encoder": "fakegpu"}
+    assert not any("token tables on the host" in note for note in plan_run(config, None, None).notes)
+
+
+@pytest.mark.parametrize("family_name", family_names())
+def test_every_family_encodes_the_same_with_its_tables_on_the_host(family_name, fake_device, tiny_family_model):
+    """Each family sends its ids and masks where compute_device says its encoder computes: with the
+    tables on the host (and all else on the device) a caption encodes exactly as with none there."""
+    from modules.config.families import get_family_class
+    from modules.config.loading import build_config
+    from modules.offload.host_tables import HostTable, table_lookups
+
+    config = build_config([{"model": {"family": family_name, "base": str(tiny_family_model(family_name))}}])
+    family = get_family_class(family_name)(config)
+    family.load()
+    encoders = {name: family.parts[name].eval().to(fake_device) for name in family.text_parts}
+    captions = ["a red square", "a much longer caption about a blue circle"]
+    with torch.no_grad():
+        reference = family.encode_text(family.tokenize(captions))
+        hosted = {name: HostTable(lookups, fake_device) for name, module in encoders.items()
+                  if (lookups := table_lookups(module))}
+        if not hosted:  # (FIBO Edit's SmolLM3: its table is its output head's weight too, so it stays)
+            pytest.skip(f"{family_name}: no token table that can stay on the host (table_lookups)")
+        assert all(t.weight.device.type == "cpu" for table in hosted.values() for t in table.lookups)
+        encoded = family.encode_text(family.tokenize(captions))
+    for key, value in reference.items():
+        if value is not None:
+            assert encoded[key].device == value.device and torch.equal(encoded[key].cpu(), value.cpu()), key
