@@ -53,6 +53,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # its sampling pipeline runs the unconditional pass in one batch with the conditional one (2 samples
+    # per denoiser call) when a prompt's cfg is above this; None: separate passes, or no such pass
+    # (the plan's sampling phase, modules/plan/phase_pass.py)
+    batched_guidance_above: ClassVar[float | None] = None
     # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
     negative_prompt: ClassVar[bool] = True
     # the most control (reference) images one sample may carry (an edit model: they reach the

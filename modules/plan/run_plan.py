@@ -72,7 +72,8 @@ class RunPlan:
     fixes: list[str] = field(default_factory=list)
     auto: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    outside_step: int = 0  # on the device while caching and sampling: every part as placed, no activations
+    outside_step: int = 0  # the larger phase outside the training step (caching, sampling): weights + activations
+    outside_step_phases: dict[str, int] = field(default_factory=dict)  # phase -> its peak
 
     @property
     def step_peak(self) -> int:
@@ -94,7 +95,7 @@ class RunPlan:
         return {"family": self.family, "budget": dict(self.budget),
                 "parts": {name: part.as_dict() for name, part in self.parts.items()},
                 "device": {"peak": self.device_peak, "step": self.step_peak, "outside_step": self.outside_step,
-                           "budget": self.budget["vram"]},
+                           "outside_step_phases": dict(self.outside_step_phases), "budget": self.budget["vram"]},
                 "host": dict(self.host), "transfer": dict(self.transfer), "flops_per_step": self.flops,
                 "fits": self.fits, "fixes": list(self.fixes), "auto": dict(self.auto), "notes": list(self.notes)}
 
@@ -314,6 +315,27 @@ class Planner:
             self._steps[key] = (figures, adapter_params, adapter_bytes)
         return self._steps[key]
 
+    def phases(self, config: TrainConfig, modes: dict[str, str]):
+        """The activation peaks of caching and sampling (phase_pass.py), once per what shapes them."""
+        from modules.plan.fake_pass import planned_frames
+        from modules.plan.phase_pass import measure_phases
+
+        family = self.sizes(config, modes)["family"]
+        from modules.quantization.weight_modes import DENSE_DTYPES
+
+        # (as the step's key: the weight modes shape the activations through the dtypes the parts compute in)
+        computes = tuple(sorted((n, DENSE_DTYPES.get(m) and m or config.train_dtype) for n, m in modes.items()))
+        cache_text = not text_in_step(config, family)
+        key = ("phases", computes, largest_resolution(config), planned_frames(config, family),
+               config.data.flip, config.data.cache_latents, cache_text, train_device_type(config),
+               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled))
+        if key not in self._steps:
+            planned = self._architecture(config, modes)  # (a fresh one: the passes place its tensors)
+            self._steps[key] = measure_phases(
+                planned.family, config, largest_resolution(config), planned_frames(config, planned.family),
+                config.data.cache_latents, cache_text, train_device_type(config) in FUSED_ATTENTION_DEVICES)
+        return self._steps[key]
+
     def plan(self, config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None) -> RunPlan:
         from modules.optim.state_size import optimizer_state_bytes_per_parameter
         from modules.plan.auto import offload_fractions
@@ -401,12 +423,23 @@ class Planner:
                 "pinned": pinned + idle_pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
+        # caching and sampling: every part as placed (the weights and windows summed above), with the
+        # adapters and optimizer state, and the phase's own activations (phase_pass.py)
+        phased = self.phases(config, modes)
+        phases = {name: outside_step + peak for name, peak in (("caching", phased.caching),
+                                                                ("sampling", phased.sampling)) if peak is not None}
+        largest = max(phases.values(), default=outside_step if idle else 0)
         plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops,
-                       outside_step=outside_step if idle else 0)
+                       outside_step=largest, outside_step_phases=phases)
         if idle:
             plan.notes.append(f"not in the training step ({', '.join(n for n in config.model.parts if n in idle)}): "
                               f"on the host while training, on the device as placed while caching and sampling "
-                              f"({outside_step / 2**30:.2f} GiB of weights then, their activations not planned)")
+                              f"({outside_step / 2**30:.2f} GiB of weights then)")
+        if phases:
+            plan.notes.append("outside the training step: " + ", ".join(
+                f"{name} {peak / 2**30:.2f} GiB ({(peak - outside_step) / 2**30:.2f} of activations)"
+                for name, peak in phases.items()) + _sample_what(config, family))
+        plan.notes.extend(phased.notes)
         if sized["released"]:
             from modules.config.families import get_family_class
 
@@ -443,3 +476,16 @@ class Planner:
                     "(planning_tokens_with_controls)" if controls.count and family.text_sees_controls
                     else "the family's text encoding cannot run on shapes alone (planning_tokens)")))
         return plan
+
+
+def _sample_what(config: TrainConfig, family) -> str:
+    """What the sampling phase is planned on (its largest prompt), for the notes."""
+    from modules.plan.phase_pass import guidance_batch, largest_prompt, sample_frames
+
+    prompt = largest_prompt(config, family)
+    if prompt is None:
+        return ""
+    frames = sample_frames(prompt, family)
+    return (f"; sampling planned at {prompt.width}x{prompt.height}" + (f", {frames} frames" if frames > 1 else "")
+            + (", the guidance batch of 2" if guidance_batch(prompt, family) == 2 else "")
+            + ", then the VAE decode")
