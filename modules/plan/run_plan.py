@@ -15,9 +15,12 @@ Per part (docs/memory-and-offload.md, "Planning"):
 The training step's peak is the sum. A part the step never runs (data/step_parts.py: a frozen text
 encoder with the text cached, a VAE with the latents cached) holds nothing then: it is on the host
 (trainer/idle_parts.py). It is on the device as placed while the caches are filled and while
-samples are made, beside the step's parts' weights, adapters and optimizer state:
-`outside_step`, the weights of those phases (their encoders' and the sampler's activations are
-not planned). The device peak is the larger of the two. Host: during the load the final model (the streamed load) but the
+samples are made, beside the step's parts' weights, adapters and optimizer state. Each of those
+phases holds that and its own activations (phase_pass.py: caching, the image encoders over a cache
+chunk at the largest resolution and the text encoders over its captions; sampling, the largest
+prompt's denoiser forward, with the guidance batch where the pipeline batches it, and its VAE
+decode): `outside_step_phases`, and `outside_step` the larger. The device peak is the larger of
+the step and that. Host: during the load the final model (the streamed load) but the
 quantized layers an accelerator stores as they load, during training a resting part's bytes and
 the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune's with their
 optimizer state. Transfers: each parked block comes over in the forward and again in the
