@@ -2,7 +2,8 @@
 a sample hold on the train device beyond the weights (run_plan's `outside_step` phases).
 
 Caching (modules/data/cache_build.py): the image encoders over a chunk of ENCODE_BATCH images (with
-`data.flip` their mirrored copies go through the same call) at the largest training resolution (a
+`data.flip` their mirrored copies too; a VAE that can takes them one at a time,
+one_image_per_encoder_call) at the largest training resolution (a
 video family's clips of the longest concept's frames), its pixel conditioning included, as the
 pixels reach the device and the latents are cast to float32; then the text encoders over
 ENCODE_BATCH captions of the planned tokens (`planning_tokens`). Both without grad, the parts in
@@ -88,12 +89,15 @@ def measure_phases(family, config, resolution: int, frames: int, cache_latents: 
 
     caching = None
     if cache_latents:
+        from modules.data.cache_build import one_image_per_encoder_call
+
         def encode():
             batch = cache_batch(config)
             pixels = torch.empty(batch, 3, *((frames,) if frames > 1 else ()), resolution, resolution, device=TRAIN)
             family.encode_images(pixels).float()
             family.encode_pixel_conditioning(pixels)
-        caching = _peak(encode, known, meta, attention)
+        with one_image_per_encoder_call(family):  # as the cache build encodes (one image per VAE call)
+            caching = _peak(encode, known, meta, attention)
     tokens = None
     if cache_text:
         from modules.data.cache_build import ENCODE_BATCH
