@@ -362,8 +362,15 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         dtype as in training (modules/sampling/part_dtypes.py)."""
         from modules.sampling.part_dtypes import parts_in_compute_dtypes
 
-        with parts_in_compute_dtypes(self):
+        with parts_in_compute_dtypes(self), self.sample_decoding():
             return self.run_sampling_pipeline(prompt, device)
+
+    def sample_decoding(self):
+        """The VAE decode as `sampling.vae_tiling` says: tiled where it is true (auto is resolved
+        before the run loads, trainer/planned_autos.py; one left unresolved decodes whole)."""
+        from modules.sampling.vae_tiling import tiled_decoding, tiling_vaes
+
+        return tiled_decoding(tiling_vaes(self.parts, self.image_parts), self.config.sampling.vae_tiling is True)
 
     def written_out_prompt(self, text: str | None) -> str | None:
         """A sample prompt with each multi-vector embedding placeholder written out as its tokens,
@@ -392,7 +399,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """A video family's `prompt.frames` frames from the live modules, as sample() computes them."""
         from modules.sampling.part_dtypes import parts_in_compute_dtypes
 
-        with parts_in_compute_dtypes(self):
+        with parts_in_compute_dtypes(self), self.sample_decoding():
             return self.run_video_pipeline(prompt, device)
 
     def run_video_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> list[Image.Image]:

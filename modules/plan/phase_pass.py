@@ -15,7 +15,8 @@ denoiser's forward through the family's own `predict`, without grad, in eval mod
 the prompt's size (two where the family's pipeline batches the conditional and unconditional
 passes at the prompt's cfg: `batched_guidance_above`; with the prompt's control images' latents) and the
 conditioning `planning_conditioning_with_controls` describes; then the VAE's own `decode` of the
-latents its `encode` gives at that size (what the pipelines decode, before their scaling). The
+latents its `encode` gives at that size (what the pipelines decode, before their scaling), tiled as
+`sampling.vae_tiling` says (modules/sampling/vae_tiling.py, the sampler's own switch). The
 phase holds the largest of these (they run one after another); the adapters' small forward
 intermediates and the pipeline's latents between steps are not counted.
 
@@ -113,11 +114,20 @@ def measure_phases(family, config, resolution: int, frames: int, cache_latents: 
     sampling = None
     if prompt is not None:
         sampling = _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes,
-                                  cache_text and tokens is not None)
+                                  cache_text and tokens is not None, planned_tiling(config))
     return PhaseFigures(caching, sampling, tuple(notes))
 
 
-def _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes, cached_text: bool) -> int:
+def planned_tiling(config) -> bool:
+    """Whether the sampling phase decodes tiled: `sampling.vae_tiling` true, or auto (the plan
+    resolves auto last, auto.resolve_auto_vae_tiling: until then the other autos are chosen against
+    the tiled decode, so none parks or quantizes for what tiling would save)."""
+    return config.sampling.vae_tiling is not False
+
+
+def _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes, cached_text: bool,
+                   tiled: bool) -> int:
+    from modules.sampling.vae_tiling import supports_tiling, tiled_decoding
     from modules.util.torch_utils import make_generator
 
     frames = sample_frames(prompt, family)
@@ -148,8 +158,13 @@ def _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes, cac
         notes.append("sampling: the VAE decode is not planned (no image part with encode and decode)")
     else:
         z = encoded[0]
-        peaks.append(_peak(lambda: vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False),
-                           known, meta, attention))
+        if tiled and not supports_tiling(vae):
+            notes.append(f"sampling: {type(vae).__name__} has no tiled decode: vae_tiling decodes it whole")
+
+        def decode():
+            with tiled_decoding([vae], tiled):  # the sampler's own switch (modules/sampling/vae_tiling.py)
+                vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False)
+        peaks.append(_peak(decode, known, meta, attention))
     return max(peaks)
 
 

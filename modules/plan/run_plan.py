@@ -154,7 +154,8 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     that fits when it does not. `planner`: one that planned this model before (its fake steps are
     kept: plans of the same model for other budgets reuse them). `weight_ladder`: the modes
     `weight_dtype: auto` may take, dense first (a device's working ones; resolve_auto_weight_modes)."""
-    from modules.plan.auto import frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_weight_modes
+    from modules.plan.auto import (frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_vae_tiling,
+                                  resolve_auto_weight_modes)
     from modules.plan.fixes import find_fixes
 
     planner = planner or Planner(config, variant)
@@ -170,10 +171,13 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     config, step_choices = resolve_auto_step(planner, config, in_step, vram, ram, gpu_class_name)
     # what is parked last, against the step as chosen: parking costs transfers, never the weights' precision
     config, offload_choices = resolve_auto_offload(planner, config, vram, ram, gpu_class_name)
+    # the sample decode's tiling last: the other autos were chosen against the tiled decode
+    config, tiling_choices = resolve_auto_vae_tiling(planner, config, vram, ram, gpu_class_name)
     plan = planner.plan(config, vram, ram, gpu_class_name)
     plan.auto.update(weight_choices)
     plan.auto.update(step_choices)
     plan.auto.update(offload_choices)
+    plan.auto.update(tiling_choices)
     if fix and plan.fits is False:
         plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
     return plan
@@ -321,7 +325,7 @@ class Planner:
     def phases(self, config: TrainConfig, modes: dict[str, str]):
         """The activation peaks of caching and sampling (phase_pass.py), once per what shapes them."""
         from modules.plan.fake_pass import planned_frames
-        from modules.plan.phase_pass import measure_phases
+        from modules.plan.phase_pass import measure_phases, planned_tiling
 
         family = self.sizes(config, modes)["family"]
         from modules.quantization.weight_modes import DENSE_DTYPES
@@ -331,7 +335,7 @@ class Planner:
         cache_text = not text_in_step(config, family)
         key = ("phases", computes, largest_resolution(config), planned_frames(config, family),
                config.data.flip, config.data.cache_latents, cache_text, train_device_type(config),
-               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled))
+               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled), planned_tiling(config))
         if key not in self._steps:
             planned = self._architecture(config, modes)  # (a fresh one: the passes place its tensors)
             self._steps[key] = measure_phases(
