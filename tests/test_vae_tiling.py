@@ -61,3 +61,22 @@ def test_the_kl_tile_is_512_pixels_and_restored(tiny_family_model, tmp_path):
         assert vae.use_tiling and vae.tile_sample_min_size == 512
         assert vae.tile_latent_min_size == 512 // downscale
     assert (vae.use_tiling, vae.tile_sample_min_size, vae.tile_latent_min_size) == (False, *before)
+
+
+def test_the_plan_tiles_the_pipelines_own_encode_too(tiny_family_model, shape_images, tmp_path, monkeypatch):
+    """The sampler's switch holds for the whole pipeline, so an image-to-video prompt's image is
+    encoded tiled in the run (diffusers' use_tiling covers encode): the plan's sampling phase encodes
+    it inside the same switch. Tiny Wan 2.1 I2V at a 64 px sample, in 32 px tiles."""
+    from diffusers import AutoencoderKLWan
+
+    from modules.plan.run_plan import plan_run
+
+    enable, original, tiled = AutoencoderKLWan.enable_tiling, AutoencoderKLWan.tiled_encode, []
+    monkeypatch.setattr(AutoencoderKLWan, "enable_tiling", lambda self: enable(self, 32, 32, 16, 16))
+    monkeypatch.setattr(AutoencoderKLWan, "tiled_encode", lambda self, *a, **k: (tiled.append(1), original(self, *a, **k))[1])
+    for tiling in (False, True):
+        config = train_config(tiny_family_model("wan_i2v"), shape_images, tmp_path, {
+            "model": {"family": "wan_i2v"}, "sampling": {"vae_tiling": tiling, "prompts": [
+                {"prompt": "a red circle", "steps": 2, "width": 64, "height": 64, "frames": 5}]}})
+        plan_run(config, None, None)
+        assert bool(tiled) is tiling

@@ -42,5 +42,5 @@ class SamplingConfig(StrictModel):
     vae_tiling: bool | Literal["auto"] = Field(
         "auto", description="Decode samples in overlapping tiles (diffusers' tiled VAE decode: 512 px tiles for "
         "SD/SDXL/FLUX-style VAEs, the class's own tiles for Wan/Qwen-Image): the decode holds a tile's activations "
-        "instead of the whole image's, at a little more time and faint seams. auto: tiled only where the plan "
+        "instead of the whole image's (the pipeline's own VAE encodes, an image-to-video prompt's image, tile too), at a little more time and faint seams. auto: tiled only where the plan "
         "says the untiled decode sets the train device's peak over its budget and tiling lowers it.")

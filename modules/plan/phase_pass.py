@@ -153,7 +153,9 @@ def _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes, cac
             text["control_latents"] = _batched(family.encode_images(control_pixels).float().unsqueeze(0), batch)
         family.predict(_batched(latents, batch), text, make_generator("cpu", 0))
 
-    peaks.append(_peak(denoise, known + [latents, *conditioning.values()], meta, attention))
+    with tiled_decoding([vae] if vae is not None else [], tiled):  # the sampler's switch holds for the whole
+        # pipeline: its own VAE encodes (an image-to-video prompt's image, control images) tile too
+        peaks.append(_peak(denoise, known + [latents, *conditioning.values()], meta, attention))
     if vae is None or not encoded:
         notes.append("sampling: the VAE decode is not planned (no image part with encode and decode)")
     else:

@@ -1,5 +1,7 @@
 """`sampling.vae_tiling`: the sample's VAE decode in overlapping tiles (diffusers' own tiled decode),
-switched on around one sample and off after it, so the cache build and training never see it.
+switched on around one sample and off after it, so the cache build and training never see it. The
+switch holds for the whole pipeline, so the VAE encodes a pipeline makes itself (an image-to-video
+prompt's image, control images) tile too: diffusers' `use_tiling` covers encode and decode.
 
 AutoencoderKL-like VAEs (SD1.5, SDXL, FLUX.1, SD3; AutoencoderKLFlux2) tile at their config's
 `sample_size`, which is 1024 px for SDXL's and so never tiles a 1024 px sample: they get
