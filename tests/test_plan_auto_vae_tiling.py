@@ -75,3 +75,22 @@ def test_a_run_without_a_budget_decodes_whole_and_says_why(flux_config):
     assert "sampling.vae_tiling: auto -> false (no train-device budget known here (the CPU))" in said
     untouched, _ = resolve_planned_autos(flux_config(prompts=False), torch.device("cpu"), ranks, said.append)
     assert untouched.sampling.vae_tiling == "auto"
+
+
+def test_a_run_with_a_budget_takes_the_plans_choice_and_logs_it(flux_config, fake_device, monkeypatch):
+    """The trainer's resolution against the device's free memory: between the tiled and the whole
+    decode's peaks the run samples tiled, and its log says so and why."""
+    from types import SimpleNamespace
+
+    from modules.plan.run_plan import plan_run
+    from modules.trainer import fit_check
+    from modules.trainer.planned_autos import resolve_planned_autos
+
+    whole = plan_run(flux_config(False), None, None).device_peak
+    tiled = plan_run(flux_config(True), None, None).device_peak
+    monkeypatch.setattr(fit_check, "free_device_memory", lambda device: (whole + tiled) // 2)
+    monkeypatch.setattr(fit_check, "available_ram", lambda: 64 * 2**30)
+    said = []
+    resolved, plan = resolve_planned_autos(flux_config(), fake_device, SimpleNamespace(main=True, world=1), said.append)
+    assert resolved.sampling.vae_tiling is True and plan["auto"]["sampling.vae_tiling"]["value"] is True
+    assert any(line.startswith("sampling.vae_tiling: auto -> true (the untiled decode sets the peak") for line in said)
