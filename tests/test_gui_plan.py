@@ -40,8 +40,12 @@ def test_the_default_config_is_planned_once_the_panel_is_in_view(app):
     parts = list(app.cfg.data["model"]["parts"])
     assert list(plan["parts"]) == parts
     assert [name for name, _, _ in panel.rows] == parts
-    assert plan["device"]["peak"] == sum(part["device"]["total"] for part in plan["parts"].values()) > 0
+    device = plan["device"]
+    assert device["step"] == sum(part["device"]["total"] for part in plan["parts"].values()) > 0
+    assert device["peak"] == max(device["step"], *device["outside_step_phases"].values())
     assert "planned device peak" in panel.verdict.cget("text")
+    # (the default SD1.5 run's peak is its step's: the bars' total)
+    assert device["peak"] == device["step"] and "(while" not in panel.verdict.cget("text")
     assert panel.state_label.cget("text") == "of the config as it stands"
     drawn = [panel.canvas.itemcget(item, "text") for item in panel.canvas.find_all()
              if panel.canvas.type(item) == "text"]
@@ -102,3 +106,14 @@ def test_a_runs_measured_memory_shows_beside_the_plan(app):
                    if panel.canvas.type(item) == "text" and "measured" in panel.canvas.itemcget(item, "text")]
     assert len(total_label) == 1
     assert app.callback_errors == []
+
+
+def test_the_verdict_says_which_phase_outside_the_step_sets_the_peak():
+    from ui.plan_panel import verdict_text
+
+    device = {"peak": 7 * 2**30, "step": 5 * 2**30, "budget": 8 * 2**30,
+              "outside_step_phases": {"caching": 6 * 2**30, "sampling": 7 * 2**30}}
+    assert verdict_text({"fits": True, "device": device}) == \
+        "Fits: planned device peak 7.00 GiB (while sampling) of a 8.00 GiB budget."
+    device.update(peak=5 * 2**30, outside_step_phases={"caching": 4 * 2**30})
+    assert "(while" not in verdict_text({"fits": True, "device": device})

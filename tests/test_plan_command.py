@@ -39,6 +39,20 @@ def test_plan_json_of_a_tiny_model(tiny_model, capsys):
     assert plan["transfer"]["estimated"] is True and plan["fits"] is True
 
 
+def test_plan_table_says_which_phase_sets_the_peak(tiny_model, capsys):
+    import launch
+
+    args = ["plan", "--set", f"model.base={tiny_model}", "--set", "data.resolution=64", "--set",
+            'sampling.prompts=[{"prompt": "a", "width": 256, "height": 256}]']
+    assert launch.main([*args, "--json"]) == 0
+    device = json.loads(capsys.readouterr().out)["device"]
+    # a sample at 256 px (SD's guidance batch of 2, then the VAE decode) holds more than the 64 px step
+    assert set(device["outside_step_phases"]) == {"caching", "sampling"}
+    assert device["peak"] == device["outside_step"] == device["outside_step_phases"]["sampling"] > device["step"]
+    assert launch.main(args) == 0
+    assert ": set by sampling)" in capsys.readouterr().out
+
+
 def test_plan_table_and_bad_size(tiny_model, capsys):
     import launch
 

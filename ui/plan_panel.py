@@ -37,10 +37,19 @@ def gib(size: int | float | None) -> str:
 def verdict_text(plan: dict) -> str:
     device = plan.get("device") or {}
     peak, budget = device.get("peak"), device.get("budget")
+    where = peak_phase(device)
     if plan.get("fits") is None:
-        return f"Planned device peak {gib(peak)}; no device budget known here (the CPU), so no verdict."
+        return f"Planned device peak {gib(peak)}{where}; no device budget known here (the CPU), so no verdict."
     word = "Fits" if plan["fits"] else "Does not fit"
-    return f"{word}: planned device peak {gib(peak)} of a {gib(budget)} budget."
+    return f"{word}: planned device peak {gib(peak)}{where} of a {gib(budget)} budget."
+
+
+def peak_phase(device: dict) -> str:
+    """ " (while caching)" where a phase outside the training step sets the peak (the bars show the step)."""
+    phases = device.get("outside_step_phases") or {}
+    if not phases or max(phases.values()) <= (device.get("step") or 0):
+        return ""
+    return f" (while {max(phases, key=phases.get)})"
 
 
 def part_line(name: str, part: dict) -> str:

@@ -55,7 +55,14 @@ def format_plan(plan: dict) -> str:
                      + f" {_gib(device['total']):>8} {_gib(part['parked']):>8}")
     budget, host, transfer = plan["budget"], plan["host"], plan["transfer"]
     lines.append(f"train device peak {_gib(plan['device']['peak'])} GiB of {_gib(budget['vram'])} GiB")
-    if plan["device"].get("outside_step"):  # parts the step never runs: on the device only outside it
+    phases = plan["device"].get("outside_step_phases") or {}
+    if phases:  # caching and sampling, each its weights and activations: which sets the peak
+        step = plan["device"]["step"]
+        peak = max([("the training step", step), *phases.items()], key=lambda item: item[1])[0]
+        lines[-1] += (f" (training step {_gib(step)} GiB; " + ", ".join(f"{name} {_gib(value)} GiB"
+                                                                       for name, value in phases.items())
+                      + f": set by {peak})")
+    elif plan["device"].get("outside_step"):  # parts the step never runs: on the device only outside it
         lines[-1] += (f" (training step {_gib(plan['device']['step'])} GiB; caching and sampling "
                       f"{_gib(plan['device']['outside_step'])} GiB of weights)")
     lines.append(f"host: load peak {_gib(host['load_peak'])} GiB, training {_gib(host['train_peak'])} GiB "

@@ -39,3 +39,8 @@ class SamplingConfig(StrictModel):
     scheduler: Literal["ddim", "euler", "euler_a", "dpmpp_2m"] = Field(
         "ddim", description="The sampler (diffusers scheduler) used for samples (flow-matching families use "
         "their own).")
+    vae_tiling: bool | Literal["auto"] = Field(
+        "auto", description="Decode samples in overlapping tiles (diffusers' tiled VAE decode: 512 px tiles for "
+        "SD/SDXL/FLUX-style VAEs, the class's own tiles for Wan/Qwen-Image): the decode holds a tile's activations "
+        "instead of the whole image's (the pipeline's own VAE encodes, an image-to-video prompt's image, tile too), at a little more time and faint seams. auto: tiled only where the plan "
+        "says the untiled decode sets the train device's peak over its budget and tiling lowers it.")

@@ -9,6 +9,7 @@ kept in memory after it is written: training reads it back lazily (cache_reader.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,6 +76,25 @@ class _Writer:
         self._raise_done()
 
 
+@contextlib.contextmanager
+def one_image_per_encoder_call(family: ModelFamily):
+    """Inside the block each image part that can (diffusers' VAEs: `use_slicing`) encodes a chunk's
+    images one at a time: a chunk holds ENCODE_BATCH images (twice that with their mirrored copies),
+    and a VAE's activations grow with its batch (the plan of SDXL's float32 VAE over 4 images at
+    1024 px: 10.1 GiB, one at a time 2.5), while its weights stay resident either way. The plan's
+    caching pass runs in the same block (modules/plan/phase_pass.py)."""
+    modules = getattr(family, "parts", {})  # (a stand-in family of the data tests' has none)
+    parts = [modules[name] for name in getattr(family, "image_parts", ()) if hasattr(modules.get(name), "use_slicing")]
+    before = [part.use_slicing for part in parts]
+    try:
+        for part in parts:
+            part.use_slicing = True
+        yield
+    finally:
+        for part, was in zip(parts, before):
+            part.use_slicing = was
+
+
 def _load_chunk(group: list[Entry], width: int, height: int):
     pixels, ready, failed = [], [], []
     for entry in group:
@@ -130,15 +150,16 @@ def fill_latents(entries: list[Entry], family: ModelFamily, device: torch.device
     writer = _Writer(cache)
     loaders = ThreadPoolExecutor(max_workers=LOAD_THREADS, thread_name_prefix="cache-loader")
     try:
-        for (pixels, chunk, failed), (_, width, height) in zip(_ahead(loaders, chunks, _load_chunk, LOAD_AHEAD),
-                                                               chunks):
-            for entry, error in failed:
-                warn(f"skipping unreadable image {entry.item.image}: {error}")
-            raise_if_stopping(stop)
-            if chunk:
-                _encode_chunk(chunk, pixels, width, height, family, device, writer)
-                ready.update(entry.latent_key for entry in chunk)
-            bar.update(len(chunk) + len(failed))
+        with one_image_per_encoder_call(family):  # a chunk's images through the VAE one by one
+            for (pixels, chunk, failed), (_, width, height) in zip(_ahead(loaders, chunks, _load_chunk, LOAD_AHEAD),
+                                                                   chunks):
+                for entry, error in failed:
+                    warn(f"skipping unreadable image {entry.item.image}: {error}")
+                raise_if_stopping(stop)
+                if chunk:
+                    _encode_chunk(chunk, pixels, width, height, family, device, writer)
+                    ready.update(entry.latent_key for entry in chunk)
+                bar.update(len(chunk) + len(failed))
     finally:
         loaders.shutdown(wait=True, cancel_futures=True)
         writer.close()

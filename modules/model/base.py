@@ -54,6 +54,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     nominal_part_parameters: ClassVar[dict[str, int]]
     denoiser_part: ClassVar[str]  # the part every training step runs (what compile speeds up)
     flow_matching: ClassVar[bool] = False  # rectified-flow target (no SNR weighting; logit-normal times)
+    # its sampling pipeline runs the unconditional pass in one batch with the conditional one (2 samples
+    # per denoiser call) when a prompt's cfg is above this; None: separate passes, or no such pass
+    # (the plan's sampling phase, modules/plan/phase_pass.py)
+    batched_guidance_above: ClassVar[float | None] = None
     # whether its samples read a prompt's negative_prompt (a guidance-distilled model's pipeline has none)
     negative_prompt: ClassVar[bool] = True
     # the most control (reference) images one sample may carry (an edit model: they reach the
@@ -365,8 +369,15 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         dtype as in training (modules/sampling/part_dtypes.py)."""
         from modules.sampling.part_dtypes import parts_in_compute_dtypes
 
-        with parts_in_compute_dtypes(self):
+        with parts_in_compute_dtypes(self), self.sample_decoding():
             return self.run_sampling_pipeline(prompt, device)
+
+    def sample_decoding(self):
+        """The VAE decode as `sampling.vae_tiling` says: tiled where it is true (auto is resolved
+        before the run loads, trainer/planned_autos.py; one left unresolved decodes whole)."""
+        from modules.sampling.vae_tiling import tiled_decoding, tiling_vaes
+
+        return tiled_decoding(tiling_vaes(self.parts, self.image_parts), self.config.sampling.vae_tiling is True)
 
     def written_out_prompt(self, text: str | None) -> str | None:
         """A sample prompt with each multi-vector embedding placeholder written out as its tokens,
@@ -395,7 +406,7 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
         """A video family's `prompt.frames` frames from the live modules, as sample() computes them."""
         from modules.sampling.part_dtypes import parts_in_compute_dtypes
 
-        with parts_in_compute_dtypes(self):
+        with parts_in_compute_dtypes(self), self.sample_decoding():
             return self.run_video_pipeline(prompt, device)
 
     def run_video_pipeline(self, prompt: SamplePromptConfig, device: torch.device) -> list[Image.Image]:

@@ -90,6 +90,7 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     pipeline_classes = ("BriaFiboEditPipeline",)
     denoiser_config = {"_class_name": "BriaFiboTransformer2DModel"}
     kohya_base_version = "fibo_edit"
+    batched_guidance_above = 1.0  # its pipeline's cfg batch: torch.cat([latents] * 2) above guidance 1
     modelspec_architecture = "bria-fibo-edit/lora"
     key_layout = FIBO_EDIT_KEYS
     # FIBO's 8.3 B transformer (3072 wide, 8 joint and 38 single blocks, a caption projection per

@@ -34,6 +34,7 @@ class SD15Family(DDPMTraining, ModelFamily):
     denoiser_config = {"_class_name": "UNet2DConditionModel", "addition_embed_type": None}
     single_file_signature = (r"^model\.diffusion_model\.input_blocks\.", r"^model\.diffusion_model\.label_emb\.")
     kohya_base_version = "sd_v1"
+    batched_guidance_above = 1.0  # its pipeline's cfg batch: torch.cat([latents] * 2) above guidance 1
     modelspec_architecture = "stable-diffusion-v1/lora"
     key_layout = SD15_KEYS
 

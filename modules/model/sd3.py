@@ -45,6 +45,7 @@ class SD3Family(FlowMatchingTraining, ModelFamily):
     denoiser_config = {"_class_name": "SD3Transformer2DModel"}
     single_file_signature = (r"^(model\.diffusion_model\.)?joint_blocks\.", None)
     kohya_base_version = "sd3"
+    batched_guidance_above = 1.0  # its pipeline's cfg batch: torch.cat([latents] * 2) above guidance 1
     modelspec_architecture = "stable-diffusion-v3-5-large/lora"
     key_layout = SD3_KEYS
     # SD3.5 Large (8.1 B transformer; Medium's is 2.2 B)

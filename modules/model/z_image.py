@@ -34,6 +34,7 @@ class ZImageFamily(FlowMatchingTraining, ModelFamily):
     denoiser_config = {"_class_name": "ZImageTransformer2DModel"}
     single_file_signature = (r"^(model\.diffusion_model\.)?(noise_refiner|context_refiner)\.", None)
     kohya_base_version = "z_image"
+    batched_guidance_above = 0.0  # ZImagePipeline batches cond and uncond for any guidance above 0
     modelspec_architecture = "z-image/lora"
     key_layout = Z_IMAGE_KEYS
     penultimate_blocks = {"text_encoder": "layers"}  # Qwen3 is read at hidden_states[-2]

@@ -257,3 +257,37 @@ def resolve_auto_offload(planner, config: TrainConfig, vram: int | None, ram: in
             return candidate, why(fractions, "nothing fits the budget, even with every block parked")
         name = max(growable, key=lambda n: sizes[n]["bytes"] * (1 - fractions[n]))
         fractions[name] = min(1.0, round(fractions[name] + STEP, 6))
+
+
+# --- sampling.vae_tiling: auto, last ---------------------------------------------------------------
+
+def resolve_auto_vae_tiling(planner, config: TrainConfig, vram: int | None, ram: int | None,
+                            gpu_class_name: str | None) -> tuple[TrainConfig, dict[str, dict]]:
+    """`sampling.vae_tiling: auto` resolved against the plan of the config as the other autos left
+    it (they were chosen against the tiled decode, phase_pass.planned_tiling): tiled only where the
+    untiled sampling phase sets a device peak over the budget and tiling lowers it; a tiled decode
+    costs time and can show seams, so it is not taken where the whole one fits. No budget (the
+    CPU): untiled; no sample prompt: left as it is. Returns the config with the value set and {"value", "why"}."""
+    from modules.config.loading import build_config
+
+    if config.sampling.vae_tiling != "auto" or not any(p.enabled for p in config.sampling.prompts):
+        return config, {}  # (without a sample prompt there is no decode to choose for)
+    base = config.model_dump(mode="json")
+
+    def choice(tiled: bool, why: str) -> tuple[TrainConfig, dict[str, dict]]:
+        chosen = build_config([base], [f"sampling.vae_tiling={'true' if tiled else 'false'}"])
+        return chosen, {"sampling.vae_tiling": {"value": tiled, "why": why}}
+
+    if vram is None:
+        return choice(False, "no train-device budget known here (the CPU)")
+    whole = planner.plan(build_config([base], ["sampling.vae_tiling=false"]), vram, ram, gpu_class_name)
+    sampling = whole.outside_step_phases.get("sampling")
+    if whole.device_peak <= vram:
+        return choice(False, "the untiled sample decode fits the budget")
+    if sampling is None or sampling < whole.device_peak:
+        return choice(False, "the peak over the budget is not sampling's: tiling would not lower it")
+    tiled = planner.plan(build_config([base], ["sampling.vae_tiling=true"]), vram, ram, gpu_class_name)
+    if tiled.device_peak >= whole.device_peak:
+        return choice(False, "the decode is not what sets sampling's peak: tiling would not lower it")
+    return choice(True, f"the untiled decode sets the peak ({whole.device_peak / 2**30:.2f} GiB, sampling) over the "
+                        f"budget; tiled {tiled.device_peak / 2**30:.2f} GiB")

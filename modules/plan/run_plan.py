@@ -17,9 +17,12 @@ Per part (docs/memory-and-offload.md, "Planning"):
 The training step's peak is the sum. A part the step never runs (data/step_parts.py: a frozen text
 encoder with the text cached, a VAE with the latents cached) holds nothing then: it is on the host
 (trainer/idle_parts.py). It is on the device as placed while the caches are filled and while
-samples are made, beside the step's parts' weights, adapters and optimizer state:
-`outside_step`, the weights of those phases (their encoders' and the sampler's activations are
-not planned). The device peak is the larger of the two. Host: during the load the final model (the streamed load) but the
+samples are made, beside the step's parts' weights, adapters and optimizer state. Each of those
+phases holds that and its own activations (phase_pass.py: caching, the image encoders over a cache
+chunk at the largest resolution and the text encoders over its captions; sampling, the largest
+prompt's denoiser forward, with the guidance batch where the pipeline batches it, and its VAE
+decode): `outside_step_phases`, and `outside_step` the larger. The device peak is the larger of
+the step and that. Host: during the load the final model (the streamed load) but the
 quantized layers an accelerator stores as they load, during training a resting part's bytes and
 the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune's with their
 optimizer state. Transfers: each parked block comes over in the forward and again in the
@@ -76,7 +79,8 @@ class RunPlan:
     fixes: list[str] = field(default_factory=list)
     auto: dict[str, dict] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
-    outside_step: int = 0  # on the device while caching and sampling: every part as placed, no activations
+    outside_step: int = 0  # the larger phase outside the training step (caching, sampling): weights + activations
+    outside_step_phases: dict[str, int] = field(default_factory=dict)  # phase -> its peak
 
     @property
     def step_peak(self) -> int:
@@ -98,7 +102,7 @@ class RunPlan:
         return {"family": self.family, "budget": dict(self.budget),
                 "parts": {name: part.as_dict() for name, part in self.parts.items()},
                 "device": {"peak": self.device_peak, "step": self.step_peak, "outside_step": self.outside_step,
-                           "budget": self.budget["vram"]},
+                           "outside_step_phases": dict(self.outside_step_phases), "budget": self.budget["vram"]},
                 "host": dict(self.host), "transfer": dict(self.transfer), "flops_per_step": self.flops,
                 "fits": self.fits, "fixes": list(self.fixes), "auto": dict(self.auto), "notes": list(self.notes)}
 
@@ -154,7 +158,8 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     that fits when it does not. `planner`: one that planned this model before (its fake steps are
     kept: plans of the same model for other budgets reuse them). `weight_ladder`: the modes
     `weight_dtype: auto` may take, dense first (a device's working ones; resolve_auto_weight_modes)."""
-    from modules.plan.auto import frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_weight_modes
+    from modules.plan.auto import (frugal_step, resolve_auto_offload, resolve_auto_step, resolve_auto_vae_tiling,
+                                  resolve_auto_weight_modes)
     from modules.plan.fixes import find_fixes
 
     planner = planner or Planner(config, variant)
@@ -170,10 +175,13 @@ def plan_run(config: TrainConfig, vram: int | None, ram: int | None, gpu_class_n
     config, step_choices = resolve_auto_step(planner, config, in_step, vram, ram, gpu_class_name)
     # what is parked last, against the step as chosen: parking costs transfers, never the weights' precision
     config, offload_choices = resolve_auto_offload(planner, config, vram, ram, gpu_class_name)
+    # the sample decode's tiling last: the other autos were chosen against the tiled decode
+    config, tiling_choices = resolve_auto_vae_tiling(planner, config, vram, ram, gpu_class_name)
     plan = planner.plan(config, vram, ram, gpu_class_name)
     plan.auto.update(weight_choices)
     plan.auto.update(step_choices)
     plan.auto.update(offload_choices)
+    plan.auto.update(tiling_choices)
     if fix and plan.fits is False:
         plan.fixes = find_fixes(planner, config, vram, ram, gpu_class_name)
     return plan
@@ -323,6 +331,27 @@ class Planner:
             self._steps[key] = (figures, adapter_params, adapter_bytes)
         return self._steps[key]
 
+    def phases(self, config: TrainConfig, modes: dict[str, str]):
+        """The activation peaks of caching and sampling (phase_pass.py), once per what shapes them."""
+        from modules.plan.fake_pass import planned_frames
+        from modules.plan.phase_pass import measure_phases, planned_tiling
+
+        family = self.sizes(config, modes)["family"]
+        from modules.quantization.weight_modes import DENSE_DTYPES
+
+        # (as the step's key: the weight modes shape the activations through the dtypes the parts compute in)
+        computes = tuple(sorted((n, DENSE_DTYPES.get(m) and m or config.train_dtype) for n, m in modes.items()))
+        cache_text = not text_in_step(config, family)
+        key = ("phases", computes, largest_resolution(config), planned_frames(config, family),
+               config.data.flip, config.data.cache_latents, cache_text, train_device_type(config),
+               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled), planned_tiling(config))
+        if key not in self._steps:
+            planned = self._architecture(config, modes)  # (a fresh one: the passes place its tensors)
+            self._steps[key] = measure_phases(
+                planned.family, config, largest_resolution(config), planned_frames(config, planned.family),
+                config.data.cache_latents, cache_text, train_device_type(config) in FUSED_ATTENTION_DEVICES)
+        return self._steps[key]
+
     def plan(self, config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None) -> RunPlan:
         from modules.optim.state_size import optimizer_state_bytes_per_parameter
         from modules.plan.auto import offload_fractions
@@ -416,12 +445,23 @@ class Planner:
                 "pinned": pinned + idle_pinned}
         transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
+        # caching and sampling: every part as placed (the weights and windows summed above), with the
+        # adapters and optimizer state, and the phase's own activations (phase_pass.py)
+        phased = self.phases(config, modes)
+        phases = {name: outside_step + peak for name, peak in (("caching", phased.caching),
+                                                                ("sampling", phased.sampling)) if peak is not None}
+        largest = max(phases.values(), default=outside_step if idle else 0)
         plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops,
-                       outside_step=outside_step if idle else 0)
+                       outside_step=largest, outside_step_phases=phases)
         if idle:
             plan.notes.append(f"not in the training step ({', '.join(n for n in config.model.parts if n in idle)}): "
                               f"on the host while training, on the device as placed while caching and sampling "
-                              f"({outside_step / 2**30:.2f} GiB of weights then, their activations not planned)")
+                              f"({outside_step / 2**30:.2f} GiB of weights then)")
+        if phases:
+            plan.notes.append("outside the training step: " + ", ".join(
+                f"{name} {peak / 2**30:.2f} GiB ({(peak - outside_step) / 2**30:.2f} of activations)"
+                for name, peak in phases.items()) + _sample_what(config, family))
+        plan.notes.extend(phased.notes)
         if table_total:
             plan.notes.append(f"token tables on the host ({', '.join(table_parts)}): "
                               f"frozen, looked up there, the rows sent over ({table_total / 2**30:.2f} GiB off the "
@@ -466,3 +506,16 @@ class Planner:
                     "(planning_tokens_with_controls)" if controls.count and family.text_sees_controls
                     else "the family's text encoding cannot run on shapes alone (planning_tokens)")))
         return plan
+
+
+def _sample_what(config: TrainConfig, family) -> str:
+    """What the sampling phase is planned on (its largest prompt), for the notes."""
+    from modules.plan.phase_pass import guidance_batch, largest_prompt, sample_frames
+
+    prompt = largest_prompt(config, family)
+    if prompt is None:
+        return ""
+    frames = sample_frames(prompt, family)
+    return (f"; sampling planned at {prompt.width}x{prompt.height}" + (f", {frames} frames" if frames > 1 else "")
+            + (", the guidance batch of 2" if guidance_batch(prompt, family) == 2 else "")
+            + ", then the VAE decode")

@@ -1,5 +1,5 @@
-"""`weight_dtype: auto`, `gradient_checkpointing: auto`, `schedule.batch_size: auto` and
-`offload_fraction: auto` resolved for this run before anything loads, through the plan
+"""`weight_dtype: auto`, `gradient_checkpointing: auto`, `schedule.batch_size: auto`,
+`offload_fraction: auto` and `sampling.vae_tiling: auto` resolved for this run before anything loads, through the plan
 (modules/plan/auto.py: the densest storage among the modes that work on the device, then the
 fastest step that fits, then the least parking that fits it, activations included) against the
 train device's free memory and the host's available RAM; the run's log says each choice and why.
@@ -24,7 +24,8 @@ def resolve_planned_autos(config: TrainConfig, device, ranks, say) -> tuple[Trai
     from modules.plan.auto import step_autos
 
     parts, batch = step_autos(config)
-    if not parts and not batch and not offload_autos(config) and not weight_autos(config):
+    if not parts and not batch and not offload_autos(config) and not weight_autos(config) \
+            and not tiling_auto(config):
         return config, None
     plan, choices = None, None
     if ranks.main:
@@ -56,6 +57,7 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
             unplanned, checkpoint = f"the plan could not be made ({first}): the smallest step", True
         else:
             return plan, {path: choice for path, choice in plan["auto"].items() if path == "schedule.batch_size"
+                          or path == "sampling.vae_tiling"
                           or path.endswith((".gradient_checkpointing", ".offload_fraction", ".weight_dtype"))}
     parts, batch = step_autos(config)
     choices = {}
@@ -68,6 +70,8 @@ def _choices(config: TrainConfig, device) -> tuple[dict | None, dict[str, dict]]
             choices[f"model.parts.{name}.offload_fraction"] = {"value": 0.0, "why": unplanned}
     if batch:
         choices["schedule.batch_size"] = {"value": 1, "why": unplanned}
+    if tiling_auto(config):  # untiled: without a plan nothing says the decode does not fit
+        choices["sampling.vae_tiling"] = {"value": False, "why": unplanned}
     return None, choices
 
 
@@ -82,6 +86,11 @@ def device_weight_ladder(device) -> list[str]:
 
 def weight_autos(config: TrainConfig) -> list[str]:
     return [name for name, part in config.model.parts.items() if part.weight_dtype == "auto"]
+
+
+def tiling_auto(config: TrainConfig) -> bool:
+    """`sampling.vae_tiling: auto` with a sample prompt to decode (without one there is nothing to choose)."""
+    return config.sampling.vae_tiling == "auto" and any(p.enabled for p in config.sampling.prompts)
 
 
 def offload_autos(config: TrainConfig) -> list[str]:
