@@ -47,7 +47,11 @@ def test_the_cpu_dry_run_runs_every_part_and_each_passes_or_skips_with_a_reason(
     assert all(case["figures"]["offload_0.5"]["blocks_parked"] > 0 for case in width.values() if "figures" in case)
     compared = parts["plan_vs_measured"]["cases"]  # the plan against the trainer's memory event, per offload
     assert [case["name"] for case in compared] == ["sdxl offload 0.0", "sdxl offload 0.5"]
-    assert all(case["status"] == "passed" and case["figures"]["ratio"] > 0 for case in compared), compared
+    # the dry run's measure is the CPU's RSS over the load's start, in a process whose earlier parts
+    # already peaked: it may even be negative (CI once measured -0.0002 GiB). The plumbing is checked
+    # (the event read, the plan made, a ratio computed), not the figure
+    assert all(case["status"] == "passed" and isinstance(case["figures"]["ratio"], float) for case in compared), \
+        compared
     assert compared[1]["figures"]["parked_blocks"] != compared[0]["figures"]["parked_blocks"]
     markdown = (out / "report.md").read_text()
     assert all(f"## {name}: " in markdown for name in parts)
