@@ -178,3 +178,31 @@ def test_every_family_encodes_the_same_with_its_tables_on_the_host(family_name, 
     for key, value in reference.items():
         if value is not None:
             assert encoded[key].device == value.device and torch.equal(encoded[key].cpu(), value.cpu()), key
+
+
+def test_auto_offload_does_not_park_to_make_room_for_a_table_on_the_host(tmp_path, tiny_family_model, shape_images):
+    """`offload_fraction: auto` counts a host table as off the device (plan/auto.py offload_fractions
+    asks host_table_parts): tiny Wan with a 200000-token vocabulary, whose UMT5 table (25.6 MB) is far
+    bigger than the rest of the model and its activations, fits a budget of its planned peak without
+    parking; counting the table on the device, auto parked the whole transformer for it."""
+    import json
+    import shutil
+
+    from modules.plan.run_plan import Planner, plan_run
+
+    model = tmp_path / "wan-big-vocab"
+    shutil.copytree(tiny_family_model("wan"), model)
+    encoder_config = model / "text_encoder" / "config.json"  # (the plan builds on meta from the configs)
+    encoder_config.write_text(json.dumps({**json.loads(encoder_config.read_text()), "vocab_size": 200_000}))
+    park = {"model": {"family": "wan", "parts": {"transformer": {"offload_fraction": "auto",
+                                                                 "gradient_checkpointing": True}}}}
+    config = train_config(model, shape_images, tmp_path / "ws", STEPS, park)
+    planner = Planner(None)
+    unparked = plan_run(config, None, None, planner=planner)
+    sizes = planner.sizes(config, planner.weight_modes(config))["parts"]
+    budget = unparked.device_peak
+    assert sum(size["bytes"] for size in sizes.values()) > budget  # the table decides: with it the weights do not fit
+    plan = plan_run(config, budget, None, planner=planner)
+    assert plan.auto["model.parts.transformer.offload_fraction"] == {"value": 0.0,
+                                                                     "why": "everything fits without parking"}
+    assert plan.fits and plan.device_peak == budget

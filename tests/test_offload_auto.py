@@ -25,14 +25,28 @@ class Stack(nn.Module):
         self.embed = nn.Linear(64, 64) if extra else None
 
 
-def toy_trainer(device, capacity: int, fractions: dict[str, float | str]):
-    parts = {name: Stack(8 if name == "transformer" else 4, extra=name == "text_encoder") for name in fractions}
+class Encoder(nn.Module):
+    """A text encoder whose token table (frozen) stays on the host: host_tables.py finds it."""
+
+    def __init__(self, blocks: int, rows: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(64, 64) for _ in range(blocks))
+        self.table = nn.Embedding(rows, 64)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.table
+
+
+def toy_trainer(device, capacity: int, fractions: dict[str, float | str], table_rows: int = 0):
+    parts = {name: Encoder(4, table_rows) if table_rows and name == "text_encoder" else
+             Stack(8 if name == "transformer" else 4, extra=name == "text_encoder") for name in fractions}
     config = SimpleNamespace(
         temp_device="cpu", tf32=True, method=SimpleNamespace(type="adapter"), embeddings=[],
         distributed=SimpleNamespace(shard_parts=[]), model=SimpleNamespace(parts={name: SimpleNamespace(offload_fraction=f, offload_prefetch=1, train=False)
                                      for name, f in fractions.items()}))
     family = SimpleNamespace(name="toy", parts=parts, checkpoint_blocks=lambda name: list(parts[name].blocks),
-                             resting_parts=lambda: (), text_parts=(), embedding_slots={})
+                             resting_parts=lambda: (), text_parts=("text_encoder",) if table_rows else (),
+                             embedding_slots={})
     statuses = []
     trainer = SimpleNamespace(config=config, family=family, device=device, trained_parts=[],
                               callbacks=SimpleNamespace(on_status=statuses.append))
@@ -50,8 +64,8 @@ def capacity(monkeypatch, fake_device):
 
     monkeypatch.setattr(offload_fraction_module, "detect_capabilities", detect)
 
-    def make(total: int, fractions: dict, before=None):
-        trainer, statuses = toy_trainer(fake_device, total, fractions)
+    def make(total: int, fractions: dict, before=None, table_rows: int = 0):
+        trainer, statuses = toy_trainer(fake_device, total, fractions, table_rows)
         state.update(trainer=trainer, capacity=total)
         if before:
             before(trainer)
@@ -87,3 +101,14 @@ def test_auto_still_parks_what_does_not_fit_and_sees_the_fixed_parts_placed_befo
     assert len(conductors["transformer"].parked) == 4
     held = sum(bytes_on(m, trainer.device) for m in trainer.family.parts.values())
     assert held == (3 + 4 + 2) * LINEAR <= 0.8 * 200_000
+
+
+def test_a_token_table_on_the_host_is_not_counted_as_unparkable(capacity):
+    # the encoder's 1000 x 64 float32 table (256000 bytes) stays on the host; its 4 blocks and the
+    # 8-block transformer fit 0.8 x 250000 whole. Counting the table among the encoder's bytes that
+    # cannot be parked (it is placed after the transformer), the transformer parked every block
+    trainer, statuses, conductors = capacity(250_000, {"transformer": "auto", "text_encoder": "auto"},
+                                             table_rows=1000)
+    assert trainer.family.parts["text_encoder"].table.weight.device.type == "cpu"
+    assert "model.parts.transformer.offload_fraction: auto -> 0" in statuses, statuses
+    assert "model.parts.text_encoder.offload_fraction: auto -> 0" in statuses and not conductors

@@ -18,12 +18,14 @@ def planned_weight_modes(config: TrainConfig) -> dict[str, str]:
 
 
 def offload_fractions(config: TrainConfig, sizes: dict, trained: dict[str, str], state_per_parameter: float,
-                      vram: int | None, resting: tuple[str, ...] = ()) -> dict[str, float]:
+                      vram: int | None, resting: tuple[str, ...] = (), tables: tuple[str, ...] = ()) -> dict[str, float]:
     """Each part's offload fraction: the config's, or for auto the smallest share (in STEPs) whose
     parking brings the weights (with a fine-tune's state) under the budget left by the rest; 0 with
     no budget. The activations, gradients and adapters are left to the other parts of the plan: a
     fraction that leaves too little room for them shows in the verdict. `resting`: parts only
-    sampling runs (family.resting_parts), wholly on the host while training: 1.0."""
+    sampling runs (family.resting_parts), wholly on the host while training: 1.0. `tables`: the parts
+    whose token table stays on the host (offload/host_tables.py host_table_parts): its bytes are not
+    on the device, so they are neither in the budget nor in what parking must make room for."""
     fractions = {}
     for name, part in config.model.parts.items():
         fraction = part.offload_fraction
@@ -32,18 +34,21 @@ def offload_fractions(config: TrainConfig, sizes: dict, trained: dict[str, str],
              and name not in resting]
     if not autos or vram is None:
         return fractions
+    def on_device(name: str) -> int:  # its bytes but a host table's
+        return sizes[name]["bytes"] - (sizes[name]["table"] if name in tables else 0)
+
     def cost(name: str) -> float:
         size = sizes[name]
         factor = 1.0
         if trained.get(name) == "weights" and size["bytes"]:
             factor += state_per_parameter * size["parameters"] / size["bytes"]
         return factor
-    fixed = sum(sizes[n]["bytes"] * cost(n) * (1 - fractions[n]) for n in sizes if n not in autos)
-    for name in sorted(autos, key=lambda n: -sizes[n]["bytes"]):
-        others = fixed + sum(sizes[n]["bytes"] * cost(n) * (1 - fractions[n]) for n in autos if n != name)
+    fixed = sum(on_device(n) * cost(n) * (1 - fractions[n]) for n in sizes if n not in autos)
+    for name in sorted(autos, key=lambda n: -on_device(n)):
+        others = fixed + sum(on_device(n) * cost(n) * (1 - fractions[n]) for n in autos if n != name)
         blocks = sizes[name]["blocks"]
         offloadable = sum(blocks) * cost(name)
-        excess = sizes[name]["bytes"] * cost(name) - (vram - others)
+        excess = on_device(name) * cost(name) - (vram - others)
         if excess <= 0 or offloadable <= 0:
             continue
         window = 2 * max(blocks) * cost(name)

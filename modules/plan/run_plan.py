@@ -371,7 +371,8 @@ class Planner:
         tables = set(host_table_parts(config, family, trained))  # looked up on the host, never on the device
         table_total, table_parts = 0, []
         outside_step, idle_resident_tensors = 0, []
-        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting))
+        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting),
+                                      tuple(tables))
         parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
         for name, size in sized["parts"].items():
             part_config = config.model.parts[name]

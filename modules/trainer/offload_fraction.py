@@ -8,7 +8,9 @@ already there (placed earlier, or quantized on the device) is in the device's fr
 so counting it whole as well would count it twice. The parts with a fixed fraction are placed
 first (part_setup.py), so an `auto` part sees them; an `auto` part placed after another counts
 that one's non-block bytes, which it cannot park. Parking pays for its window too: the needed
-block and the prefetched ones sit on the train device (at most the largest blocks).
+block and the prefetched ones sit on the train device (at most the largest blocks). A frozen text
+encoder's token table stays on the host (offload/host_tables.py: trainer.host_tables, made before
+any part is placed), so it counts in neither the part's bytes nor a later part's unparkable ones.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def offload_fraction(trainer: GenericTrainer, part: str, still_to_place: list[st
     device = torch.device(trainer.device)
     parts = trainer.family.parts
     scale = trained_bytes_factor(trainer.config, part)  # a fine-tune's optimizer state parks with its weights
-    part_bytes = int(block_bytes(parts[part]) * scale)
+    def off_device(name: str) -> int:  # its token table, which waits on the host
+        return trainer.host_tables[name].nbytes if name in trainer.host_tables else 0
+
+    part_bytes = int((block_bytes(parts[part]) - off_device(part)) * scale)
     offloadable = int(sum(block_bytes(b) for b in blocks) * scale)
     free = detect_capabilities(device).free_memory
     if free is None:
@@ -70,7 +75,7 @@ def offload_fraction(trainer: GenericTrainer, part: str, still_to_place: list[st
     # what the train device holds free with none of the model on it; the headroom is a share of that
     weights_free = free + sum(placed.values())
     later = sum(block_bytes(parts[n]) - sum(block_bytes(b) for b in trainer.family.checkpoint_blocks(n))
-                for n in still_to_place if n != part)
+                - off_device(n) for n in still_to_place if n != part)
     other = sum(b for name, b in placed.items() if name != part) + later
     window = (1 + trainer.config.model.parts[part].offload_prefetch) * max(block_bytes(b) for b in blocks) * scale
     fraction = auto_offload_fraction(part_bytes, offloadable, other, weights_free, int(window))
