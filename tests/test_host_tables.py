@@ -1,13 +1,13 @@
 """A frozen text encoder's token table stays on the host (modules/offload/host_tables.py): the lookup
 runs on the CPU and only its rows go to the train device, and the plan counts it the same way
-(modules/plan/run_plan.py, through the same host_table_parts).
+(modules/plan/run_plan.py, through the same host_table_parts; auto's offload too, plan/auto.py).
 
 On the fake device, tiny Wan (UMT5) and FLUX.1 (CLIP-L and T5): after placement the table is on
 the CPU and the rest of the encoder on the device; a caption encodes to exactly what it encodes to
 with the table on the device; the measured peak of start (load, placement, caching) drops by the
 tables' bytes and so does the plan's `outside_step`; with the encoder's blocks parked
-(offload_fraction 1) it still encodes the same and trains; a trained encoder and an embedding run
-keep their table on the device."""
+(offload_fraction 1) it still encodes the same and trains; a trained encoder and a trained
+embedding keep their table on the device, an embedding loaded from a file (frozen) does not."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import train_config
-from modules.config.families import family_names
+from modules.config.families import family_names, get_family_class
 from modules.model.components.embedding_tokens import token_embedding
 from modules.util.compute_device import compute_device
 
@@ -130,28 +130,56 @@ def test_parked_encoder_blocks_and_a_host_table_together(fake_device, tmp_path, 
 @pytest.mark.parametrize("overlay", [
     {"model": {"parts": {"text_encoder": {"train": True}}}},  # a LoRA on the encoder
     {"method": {"type": "embedding"}, "embeddings": [{"placeholder": "<tok>", "vectors": 2, "init_text": "ab"}]},
-    # a frozen embedding (from a file) beside the LoRA: its lookup hooks the table's module on the device
-    {"embeddings": [{"placeholder": "<tok>", "train": False}]},
-], ids=["trained-encoder", "embedding", "frozen-embedding"])
+], ids=["trained-encoder", "embedding"])
 def test_an_encoder_the_step_changes_keeps_its_table_on_the_device(overlay, fake_device, tmp_path, tiny_family_model,
                                                                     shape_images):
-    import json
-
-    from safetensors.torch import save_file
-
     from modules.plan.run_plan import plan_run
 
-    model = tiny_family_model("wan")
-    if "embeddings" in overlay and not overlay["embeddings"][0].get("train", True):
-        width = json.loads((model / "text_encoder" / "config.json").read_text())["d_model"]
-        save_file({"umt5xxl": torch.randn(2, width)}, str(tmp_path / "tok.safetensors"))
-        overlay = {"embeddings": [{**overlay["embeddings"][0], "path": str(tmp_path / "tok.safetensors")}]}
-    config = train_config(model, shape_images, tmp_path, STEPS,
+    config = train_config(tiny_family_model("wan"), shape_images, tmp_path, STEPS,
                           {"model": {"family": "wan"}, "train_device": str(fake_device)}, overlay,
                           {"concepts": [{"path": str(shape_images), "captions": {"prefix": "<tok> "}}]})
     _, where = start(config, lambda trainer: {n: t.device.type for n, t in tables(trainer).items()})
     assert where == {"text_encoder": "fakegpu"}
     assert not any("token tables on the host" in note for note in plan_run(config, None, None).notes)
+
+
+def test_an_embedding_loaded_from_a_file_leaves_its_table_on_the_host(fake_device, tmp_path, tiny_family_model,
+                                                                      shape_images, monkeypatch):
+    """A frozen embedding (from a file, beside the LoRA) does not train its encoder: the table stays
+    on the host, its new tokens' rows join the rows the table sends over, a caption with the
+    placeholder encodes as with the table on the device, the run trains and samples with it in
+    every step (the text is not cached), and the plan counts the table off the device."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from modules.model.components.embedding_tokens import expand_placeholders
+    from modules.plan.run_plan import plan_run
+
+    model = tiny_family_model("wan")
+    width = json.loads((model / "text_encoder" / "config.json").read_text())["d_model"]
+    save_file({"umt5xxl": torch.randn(2, width)}, str(tmp_path / "tok.safetensors"))
+    loaded = {"embeddings": [{"placeholder": "<tok>", "train": False, "path": str(tmp_path / "tok.safetensors")}],
+              "concepts": [{"path": str(shape_images), "captions": {"prefix": "<tok> "}}]}
+
+    def config(where):
+        return train_config(model, shape_images, tmp_path / where, STEPS,
+                            {"model": {"family": "wan"}, "train_device": str(fake_device)}, loaded)
+
+    def placed(trainer):
+        family = trainer.family
+        tokens = family.tokenize([expand_placeholders("<tok> " + CAPTION, {"<tok>": 2})])
+        return ({n: t.device.type for n, t in tables(trainer).items()},
+                {key: value.cpu() for key, value in family.encode_text(tokens).items()})
+
+    with monkeypatch.context() as patch:
+        without_host_tables(patch)
+        _, (kept_where, reference) = start(config("kept"), placed)
+    _, (where, hosted) = start(config("hosted"), placed, train=True)
+    assert kept_where == {"text_encoder": "fakegpu"} and where == {"text_encoder": "cpu"}
+    for key, value in reference.items():
+        assert torch.equal(hosted[key], value), key
+    assert any("token tables on the host (text_encoder)" in note for note in plan_run(config("hosted"), None, None).notes)
 
 
 @pytest.mark.parametrize("family_name", family_names())
@@ -206,3 +234,56 @@ def test_auto_offload_does_not_park_to_make_room_for_a_table_on_the_host(tmp_pat
     assert plan.auto["model.parts.transformer.offload_fraction"] == {"value": 0.0,
                                                                      "why": "everything fits without parking"}
     assert plan.fits and plan.device_peak == budget
+
+
+@pytest.mark.parametrize("family_name", [name for name in family_names() if get_family_class(name).embedding_slots])
+def test_every_family_encodes_a_loaded_embedding_the_same_with_its_tables_on_the_host(family_name, fake_device,
+                                                                                     tiny_family_model):
+    """Embeddings loaded from a file (not trained) leave their encoders frozen, so those keep their
+    tables on the host (host_table_parts): the new tokens' rows (AddedTokenRows, hooked after the
+    host table as the trainer orders them: placement, then the method) join the rows the table sent
+    over, and a caption with the placeholder encodes exactly as with the table on the device."""
+    from modules.config.loading import build_config
+    from modules.model.components.embedding_tokens import (
+        AddedTokenRows,
+        add_tokens,
+        expand_placeholders,
+        placeholder_tokens,
+    )
+    from modules.offload.host_tables import HostTable, table_lookups
+
+    config = build_config([{"model": {"family": family_name, "base": str(tiny_family_model(family_name))}}])
+    family = get_family_class(family_name)(config)
+    family.load()
+    slots = family.embedding_slots
+    encoders = {name: family.parts[name].eval().to(fake_device) for name in family.text_parts}
+    first_ids, added = {}, {}
+    for part, (attribute, _key) in slots.items():
+        tokenizer = getattr(family, attribute)  # (a tokenizer two encoders share gets the tokens once)
+        if id(tokenizer) not in added:
+            added[id(tokenizer)] = add_tokens(tokenizer, placeholder_tokens("<tok>", 2), "test")[0]
+        first_ids[part] = added[id(tokenizer)]
+    generator = torch.Generator().manual_seed(0)
+    vectors = {part: torch.randn(2, token_embedding(encoders[part]).embedding_dim, generator=generator)
+               .to(fake_device) for part in slots}
+    captions = [expand_placeholders(text, {"<tok>": 2}) for text in ["a <tok> square", "a blue circle by <tok>"]]
+
+    def encode_with_rows():
+        rows = [AddedTokenRows(token_embedding(encoders[part]), first_ids[part], [vectors[part]]) for part in slots]
+        encoded = family.encode_text(family.tokenize(captions))
+        for hook in rows:
+            assert hook.seen_vectors() == [True], family_name  # the placeholder reached the encoder
+            hook.remove()
+        return encoded
+
+    with torch.no_grad():
+        reference = encode_with_rows()
+        hosted = {name: HostTable(lookups, fake_device) for name, module in encoders.items()
+                  if name in slots and (lookups := table_lookups(module))}
+        if not hosted:  # (FIBO Edit's SmolLM3: its table is its output head's weight too, so it stays)
+            pytest.skip(f"{family_name}: no token table that can stay on the host (table_lookups)")
+        encoded = encode_with_rows()
+    assert all(t.weight.device.type == "cpu" for table in hosted.values() for t in table.lookups)
+    for key, value in reference.items():
+        if value is not None:
+            assert encoded[key].device == value.device and torch.equal(encoded[key].cpu(), value.cpu()), key

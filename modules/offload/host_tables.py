@@ -33,16 +33,15 @@ HOST = torch.device("cpu")
 
 def host_table_parts(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> tuple[str, ...]:
     """The text parts whose token table stays on the host, in the family's order: the frozen ones
-    (not among `trained`, the parts an adapter, a fine-tune or a trained embedding changes). Kept on
-    the device: an encoder `embeddings` add tokens to (their lookup hooks the table's module on the
-    device: methods/embedding.py), a sharded one (its weights are FSDP's), one only sampling runs (it
-    waits on the temp device whole). (Training on the CPU the rule holds and changes nothing.)"""
+    (not among `trained`, the parts an adapter, a fine-tune or a trained embedding changes). An
+    encoder that embeddings loaded from a file (not trained) add tokens to is frozen too: their
+    rows are looked up beside the table (AddedTokenRows, on the rows the table sends over). Kept on
+    the device: a sharded encoder (its weights are FSDP's), one only sampling runs (it waits on the
+    temp device whole). (Training on the CPU the rule holds and changes nothing.)"""
     encoders = [name for name in config.model.parts if name in family.text_parts]
     if not encoders:
         return ()
     kept = {*trained, *config.distributed.shard_parts, *family.resting_parts()}
-    if config.embeddings:
-        kept.update(family.embedding_slots)
     return tuple(name for name in encoders if name not in kept)
 
 

@@ -109,7 +109,9 @@ class AddedTokenRows:
         return (torch.where(self._added(ids), torch.zeros_like(ids), ids), *args[1:])
 
     def _after(self, _module, _args, output: torch.Tensor) -> torch.Tensor:
-        ids = self._ids.pop()
+        # (on the rows' device: a table on the host (offload/host_tables.py) looks up ids there and
+        # sends its rows to the train device, where the new vectors are)
+        ids = self._ids.pop().to(output.device)
         added = self._added(ids)
         if self.mark_seen:
             self.seen[(ids[added] - self.first_id).to(self.seen.device)] = True
