@@ -198,9 +198,9 @@ def test_every_family_encodes_the_same_with_its_tables_on_the_host(family_name, 
     with torch.no_grad():
         reference = family.encode_text(family.tokenize(captions))
         hosted = {name: HostTable(lookups, fake_device) for name, module in encoders.items()
-                  if (lookups := table_lookups(module))}
-        if not hosted:  # (FIBO Edit's SmolLM3: its table is its output head's weight too, so it stays)
-            pytest.skip(f"{family_name}: no token table that can stay on the host (table_lookups)")
+                  if (lookups := table_lookups(module, family.never_run.get(name, ())))}
+        # (every family's: FIBO Edit's SmolLM3 table is its head's weight too, a head it declares never runs)
+        assert hosted, f"{family_name}: no token table that can stay on the host (table_lookups)"
         assert all(t.weight.device.type == "cpu" for table in hosted.values() for t in table.lookups)
         encoded = family.encode_text(family.tokenize(captions))
     for key, value in reference.items():
@@ -279,11 +279,36 @@ def test_every_family_encodes_a_loaded_embedding_the_same_with_its_tables_on_the
     with torch.no_grad():
         reference = encode_with_rows()
         hosted = {name: HostTable(lookups, fake_device) for name, module in encoders.items()
-                  if name in slots and (lookups := table_lookups(module))}
-        if not hosted:  # (FIBO Edit's SmolLM3: its table is its output head's weight too, so it stays)
-            pytest.skip(f"{family_name}: no token table that can stay on the host (table_lookups)")
+                  if name in slots and (lookups := table_lookups(module, family.never_run.get(name, ())))}
+        assert hosted, f"{family_name}: no token table that can stay on the host (table_lookups)"
         encoded = encode_with_rows()
     assert all(t.weight.device.type == "cpu" for table in hosted.values() for t in table.lookups)
     for key, value in reference.items():
         if value is not None:
             assert encoded[key].device == value.device and torch.equal(encoded[key].cpu(), value.cpu()), key
+
+
+@pytest.mark.parametrize("family", [name for name in family_names() if get_family_class(name).never_run])
+def test_a_table_tied_to_a_head_that_never_runs_stays_on_the_host(family, fake_device, tmp_path, tiny_family_model,
+                                                                  shape_images, monkeypatch):
+    """FIBO Edit's SmolLM3 ties its head to its token table and declares the head never runs
+    (ModelFamily.never_run): the table and the head stay on the host, a caption encodes as with
+    them on the device, and the run trains and samples (the pipeline too runs the language model
+    without its head: the head's guard would stop it)."""
+    from modules.plan.run_plan import plan_run
+
+    def config(where):
+        return train_config(tiny_family_model(family), shape_images, tmp_path / where, STEPS,
+                            {"model": {"family": family}, "train_device": str(fake_device)})
+
+    def placed(trainer):
+        return {name: table.device.type for name, table in tables(trainer).items()}, encoded(trainer)
+
+    with monkeypatch.context() as patch:
+        without_host_tables(patch)
+        _, (kept_where, reference) = start(config("kept"), placed)
+    _, (where, hosted) = start(config("hosted"), placed, train=True)
+    assert set(kept_where.values()) == {"fakegpu"} and set(where.values()) == {"cpu"}
+    for key, value in reference.items():
+        assert torch.equal(hosted[key], value), key
+    assert any("token tables on the host" in note for note in plan_run(config("hosted"), None, None).notes)

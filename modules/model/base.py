@@ -142,6 +142,10 @@ class ModelFamily(PartLoading, AdapterKeyNames, ABC):
     # `embedding_key`: clip_l, clip_g, t5xxl, qwen3_4b, qwen3_8b, qwen25_7b); empty: none taken. A family
     # whose key depends on the model's size sets its own in load() (FLUX.2: klein 4B or 9B)
     embedding_slots: ClassVar[dict[str, tuple[str, str]]] = {}
+    # per part, the modules its encoding, training step and sampling never run (a language model's
+    # head whose logits nobody reads): a token table tied to one stays on the host all the same
+    # (modules/offload/host_tables.py; running one there is an error naming it)
+    never_run: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     # data parallel: (first, total) while a rank trains samples first.. of a global batch of total;
     # the training draws are then made for the global batch and sliced (modules/trainer/distributed.py)

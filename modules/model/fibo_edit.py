@@ -9,8 +9,8 @@ reference images by an instruction:
   {"edit_instruction": text}, serialized as the pipeline serializes a dict prompt (`edit_caption`);
   sample prompts go through the same. An empty caption is SmolLM3's begin-of-text token alone (token
   128000), as the pipeline encodes its empty negative prompt.
-- text: SmolLM3 (SmolLM3ForCausalLM, no logits computed) on the caption; the transformer's joint
-  text is its last two hidden states side by side (`get_prompt_embeds`), and each of its blocks
+- text: SmolLM3 (SmolLM3ForCausalLM's language model, its head never run) on the caption; the
+  transformer's joint text is its last two hidden states side by side (`get_prompt_embeds`), and each of its blocks
   also reads one hidden state through its own caption projection: the deepest ones, one per block,
   the last repeated where the blocks outnumber them (the pipeline's "remove first layers" /
   "duplicate last layer"). Kept: only the hidden states some block reads. Captions are padded on
@@ -100,6 +100,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     # textual inversion into SmolLM3's token table (tied to its head, which is never run); ComfyUI has no
     # FIBO and no SmolLM3 key: named as its keys name an encoder (model and size, as qwen3_4b)
     embedding_slots = {"text_encoder": ("tokenizer", "smollm3_3b")}
+    # SmolLM3's head (its weight is the token table) never runs: the text is the language model's
+    # hidden states (encode_text and the sampling pipeline run `.model`), so the table can stay on the host
+    never_run = {"text_encoder": ("lm_head",)}
     image_parts = ("vae",)
     # (layers, 2048, width) per caption, masked: the text cache keeps its real tokens (tests/test_family_fibo_edit.py:
     # the padded window predicts as the unpadded prompt; tests/test_text_padding.py: the cache holds only them)
@@ -185,8 +188,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     def encode_text(self, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         encoder = self.parts["text_encoder"]
         mask = tokens["attention_mask"].to(compute_device(encoder))
-        hidden = encoder(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask,
-                         output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states
+        # the language model without its head (never_run): the same hidden states, no logits
+        hidden = encoder.model(input_ids=tokens["input_ids"].to(compute_device(encoder)), attention_mask=mask,
+                               output_hidden_states=True, use_cache=False).hidden_states
         return {"hidden_states": torch.stack([hidden[i] for i in self._kept_layers], dim=1), "attention_mask": mask}
 
     def planning_tokens(self, batch, device):
@@ -262,7 +266,9 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         pipe = _pipeline_class()(transformer=self.transformer, vae=self.parts["vae"],
-                                 text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
+                                 # its language model without the head (never_run): the pipeline reads
+                                 # only its hidden states
+                                 text_encoder=self.parts["text_encoder"].model, tokenizer=self.tokenizer,
                                  scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config))
         pipe.set_progress_bar_config(disable=True)
         return pipe

@@ -45,10 +45,12 @@ def host_table_parts(config: TrainConfig, family: ModelFamily, trained: Iterable
     return tuple(name for name in encoders if name not in kept)
 
 
-def table_lookups(encoder: nn.Module) -> list[nn.Embedding]:
-    """The embedding modules holding `encoder`'s token table (T5's `shared` and the `embed_tokens`
-    its forward runs share one weight), or none where the table cannot stay on the host: no token
-    embedding, or its weight shared with a layer that computes with it (a tied output head)."""
+def table_lookups(encoder: nn.Module, never_run: tuple[str, ...] = ()) -> list[nn.Module]:
+    """The modules holding `encoder`'s token table, which stay on the host with it: its embedding
+    modules (T5's `shared` and the `embed_tokens` its forward runs share one weight) and those named in
+    `never_run` (the family's: a tied head no forward runs). None where the table cannot stay on the
+    host: no token embedding, or its weight shared with another layer, which computes with it (a
+    tied output head that runs)."""
     try:
         embed = token_embedding(encoder)
     except (AttributeError, NotImplementedError):  # (a module without get_input_embeddings)
@@ -56,27 +58,33 @@ def table_lookups(encoder: nn.Module) -> list[nn.Embedding]:
     if not isinstance(embed, nn.Embedding):
         return []
     weight = embed.weight
+    idle = {id(module) for name, module in encoder.named_modules() if name in never_run}
     holders = [module for module in encoder.modules()
                if any(p is weight for p in module.parameters(recurse=False))]
-    return holders if all(isinstance(module, nn.Embedding) for module in holders) else []
+    return holders if all(isinstance(m, nn.Embedding) or id(m) in idle for m in holders) else []
 
 
 def host_tables(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> dict[str, list[nn.Embedding]]:
     """Part -> its table's embedding modules, for each part whose table stays on the host."""
-    tables = {name: table_lookups(family.parts[name]) for name in host_table_parts(config, family, trained)}
+    tables = {name: table_lookups(family.parts[name], family.never_run.get(name, ()))
+              for name in host_table_parts(config, family, trained)}
     return {name: lookups for name, lookups in tables.items() if lookups}
 
 
 class HostTable:
-    """One encoder's token table on the host, its lookups sending their rows to `device`."""
+    """One encoder's token table on the host, its lookups sending their rows to `device`; a module
+    that holds it and never runs (table_lookups' `never_run`) stays with it, and is refused if it runs."""
 
-    def __init__(self, lookups: list[nn.Embedding], device: torch.device):
-        self.lookups, self.device = lookups, torch.device(device)
+    def __init__(self, lookups: list[nn.Module], device: torch.device, part: str = "the text encoder"):
+        self.lookups, self.device, self.part = lookups, torch.device(device), part
         self.handles = []
         for lookup in lookups:
             for tensor in layer_tensors(lookup):  # (a Parameter keeps its identity: tied modules stay tied)
                 if tensor.get().device != HOST:
                     tensor.put(tensor.get().to(HOST))
+            if not isinstance(lookup, nn.Embedding):
+                self.handles.append(lookup.register_forward_pre_hook(self._never_runs))
+                continue
             self.handles += [lookup.register_forward_pre_hook(self._ids_home, with_kwargs=True),
                              lookup.register_forward_hook(self._rows_out)]
             setattr(lookup, ROWS_DEVICE, self.device)  # what compute_device answers for the encoder
@@ -98,6 +106,11 @@ class HostTable:
 
     def _rows_out(self, _module, _args, rows: torch.Tensor) -> torch.Tensor:
         return rows.to(self.device)
+
+    def _never_runs(self, module, _args):
+        raise RuntimeError(f"{self.part}: its {type(module).__name__} holding the token table ran, though the "
+                           f"family declares it never runs (ModelFamily.never_run), so the table was kept on the "
+                           f"host: the family's encoding or pipeline must not run it")
 
 
 def place_around_tables(module: nn.Module, device: torch.device, skipped: set[int]) -> None:

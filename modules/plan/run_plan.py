@@ -257,7 +257,7 @@ class Planner:
             sizes = {}
             for name, module in family.parts.items():
                 floating = [p for p in module.parameters() if p.is_floating_point()]
-                table = table_lookups(module) if name in family.text_parts else []
+                table = table_lookups(module, family.never_run.get(name, ())) if name in family.text_parts else []
                 sizes[name] = {
                     "bytes": block_bytes(module),
                     "blocks": [block_bytes(b) for b in family.checkpoint_blocks(name)],

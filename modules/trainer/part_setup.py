@@ -55,7 +55,7 @@ def setup_train_device(trainer: GenericTrainer) -> dict[str, LayerOffloadConduct
     encoder's token table stays on the host (offload/host_tables.py: trainer.host_tables)."""
     configure_cuda_math(trainer.device, trainer.config.tf32)  # before the first matmul on the device
     conductors: dict[str, LayerOffloadConductor] = {}
-    trainer.host_tables = {name: HostTable(lookups, trainer.device) for name, lookups
+    trainer.host_tables = {name: HostTable(lookups, trainer.device, f"model.parts.{name}") for name, lookups
                            in host_tables(trainer.config, trainer.family, trainer.trained_parts).items()}
     # a part only sampling runs stays on the temp device (resting_parts.py brings it for samples)
     order = [name for name in placement_order(trainer) if name not in trainer.family.resting_parts()]
