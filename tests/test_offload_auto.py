@@ -46,7 +46,7 @@ def toy_trainer(device, capacity: int, fractions: dict[str, float | str], table_
                                      for name, f in fractions.items()}))
     family = SimpleNamespace(name="toy", parts=parts, checkpoint_blocks=lambda name: list(parts[name].blocks),
                              resting_parts=lambda: (), text_parts=("text_encoder",) if table_rows else (),
-                             embedding_slots={})
+                             embedding_slots={}, never_run={})
     statuses = []
     trainer = SimpleNamespace(config=config, family=family, device=device, trained_parts=[],
                               callbacks=SimpleNamespace(on_status=statuses.append))

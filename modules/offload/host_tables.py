@@ -46,11 +46,11 @@ def host_table_parts(config: TrainConfig, family: ModelFamily, trained: Iterable
 
 
 def table_lookups(encoder: nn.Module, never_run: tuple[str, ...] = ()) -> list[nn.Module]:
-    """The modules holding `encoder`'s token table, which stay on the host with it: its embedding
-    modules (T5's `shared` and the `embed_tokens` its forward runs share one weight) and those named in
-    `never_run` (the family's: a tied head no forward runs). None where the table cannot stay on the
-    host: no token embedding, or its weight shared with another layer, which computes with it (a
-    tied output head that runs)."""
+    """The modules that stay on the host with `encoder`'s token table: its embedding modules (T5's
+    `shared` and the `embed_tokens` its forward runs share one weight) and the modules named in
+    `never_run` (the family's: a language model's head, tied to the table or, quantized apart from
+    it, not; the device has no use for either). None where the table cannot stay on the host: no
+    token embedding, or its weight shared with another layer, which computes with it."""
     try:
         embed = token_embedding(encoder)
     except (AttributeError, NotImplementedError):  # (a module without get_input_embeddings)
@@ -58,14 +58,17 @@ def table_lookups(encoder: nn.Module, never_run: tuple[str, ...] = ()) -> list[n
     if not isinstance(embed, nn.Embedding):
         return []
     weight = embed.weight
-    idle = {id(module) for name, module in encoder.named_modules() if name in never_run}
+    idle = [module for name, module in encoder.named_modules() if name in never_run]
     holders = [module for module in encoder.modules()
                if any(p is weight for p in module.parameters(recurse=False))]
-    return holders if all(isinstance(m, nn.Embedding) or id(m) in idle for m in holders) else []
+    if not all(isinstance(m, nn.Embedding) or any(m is i for i in idle) for m in holders):
+        return []
+    return holders + [m for m in idle if not any(m is h for h in holders)]
 
 
-def host_tables(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> dict[str, list[nn.Embedding]]:
-    """Part -> its table's embedding modules, for each part whose table stays on the host."""
+def host_tables(config: TrainConfig, family: ModelFamily, trained: Iterable[str]) -> dict[str, list[nn.Module]]:
+    """Part -> the modules that stay on the host with its table (table_lookups), for each part whose
+    table stays on the host."""
     tables = {name: table_lookups(family.parts[name], family.never_run.get(name, ()))
               for name in host_table_parts(config, family, trained)}
     return {name: lookups for name, lookups in tables.items() if lookups}
