@@ -29,8 +29,8 @@ reference images by an instruction:
   scheduler's timesteps) and predicts noise - x. Training draws logit-normal times shifted as the
   model's FlowMatchEulerDiscreteScheduler config shifts its sampling (`calculate_shift` on the
   image's token count, as the pipeline computes mu), or by loss.flow_shift.
-- sampling: the pipeline itself (it encodes the prompt with the live SmolLM3 and its adapters, as
-  training does, within the same window), CFG as it does it when cfg > 1 (a second pass on the
+- sampling: the pipeline itself (it encodes the prompt with the live SmolLM3's language model, its
+  head left out as in training, and its adapters, within the same window), CFG as it does it when cfg > 1 (a second pass on the
   negative prompt, by default the empty one; the negative prompt is not put in edit form, as the
   pipeline takes it as given).
   `sampling.prompts[].control_images` are resized to cover the sample's size and centre-cropped, as
