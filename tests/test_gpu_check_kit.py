@@ -129,3 +129,25 @@ def test_a_part_stopped_at_its_budget_keeps_the_cases_it_finished(tmp_path, monk
     result = runner.run_part("families", 7, tmp_path)
     assert result["status"] == "timeout" and "budget of 7 s" in result["reason"]
     assert result["cases"] == [{"name": "sd15", "status": "passed"}]
+
+
+def test_a_parts_case_is_tried_failed_on_what_it_raises_skipped_past_the_budget_and_saved(tmp_path):
+    """tools/gpu_check/part.record_case, the loop of every part of several cases: one case raising
+    fails that case alone, one the budget has no room for is skipped, and each is saved at once."""
+    import time
+
+    from tools.gpu_check.part import Context, record_case
+
+    context = Context("dry", tmp_path, budget_s=60, result_file=tmp_path / "result.json")
+    started, cases = time.monotonic(), []
+
+    def raises() -> dict:
+        raise RuntimeError("out of memory")
+
+    record_case(context, cases, "ok", lambda: {"status": "passed", "figures": {"x": 1}}, started, 10)
+    record_case(context, cases, "raises", raises, started, 10)
+    record_case(context, cases, "late", lambda: pytest.fail("started with no time left"), started, 120)
+    assert cases == [{"name": "ok", "status": "passed", "figures": {"x": 1}},
+                     {"name": "raises", "status": "failed", "reason": "RuntimeError: out of memory"},
+                     {"name": "late", "status": "skipped", "reason": "no time left in the part's budget"}]
+    assert json.loads((tmp_path / "result.partial.json").read_text()) == {"cases": cases}

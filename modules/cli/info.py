@@ -1,7 +1,7 @@
 """`launch.py info [--json] [--device DEV]`: what this machine can train with: families, presets,
 devices, and the base-weight precision modes that work on the train device (and whether
-`compile: true` can compile each), with the one auto would pick for each family. The GUI offers
-only the modes listed here."""
+`compile: true` can compile each), with the one auto would pick for each family, and how
+`sampling.vae_tiling: auto` resolves here. The GUI offers only the modes listed here."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from modules.quantization.policy import (
     plan_base_precision,
 )
 from modules.quantization.weight_modes import DENSE_DTYPES
+from modules.trainer.fit_check import free_device_memory
 from modules.util.torch_utils import resolve_device
 
 
@@ -60,6 +61,21 @@ def _auto_offload(modes: dict[str, str], sizes: dict[str, int], free_memory: int
     part_bytes = {part: int(sizes[part] * BYTES_PER_PARAMETER[mode]) for part, mode in modes.items()}
     total = sum(part_bytes.values())
     return {part: auto_offload_fraction(size, size, total - size, free_memory) for part, size in part_bytes.items()}
+
+
+def _vae_tiling_auto(device: torch.device) -> dict:
+    """How a run on `device` resolves `sampling.vae_tiling: auto`: through its plan (per config, so
+    not here) against the free memory where the device says it (the trainer's own free_device_memory,
+    trainer/planned_autos.py), else untiled, no plan made."""
+    free = free_device_memory(device)
+    if free is None:
+        return {"planned": False, "budget_bytes": None, "value": False,
+                "why": f"untiled: a run on {device.type} is not planned (no train-device budget: {device.type} "
+                       "does not say what of it is free for training), and auto resolves through the plan only "
+                       "where the device says what is free"}
+    return {"planned": True, "budget_bytes": free, "value": None,
+            "why": "through each run's plan against the free memory: tiled only where the untiled sample decode "
+                   "sets the peak over it and tiling lowers it (`launch.py plan` says per config)"}
 
 
 def machine_info(train_device: str = "auto") -> dict:
@@ -107,6 +123,7 @@ def machine_info(train_device: str = "auto") -> dict:
                           for mode, s in support.items()
                           for blocker in [_compile_blocker(mode, s.works, device)]},
         "auto_headroom": HEADROOM,
+        "vae_tiling_auto": _vae_tiling_auto(device),
         "families": families,
     }
 
@@ -117,6 +134,11 @@ def _gib(n: int | None) -> str:
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
+
+
+def _vae_tiling_line(tiling: dict) -> str:
+    budget = f" ({_gib(tiling['budget_bytes'])} free now)" if tiling["planned"] else ""
+    return f"  sampling.vae_tiling auto{budget}: {tiling['why']}"
 
 
 def format_info(info: dict) -> str:
@@ -130,6 +152,7 @@ def format_info(info: dict) -> str:
         (f"  torchao int8: {_yes(caps['torchao_int8'])}   bitsandbytes nf4: {_yes(caps['bitsandbytes'])}   "
          f"float8 dtypes: {_yes(caps['float8_dtypes'])}   torch._int_mm: {_yes(caps['int_mm'])}   "
          f"torch._scaled_mm: {_yes(caps['scaled_mm'])}"),
+        _vae_tiling_line(info["vae_tiling_auto"]),
         "",
         f"weight_dtype on {caps['device']}:",
     ]

@@ -28,44 +28,27 @@ the parked ones (pinned arenas on CUDA: pinned_arenas.plan_arenas), a fine-tune'
 optimizer state. Transfers: each parked block comes over in the forward and again in the
 backward (and a fine-tuned block's weights and state go home again); seconds per step from the
 FLOPs and the host link of a named GPU class (gpu_classes.py), marked estimated.
+Here: `plan_run` (the autos resolved in order, then the plan and its fixes) and the `Planner`, which
+builds and measures; the per-part sums are part_accounting.py's, the notes plan_notes.py's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from modules.config.method_configs import METHODS
 from modules.config.train_config import TrainConfig
 from modules.offload.host_tables import host_table_parts, table_lookups
 from modules.offload.layer_tensors import block_bytes, layer_tensors, tensor_bytes
-from modules.offload.schedule import bytes_in_flight, choose_parked
 from modules.plan.gpu_classes import gpu_class, step_seconds
+from modules.plan.part_accounting import PartPlan, account_parts
+from modules.plan.plan_notes import plan_notes
 from modules.quantization.base import QuantizedLinear
 
 # device types whose scaled_dot_product_attention runs a fused kernel (no L x L scores held):
 # CUDA's flash / memory-efficient ones (the trainer pins them, trainer/sdpa.py) and the CPU's flash
 FUSED_ATTENTION_DEVICES = ("cuda", "cpu")
-DEVICE_KEYS = ("weights", "trained", "gradients", "optimizer_state", "activations", "offload_window")
-
-
-@dataclass
-class PartPlan:
-    weight_dtype: str
-    offload_fraction: float
-    gradient_checkpointing: bool
-    train: bool
-    device: dict[str, int]
-    parked: int
-    blocks: int = 0
-    parked_blocks: int = 0
-
-    def as_dict(self) -> dict:
-        return {"weight_dtype": self.weight_dtype, "offload_fraction": self.offload_fraction,
-                "gradient_checkpointing": self.gradient_checkpointing, "train": self.train,
-                "device": {**self.device, "total": sum(self.device.values())}, "parked": self.parked,
-                "blocks": self.blocks, "parked_blocks": self.parked_blocks}
 
 
 @dataclass
@@ -193,14 +176,6 @@ def _tensors_outside_blocks(module, blocks, left_out=()) -> list[int]:
     in_blocks = {id(t.get()) for block in [*blocks, *left_out] for t in layer_tensors(block)}
     unique = {id(t.get()): t.get() for t in layer_tensors(module) if id(t.get()) not in in_blocks}
     return [tensor_bytes(tensor) for tensor in unique.values()]
-
-
-def host_bytes_at_load(config: TrainConfig, size: dict, fraction: float) -> int:
-    """What of a part the streamed load puts in host memory: all of it, but for an accelerator train
-    device the quantized layers of a part that parks nothing, which are quantized and stored on the
-    device as they load (the trainer's weight_modes.quantize_device, part_loading.quantized_home)."""
-    on_device = train_device_type(config) not in ("cpu", "meta") and fraction == 0
-    return size["bytes"] - (size["quantized_bytes"] if on_device else 0)
 
 
 class Planner:
@@ -353,170 +328,31 @@ class Planner:
         return self._steps[key]
 
     def plan(self, config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None) -> RunPlan:
-        from modules.optim.state_size import optimizer_state_bytes_per_parameter
-        from modules.plan.auto import offload_fractions
+        from modules.data.step_parts import idle_parts
 
         modes = self.weight_modes(config)
         sized = self.sizes(config, modes)
         family = sized["family"]
         trained = trained_kinds(config, family)
-        figures, adapter_params, adapter_bytes = self.step(config, modes, trained)
-        state_per_parameter = optimizer_state_bytes_per_parameter(config) if trained else 0.0
-        fused = bool(getattr(config.method, "fused_backward", False))
-        resting = set(family.resting_parts())  # only sampling runs them: on the host while training
-        from modules.data.step_parts import idle_parts
-
+        step = self.step(config, modes, trained)
+        figures = step[0]
+        in_step = text_in_step(config, family)
         # caching runs them, the step never does: as placed while caching and sampling, else on the host
-        idle = set(idle_parts(config, family, trained, not text_in_step(config, family)))
+        idle = set(idle_parts(config, family, trained, not in_step))
         tables = set(host_table_parts(config, family, trained))  # looked up on the host, never on the device
-        table_total, table_parts = 0, []
-        outside_step, idle_resident_tensors = 0, []
-        fractions = offload_fractions(config, sized["parts"], trained, state_per_parameter, vram, tuple(resting),
-                                      tuple(tables))
-        parts, parked_total, transfer, host_parked_tensors, loaded_on_host, parked_state = {}, 0, 0, [], 0, 0
-        for name, size in sized["parts"].items():
-            part_config = config.model.parts[name]
-            kind = trained.get(name)
-            fraction = 1.0 if name in resting else fractions[name]
-            loaded_on_host += host_bytes_at_load(config, size, fractions[name])
-            blocks = size["blocks"]
-            window = 1 + part_config.offload_prefetch
-            parked = choose_parked(blocks, fraction, window) if fraction > 0 and blocks else []
-            parked_bytes = sum(blocks[i] for i in parked)
-            in_flight = bytes_in_flight(blocks, parked, window) if parked else 0
-            device = dict.fromkeys(DEVICE_KEYS, 0)
-            table = size["table"] if name in tables else 0
-            table_total += table
-            table_parts += [name] if table else []
-            resident = size["bytes"] - parked_bytes - table
-            if name in resting:  # nothing of it on the train device during training
-                parked_bytes, in_flight, resident = size["bytes"], 0, 0
-                parked = list(range(len(blocks)))
-            if kind == "weights":
-                # the fine-tuned weights are what trains; their state parks with their block
-                trained_share = size["parameter_bytes"] / size["bytes"] if size["bytes"] else 0.0
-                device["trained"] = int(resident * trained_share)
-                device["weights"] = resident - device["trained"]
-                state = state_per_parameter * size["parameters"]
-                state_share = (size["bytes"] - parked_bytes) / size["bytes"] if size["bytes"] else 1.0
-                device["optimizer_state"] = int(state * state_share)
-                device["gradients"] = size["largest_parameter_bytes"] if fused else size["parameter_bytes"]
-                window_factor = 1.0 + (state / size["bytes"] if size["bytes"] else 0.0)
-                # the parked blocks' state waits on the host with them (offload/trained_tensors.py)
-                parked_state += int(state * (parked_bytes / size["bytes"] if size["bytes"] else 0.0))
-                device["offload_window"] = int(in_flight * window_factor)
-                transfer += 2 * parked_bytes * window_factor  # in for the forward; in and home for the backward
-            else:
-                device["weights"] = resident
-                device["offload_window"] = in_flight
-                if kind in ("adapter", "embedding"):
-                    device["trained"] = adapter_bytes.get(name, 0)
-                    device["gradients"] = adapter_bytes.get(name, 0)
-                    device["optimizer_state"] = int(state_per_parameter * adapter_params.get(name, 0))
-                # a part the step runs brings its parked blocks over in the forward and again for the
-                # backward; a text encoder in the step that nothing flows back through, in the forward only
-                # (with the text cache a frozen encoder is not in the step: the cache stands in for it)
-                if name in {family.denoiser_part, *trained}:
-                    transfer += 2 * parked_bytes
-                elif figures.text_counted and name in family.text_parts:
-                    transfer += parked_bytes
-            if name == family.denoiser_part:
-                device["activations"] = figures.activations
-            outside_step += sum(device[k] for k in ("weights", "trained", "optimizer_state", "offload_window"))
-            if name in idle:  # its resident tensors wait on the host in pinned home copies (its host table is home)
-                idle_resident_tensors += (size["tensors_beside_table"] if table else size["other_tensors"]) + [
-                    t for i, tensors in enumerate(size["block_tensors"]) if i not in set(parked) for t in tensors]
-                device = dict.fromkeys(DEVICE_KEYS, 0)
-            parked_total += parked_bytes
-            if parked and name not in resting:  # (a resting part is pinned only while samples are made)
-                host_parked_tensors += [t for i in parked for t in size["block_tensors"][i]]
-            parts[name] = PartPlan(modes[name], fraction, part_config.gradient_checkpointing is True,
-                                   bool(part_config.train), device, parked_bytes, len(blocks), len(parked))
-        from modules.offload.pinned_arenas import plan_arenas
-
-        pinned = plan_arenas(host_parked_tensors).pinned_bytes if host_parked_tensors else 0
-        idle_pinned = plan_arenas(idle_resident_tensors).pinned_bytes if idle_resident_tensors else 0
+        accounts = account_parts(config, sized, modes, trained, step, idle, tables, vram, train_device_type(config))
         gpu = gpu_class(gpu_class_name)
-        resting_bytes = sum(sized["parts"][name]["bytes"] for name in resting if name in sized["parts"])
-        # a resting part waits on the host as it is; the parked blocks in pinned arenas where the device
-        # pins, a fine-tune's with their optimizer state
-        host = {"load_peak": loaded_on_host,
-                "train_peak": (resting_bytes + max(parked_total - resting_bytes, pinned) + parked_state + idle_pinned
-                               + table_total),
-                "pinned": pinned + idle_pinned}
-        transfer_info = {"bytes_per_step": int(transfer), "seconds_per_step": step_seconds(figures.flops, transfer, gpu),
+        transfer_info = {"bytes_per_step": int(accounts.transfer),
+                         "seconds_per_step": step_seconds(figures.flops, accounts.transfer, gpu),
                          "gpu_class": gpu.name, "estimated": True}
-        # caching and sampling: every part as placed (the weights and windows summed above), with the
+        # caching and sampling: every part as placed (the weights and windows summed), with the
         # adapters and optimizer state, and the phase's own activations (phase_pass.py)
         phased = self.phases(config, modes)
-        phases = {name: outside_step + peak for name, peak in (("caching", phased.caching),
-                                                                ("sampling", phased.sampling)) if peak is not None}
-        largest = max(phases.values(), default=outside_step if idle else 0)
-        plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, parts, host, transfer_info, figures.flops,
-                       outside_step=largest, outside_step_phases=phases)
-        if idle:
-            plan.notes.append(f"not in the training step ({', '.join(n for n in config.model.parts if n in idle)}): "
-                              f"on the host while training, on the device as placed while caching and sampling "
-                              f"({outside_step / 2**30:.2f} GiB of weights then)")
-        if phases:
-            plan.notes.append("outside the training step: " + ", ".join(
-                f"{name} {peak / 2**30:.2f} GiB ({(peak - outside_step) / 2**30:.2f} of activations)"
-                for name, peak in phases.items()) + _sample_what(config, family))
-        plan.notes.extend(phased.notes)
-        if table_total:
-            plan.notes.append(f"token tables on the host ({', '.join(table_parts)}): "
-                              f"frozen, looked up there, the rows sent over ({table_total / 2**30:.2f} GiB off the "
-                              f"device)")
-        if sized["released"]:
-            from modules.config.families import get_family_class
-
-            folder = get_family_class(config.model.family).released_config_folder()
-            # a variant's own folders (FLUX.2 klein 9B's `*_klein_9b`) named, so the plan says which model it sized
-            variant_folders = sorted(Path(part.path).name for part in sized["config"].model.parts.values()
-                                     if part.path and Path(part.path).parent == folder)
-            also = f": {', '.join(variant_folders)}" if variant_folders else ""
-            plan.notes.append(f"planned on the released architecture (resources/model_configs/{folder.name}{also})")
-        from modules.plan.fake_pass import planned_frames
-
-        frames = planned_frames(config, family)
-        if frames > 1:
-            side = largest_resolution(config)
-            plan.notes.append(f"the step is planned on clips of {frames} frames at {side}x{side} (the longest video "
-                              "concept's video.frames)")
-        controls = self.controls(config)
-        if controls.count:
-            side = largest_resolution(config)
-            plan.notes.append(f"the step is planned with {controls.count} control image(s) per sample at {side}x{side} "
-                              f"({controls.source}): their tokens join the denoiser's sequence")
-            if family.text_sees_controls:
-                plan.notes.append("the text encoder sees the control images too: their image tokens lengthen the "
-                                  "conditioning the denoiser reads" + (
-                                      "; where the encoder runs in the step, its language model is planned over "
-                                      "as many tokens (the vision tower's pass, which no gradient keeps, is not)"
-                                      if text_in_step(config, family) else
-                                      "; the encoder itself is not in the step (its encodings of each caption "
-                                      "with its controls are cached)"))
-        if text_in_step(config, family):
-            plan.notes.append(f"the text encoders ({', '.join(family.text_parts)}) run in every step (the text is not "
-                              "cached: " + ("an embedding changes what a caption encodes to" if config.embeddings else
-                                            "a text encoder trains" if any(config.model.parts[p].train
-                                                                           for p in family.text_parts)
-                                            else "the captions vary") + ")" + (
-                "" if figures.text_counted else "; their activations are not counted: " + (
-                    "the family cannot plan its text encoder's pass over the control images "
-                    "(planning_tokens_with_controls)" if controls.count and family.text_sees_controls
-                    else "the family's text encoding cannot run on shapes alone (planning_tokens)")))
+        phases = {name: accounts.placed + peak for name, peak in (("caching", phased.caching),
+                                                                  ("sampling", phased.sampling)) if peak is not None}
+        largest = max(phases.values(), default=accounts.placed if idle else 0)
+        plan = RunPlan(config.model.family, {"vram": vram, "ram": ram}, accounts.parts, accounts.host, transfer_info,
+                       figures.flops, outside_step=largest, outside_step_phases=phases)
+        plan.notes = plan_notes(config, family, sized, accounts, phases, phased.notes, idle, largest_resolution(config),
+                                figures.text_counted, self.controls(config), in_step)
         return plan
-
-
-def _sample_what(config: TrainConfig, family) -> str:
-    """What the sampling phase is planned on (its largest prompt), for the notes."""
-    from modules.plan.phase_pass import guidance_batch, largest_prompt, sample_frames
-
-    prompt = largest_prompt(config, family)
-    if prompt is None:
-        return ""
-    frames = sample_frames(prompt, family)
-    return (f"; sampling planned at {prompt.width}x{prompt.height}" + (f", {frames} frames" if frames > 1 else "")
-            + (", the guidance batch of 2" if guidance_batch(prompt, family) == 2 else "")
-            + ", then the VAE decode")

@@ -4,7 +4,8 @@
 
 A part is tools/gpu_check/parts/NAME.py with `run(context) -> dict`: {"status": passed, failed or
 skipped, "reason": ..., "figures": {...}, "cases": [{"name", "status", "reason", "figures"}]}.
-A part whose run raises is failed, with the traceback's end as its error.
+A part whose run raises is failed, with the traceback's end as its error; a part of several cases
+runs each through `record_case`, so one case's failure or the part's budget ends only that case.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent.parent
+NO_TIME = "no time left in the part's budget"
+REASON_CHARS = 400  # of an exception's message in a failed case's reason
 
 
 @dataclass
@@ -46,6 +50,29 @@ class Context:
 
     def time_left(self, started: float) -> float:
         return self.budget_s - (time.monotonic() - started)
+
+
+def failed_case(error: BaseException) -> dict:
+    """A failed case's status and reason: what it raised."""
+    return {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:REASON_CHARS]}"}
+
+
+def record_case(context: Context, cases: list[dict], name: str, attempt: Callable[[], dict],
+                started: float | None = None, seconds_needed: float = 0.0) -> dict:
+    """Case `name` appended to `cases`: skipped where less than `seconds_needed` of the part's budget
+    (counted from `started`) is left, else `attempt()`'s result ({"status", "reason", "figures"}), or
+    failed with what it raised; then the cases so far are saved (Context.save_partial), so a part
+    stopped at its budget still reports them. Returns the case."""
+    if started is not None and context.time_left(started) < seconds_needed:
+        case = {"status": "skipped", "reason": NO_TIME}
+    else:
+        try:
+            case = attempt()
+        except Exception as error:  # noqa: BLE001  (one case's failure is its result)
+            case = failed_case(error)
+    cases.append({"name": name, **case})
+    context.save_partial(cases)
+    return cases[-1]
 
 
 def summary(cases: list[dict]) -> dict:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from functools import partial
 
+CASE_SECONDS = 20  # below this much of the part's budget left, a family is not started
 SETTINGS = {"data": {"resolution": 64}, "schedule": {"max_steps": 2, "sample_every": 2, "backup_every": 2},
             "tensorboard": False}
 
@@ -58,19 +60,11 @@ def run_family(family: str, context) -> dict:
 
 def run(context) -> dict:
     from modules.config.families import family_names
-    from tools.gpu_check.part import summary
+    from tools.gpu_check.part import record_case, summary
 
     os.environ["DIFFTRAINER_HOME"] = str(context.work / "home")  # no user preset shadows a built-in one
     started = time.monotonic()
     cases = []
     for family in ["sd15"] if context.dry else family_names():
-        if context.time_left(started) < 20:
-            cases.append({"name": family, "status": "skipped", "reason": "no time left in the part's budget"})
-            continue
-        try:
-            case = run_family(family, context)
-        except Exception as error:  # noqa: BLE001  (one family's failure is its case)
-            case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
-        cases.append({"name": family, **case})
-        context.save_partial(cases)
+        record_case(context, cases, family, partial(run_family, family, context), started, CASE_SECONDS)
     return {**summary(cases), "cases": cases}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 
 TOLERANCE = 0.10
 STEPS = 3
@@ -126,7 +127,7 @@ def prepare_family(family: str, context):
 def run(context) -> dict:
     import os
 
-    from tools.gpu_check.part import summary
+    from tools.gpu_check.part import NO_TIME, failed_case, record_case, summary
 
     if not context.dry and context.device.type != "cuda":
         return {"status": "skipped", "reason": "no CUDA device"}
@@ -136,22 +137,14 @@ def run(context) -> dict:
     for family in ["sdxl"] if context.dry else ["sdxl", "flux"]:
         names = [f"{family} offload {fraction}" for fraction in (0.0, 0.5)]
         if context.time_left(started) < 2 * CASE_SECONDS:
-            cases += [{"name": name, "status": "skipped", "reason": "no time left in the part's budget"} for name in names]
+            cases += [{"name": name, "status": "skipped", "reason": NO_TIME} for name in names]
             continue
         try:
             model, images = prepare_family(family, context)
         except Exception as error:  # noqa: BLE001  (one family's failure is its cases')
-            cases += [{"name": name, "status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
-                      for name in names]
+            cases += [{"name": name, **failed_case(error)} for name in names]
             continue
         for name, fraction in zip(names, (0.0, 0.5)):
-            if context.time_left(started) < CASE_SECONDS:
-                cases.append({"name": name, "status": "skipped", "reason": "no time left in the part's budget"})
-                continue
-            try:
-                case = run_case(family, model, images, fraction, planners, context)
-            except Exception as error:  # noqa: BLE001  (one case's failure is its result)
-                case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
-            cases.append({"name": name, **case})
-            context.save_partial(cases)
+            record_case(context, cases, name, partial(run_case, family, model, images, fraction, planners, context),
+                        started, CASE_SECONDS)
     return {**summary(cases), "cases": cases}

@@ -150,7 +150,7 @@ def measure(build, context, steps: int, prepare=None) -> dict:
 
 
 def run(context) -> dict:
-    from tools.gpu_check.part import summary
+    from tools.gpu_check.part import record_case, summary
 
     if not context.dry and context.device.type != "cuda":
         return {"status": "skipped", "reason": "no CUDA device"}
@@ -163,10 +163,6 @@ def run(context) -> dict:
         if prepare is quantize_nf4 and not nf4.works:
             cases.append({"name": name, "status": "skipped", "reason": f"nf4: {nf4.why}"})
             continue
-        try:
-            figures = measure(build, context, 2 if context.dry else 4, prepare)
-            cases.append({"name": name, "status": "passed", "figures": figures})
-        except Exception as error:  # noqa: BLE001  (one model's failure is its case)
-            cases.append({"name": name, "status": "failed", "reason": f"{type(error).__name__}: {str(error)[:400]}"})
-        context.save_partial(cases)
+        record_case(context, cases, name, lambda build=build, prepare=prepare: {
+            "status": "passed", "figures": measure(build, context, 2 if context.dry else 4, prepare)})
     return {**summary(cases), "cases": cases}

@@ -6,10 +6,12 @@ A mode this device cannot run is skipped with the probe's reason. The dry run: f
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
 STEPS = 4
+CASE_SECONDS = 8  # below this much of the part's budget left, a case is not started
 
 
 def run_case(model, images, mode: str, fraction: float, context, clock_cls) -> dict:
@@ -48,7 +50,7 @@ def run(context) -> dict:
     from modules.data.synthetic_images import write_shape_images
     from modules.model.sdxl import SDXLFamily
     from modules.quantization.capabilities import detect_capabilities, mode_support
-    from tools.gpu_check.part import summary
+    from tools.gpu_check.part import record_case, summary
     from tools.gpu_check.parts.measure import StepClock
 
     started = time.monotonic()
@@ -64,15 +66,8 @@ def run(context) -> dict:
             if not support[mode].works:
                 cases.append({"name": name, "status": "skipped", "reason": support[mode].why})
                 continue
-            if context.time_left(started) < 8:
-                cases.append({"name": name, "status": "skipped", "reason": "no time left in the part's budget"})
-                continue
-            try:
-                case = run_case(model, images, mode, fraction, context, StepClock)
-            except Exception as error:  # noqa: BLE001  (one mode's failure is its case)
-                case = {"status": "failed", "reason": f"{type(error).__name__}: {str(error)[:300]}"}
-            cases.append({"name": name, **case})
-            context.save_partial(cases)
+            record_case(context, cases, name, partial(run_case, model, images, mode, fraction, context, StepClock),
+                        started, CASE_SECONDS)
             if context.device.type == "cuda":
                 torch.cuda.empty_cache()
     return {**summary(cases), "cases": cases}
