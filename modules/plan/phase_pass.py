@@ -176,7 +176,7 @@ def _batched(tensor: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _peak(run, known, meta: MetaOpCache, attention) -> int:
     """The most new bytes `run()` holds on the train device at once (meta tensors), without grad."""
-    live = LiveBytes(TRAIN, meta.run)
+    live = LiveBytes(TRAIN, meta.run, flops=False)  # (no phase's FLOPs are planned)
     live.known(known)
     with torch.no_grad(), live, attention():
         run()
@@ -201,7 +201,7 @@ def _text_peak(family, tokens: dict, known, meta: MetaOpCache, fake: FakeTensorM
             module._plan_fake = True
     for module in parts:
         _place(module, fake)
-    live = LiveBytes(TRAIN)
+    live = LiveBytes(TRAIN, flops=False)
     with fake:
         live.known(_with_tensors(known, parts) + list(tokens.values()))
         with torch.no_grad(), live, attention():
