@@ -20,6 +20,11 @@ after the compute that made the input; the recomputation's stream waits on its e
 copying it back. Elsewhere copies are plain synchronous ones. Under torch.compile (regional
 compile traces the checkpoint) the function must be free of side effects, so there the forward
 brings the copies back too, as autograd-followed copies.
+
+`temp_copy(tensor, temp_device)`, where given, makes each synchronous copy instead of
+`tensor.to(temp_device)`: the planner's pass on meta tensors (which cannot go to the CPU) makes there
+a meta tensor that stands for the copy and that it does not count on the train device
+(modules/plan/live_bytes.py `LiveBytes.copy_elsewhere`); everything else is this same path.
 """
 
 from __future__ import annotations
@@ -48,7 +53,8 @@ class _Parked:
         """`copy`: this one's copy as the checkpoint hands it back."""
         if self.ready is not None:
             torch.cuda.current_stream(self.home).wait_event(self.ready)
-        back = copy.to(self.home, non_blocking=self.ready is not None)
+        # (copy=True: a new tensor at home even where a stand-in copy sits on that device, as in the plan)
+        back = copy.to(self.home, non_blocking=self.ready is not None, copy=True)
         # as in the forward: an input that needs no grad makes its ops save fewer tensors, and the
         # checkpoint refuses a recomputation that saves a different number
         return back.requires_grad_(self.grad)
@@ -68,22 +74,30 @@ def _copy_async_to_pinned(tensor: torch.Tensor) -> _Parked:
     return _Parked(copy, tensor, ready)
 
 
-def _park(tensor: torch.Tensor, offload_to: torch.device) -> _Parked:
+TempCopy = Callable[[torch.Tensor, torch.device], torch.Tensor]
+
+
+def _copied_to(tensor: torch.Tensor, offload_to: torch.device) -> torch.Tensor:
+    return tensor.to(offload_to)
+
+
+def _park(tensor: torch.Tensor, offload_to: torch.device, temp_copy: TempCopy | None) -> _Parked:
     known = _copies.get(tensor)
     if known is not None and known[0] == tensor._version:
         return known[1]
-    if tensor.device.type == "cuda" and offload_to.type == "cpu":
+    if temp_copy is None and tensor.device.type == "cuda" and offload_to.type == "cpu":
         parked = _copy_async_to_pinned(tensor)
     else:
-        parked = _Parked(tensor.detach().to(offload_to), tensor, None)
+        parked = _Parked((temp_copy or _copied_to)(tensor.detach(), offload_to), tensor, None)
     _copies[tensor] = (tensor._version, parked)
     return parked
 
 
-def checkpointed_call(function: Callable, *args, offload_to: torch.device | None = None, **kwargs):
+def checkpointed_call(function: Callable, *args, offload_to: torch.device | None = None,
+                      temp_copy: TempCopy | None = None, **kwargs):
     """`function(*args, **kwargs)` under non-reentrant checkpointing; with `offload_to`, the tensors
     the checkpoint keeps (the block's inputs, wherever in args and kwargs) wait there and come back
-    for the recomputation."""
+    for the recomputation (each copy made by `temp_copy` where given: the module's docstring)."""
     leaves, layout = tree_flatten((args, kwargs))
     moved = [offload_to is not None and isinstance(v, torch.Tensor) and v.device != offload_to for v in leaves]
     # a tensor on the train device among the checkpoint's positional inputs, the only ones it reads
@@ -98,7 +112,7 @@ def checkpointed_call(function: Callable, *args, offload_to: torch.device | None
         return torch.utils.checkpoint.checkpoint(run, marker, *leaves, use_reentrant=False)
     if torch.compiler.is_compiling():
         return _traced_offloaded_call(function, leaves, layout, moved, marker, offload_to)
-    parked = [_park(v, offload_to) if m else v for v, m in zip(leaves, moved)]
+    parked = [_park(v, offload_to, temp_copy) if m else v for v, m in zip(leaves, moved)]
     # the forward gets the originals (handed over once, so nothing here keeps them alive after it)
     first_call = [leaves]
 
@@ -128,14 +142,16 @@ def _traced_offloaded_call(function, leaves, layout, moved, marker, offload_to):
     return torch.utils.checkpoint.checkpoint(run, marker, *held, use_reentrant=False)
 
 
-def checkpoint_blocks_(blocks: list[nn.Module], offload_to: torch.device | None = None) -> None:
-    """Make each block recompute its forward in the backward pass (when grad is enabled)."""
+def checkpoint_blocks_(blocks: list[nn.Module], offload_to: torch.device | None = None,
+                       temp_copy: TempCopy | None = None) -> None:
+    """Make each block recompute its forward in the backward pass (when grad is enabled); with
+    `offload_to`, its inputs wait there (copied by `temp_copy` where given: the module's docstring)."""
     for block in blocks:
         original = block.forward  # the bound forward; calling it skips the wrapper below
 
         def forward(*args, _original=original, **kwargs):
             if torch.is_grad_enabled():
-                return checkpointed_call(_original, *args, offload_to=offload_to, **kwargs)
+                return checkpointed_call(_original, *args, offload_to=offload_to, temp_copy=temp_copy, **kwargs)
             return _original(*args, **kwargs)
 
         block.forward = forward

@@ -4,12 +4,15 @@ weights, and its FLOPs.
 The step runs on the parts' meta architecture itself (meta tensors: shapes and dtypes, no memory,
 no compute; each op's meta kernel run once per shape, meta_ops.py), with the project's own
 gradient checkpointing and activation offloading (modules/offload/checkpointing.py) and the real
-adapters (or, in a fine-tune, the part's weights requiring grad). Where activation offloading
-sends a part's block inputs to the temp device (`cpu`, where no meta tensor can go), the parts
-are made fake copies instead (FakeTensorMode: tensors without data on any device). Under that
-mode the same meta kernels compute each op's output, so both passes count the same storages
-(tests/test_plan_meta_pass.py); the fake mode's bookkeeping only makes the pass slower (the
-step of `Flux LoRA 24GB`, 1024 px: 15 s of CPU instead of 3). Then the family's own `predict` runs on
+adapters (or, in a fine-tune, the part's weights requiring grad). Activation offloading sends a
+part's block inputs to the temp device (`cpu`), where no meta tensor can go: its copy there is made
+on meta by LiveBytes itself and not counted (`copy_elsewhere`, handed to the checkpointing as its
+`temp_copy`), the copy back counted as any new storage, as the same path does with tensors on real
+devices. `fake=True` runs the step on fake tensors instead (FakeTensorMode: tensors without data
+on any device, the copies truly on the CPU); under that mode the same meta kernels compute each op's
+output, so both passes count the same storages (tests/test_plan_meta_pass.py); the fake mode's
+bookkeeping only makes the pass slower (the step of `Flux LoRA 24GB`, 1024 px: 15 s of CPU instead
+of 3). Then the family's own `predict` runs on
 latents from its own `encode_images`, an edit model's control latents (as many per sample as
 controls.py plans, from the same `encode_images` at the target's size, as the data pipeline hands
 them over in `control_latents`) and the conditioning its `planning_conditioning_with_controls`
@@ -96,13 +99,13 @@ def _to_train_device(module: torch.nn.Module, mode: TorchDispatchMode) -> None:
 def measure_step(family, config, trained: dict[str, str], batch: int, resolution: int,
                  checkpointing: dict[str, bool], activation_offloading: dict[str, bool],
                  adapter_set_builder=None, fused_attention: bool = True, controls: int = 0,
-                 fake: bool | None = None, text_in_step: bool = False,
+                 fake: bool = False, text_in_step: bool = False,
                  embedding_rows: dict[str, int] | None = None) -> StepFigures:
     """trained: part -> "adapter", "weights" or "embedding" for the parts the step trains. fused_attention:
     the train device runs attention in a fused kernel (CUDA's flash / memory-efficient, the CPU's flash
     kernel), so the pass does too; else torch's math path, as on devices without one. controls: the
     control images each sample carries (an edit model's: controls.planned_controls). fake: run on
-    fake tensors (None: only where activation offloading sends tensors to the temp device).
+    fake tensors (the slower pass the meta one is checked against) instead of meta ones.
     text_in_step: the text encoders run in the step (no text cache); embedding_rows: text part -> the
     trained embeddings' new vectors its token table looks up."""
     from modules.util.torch_utils import make_generator
@@ -112,9 +115,11 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
         if text_in_step else None
     runs = {denoiser, *trained, *(family.text_parts if tokens is not None else ())}
     checkpointed = [part for part in runs if checkpointing.get(part) and family.checkpoint_blocks(part)]
-    if fake is None:
-        fake = any(activation_offloading.get(part) for part in checkpointed)
     mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else MetaOpCache()
+    # on meta, LiveBytes runs each op through the cache itself (so the cache is no mode of its own here)
+    live = LiveBytes(TRAIN, None if fake else mode.run)
+    # (fake tensors go to the CPU themselves; meta ones leave the train device through LiveBytes)
+    temp_copy = None if fake else live.copy_elsewhere
     if fake and tokens is not None:  # the mode's own tensors, as the latents are: a meta input would be
         # converted to a fake copy at each use, so a view of it (a mask's slice) counted its storage as new
         tokens = {name: mode.from_tensor(ids) for name, ids in tokens.items()}
@@ -124,11 +129,10 @@ def measure_step(family, config, trained: dict[str, str], batch: int, resolution
     for part in runs:
         _to_train_device(family.parts[part], mode)
         if part in checkpointed:
-            checkpoint_blocks_(family.checkpoint_blocks(part), TEMP if activation_offloading.get(part) else None)
+            checkpoint_blocks_(family.checkpoint_blocks(part), TEMP if activation_offloading.get(part) else None,
+                               temp_copy)
         # as the trainer: what trains in train mode (an embedding's encoder too: T5's dropout), the rest as loaded
         family.parts[part].train(part == denoiser or part in trained)
-    # on meta, LiveBytes runs each op through the cache itself (so the cache is no mode of its own here)
-    live = LiveBytes(TRAIN, None if fake else mode.run)
     held = []
     # (on meta, transformers' mask helpers take the branch they take for fake tensors: traced_meta.py)
     with mode if fake else meta_tensors_traced():

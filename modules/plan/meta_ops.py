@@ -51,9 +51,8 @@ class MetaOpCache(TorchDispatchMode):
     def run(self, func, args, kwargs):
         if func is _VALUE_READ and args[0].is_meta:  # (a CPU tensor's value is there to read)
             raise MetaValueRead(_value_read_message(args[0]))
-        try:
-            key = (func, _key(args), tuple(kwargs), _key(kwargs.values()))
-        except _Uncacheable:
+        key = op_key(func, args, kwargs)
+        if key is None:
             return func(*args, **kwargs)
         note = self._notes.get(key)
         if note is None:
@@ -64,6 +63,15 @@ class MetaOpCache(TorchDispatchMode):
             return func(*args, **kwargs)
         self.hits += 1
         return _replica(note)
+
+
+def op_key(func, args, kwargs) -> tuple | None:
+    """All that an op's meta kernel reads from its call (so all that its outputs' metadata, and its
+    FLOPs, follow from); None where that is not known from the metadata alone (a tensor off meta)."""
+    try:
+        return func, _key(args), tuple(kwargs), _key(kwargs.values())
+    except _Uncacheable:
+        return None
 
 
 def _key(values) -> tuple:

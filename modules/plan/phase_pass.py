@@ -71,51 +71,141 @@ def cache_batch(config) -> int:
     return ENCODE_BATCH * (2 if config.data.flip else 1)
 
 
-def measure_phases(family, config, resolution: int, frames: int, cache_latents: bool, cache_text: bool,
-                   fused_attention: bool = True) -> PhaseFigures:
-    """The activation peaks of caching (`cache_latents`/`cache_text`: which caches the run fills, at
-    `resolution` and `frames`) and of sampling `config`'s largest prompt, on `family`'s meta parts
-    (a fresh architecture: the passes place its tensors)."""
-    notes = []
-    meta = MetaOpCache()
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    attention = efficient_attention if fused_attention else contextlib.nullcontext
-    for module in family.parts.values():
-        module.eval()
-    vae = _decoding_part(family)
-    image_modules = [family.parts[p] for p in family.image_parts]
-    for module in image_modules + [family.parts[family.denoiser_part]]:
-        _place(module, meta)
-    known = [t for m in family.parts.values() for t in (*m.parameters(), *m.buffers())]
+class PhasePasses:
+    """The caching and sampling passes on `family`'s meta parts (a fresh architecture: the passes place
+    its tensors), each run once: the plans of one config with sampling's VAE tiling on and off
+    (`auto`, resolved last: auto.resolve_auto_vae_tiling) share the caching phase, the prompt's text
+    encoding and, where the VAE does not run in it, the denoiser's pass; only what tiling changes
+    runs again. `cache_latents`/`cache_text`: which caches the run fills, at `resolution` and `frames`."""
 
-    caching = None
-    if cache_latents:
-        from modules.data.cache_build import one_image_per_encoder_call
+    def __init__(self, family, config, resolution: int, frames: int, cache_latents: bool, cache_text: bool,
+                 fused_attention: bool = True):
+        self.family, self.config = family, config
+        self.meta = MetaOpCache()
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        self.attention = efficient_attention if fused_attention else contextlib.nullcontext
+        for module in family.parts.values():
+            module.eval()
+        self.vae = _decoding_part(family)
+        image_modules = [family.parts[p] for p in family.image_parts]
+        for module in image_modules + [family.parts[family.denoiser_part]]:
+            _place(module, self.meta)
+        self.known = [t for m in family.parts.values() for t in (*m.parameters(), *m.buffers())]
+        self.caching, self.notes, self.tokens = self._caching(config, resolution, frames, cache_latents, cache_text)
+        self.cached_text = cache_text and self.tokens is not None
+        self._sampling: dict[bool, tuple[int, list[str]]] = {}
+        self._prompt_passes = None  # what of the sample tiling does not change (_PromptPasses)
 
-        def encode():
-            batch = cache_batch(config)
-            pixels = torch.empty(batch, 3, *((frames,) if frames > 1 else ()), resolution, resolution, device=TRAIN)
-            family.encode_images(pixels).float()
-            family.encode_pixel_conditioning(pixels)
-        with one_image_per_encoder_call(family):  # as the cache build encodes (one image per VAE call)
-            caching = _peak(encode, known, meta, attention)
-    tokens = None
-    if cache_text:
-        from modules.data.cache_build import ENCODE_BATCH
+    def _caching(self, config, resolution, frames, cache_latents, cache_text):
+        family, notes, caching = self.family, [], None
+        if cache_latents:
+            from modules.data.cache_build import one_image_per_encoder_call
 
-        tokens = family.planning_tokens(ENCODE_BATCH, TRAIN)
-        if tokens is None:
-            notes.append("caching: the text encoders' activations are not planned (the family's text encoding "
-                         "cannot run on shapes alone: planning_tokens)")
+            def encode():
+                batch = cache_batch(config)
+                pixels = torch.empty(batch, 3, *((frames,) if frames > 1 else ()), resolution, resolution, device=TRAIN)
+                family.encode_images(pixels).float()
+                family.encode_pixel_conditioning(pixels)
+            with one_image_per_encoder_call(family):  # as the cache build encodes (one image per VAE call)
+                caching = _peak(encode, self.known, self.meta, self.attention)
+        tokens = None
+        if cache_text:
+            from modules.data.cache_build import ENCODE_BATCH
+
+            tokens = family.planning_tokens(ENCODE_BATCH, TRAIN)
+            if tokens is None:
+                notes.append("caching: the text encoders' activations are not planned (the family's text encoding "
+                             "cannot run on shapes alone: planning_tokens)")
+            else:
+                caching = max(caching or 0, _text_peak(family, tokens, self.known, self.meta, self.fake,
+                                                       self.attention))
+        return caching, notes, tokens
+
+    def figures(self, tiled: bool) -> PhaseFigures:
+        """The phases' peaks with the sample decoded tiled (`tiled`) or whole."""
+        prompt = largest_prompt(self.config, self.family)
+        if prompt is None:
+            return PhaseFigures(self.caching, None, tuple(self.notes))
+        if tiled not in self._sampling:
+            notes = []
+            self._sampling[tiled] = (self._sampling_peak(prompt, notes, tiled), notes)
+        sampling, notes = self._sampling[tiled]
+        return PhaseFigures(self.caching, sampling, tuple(self.notes + notes))
+
+    def _sampling_peak(self, prompt, notes, tiled: bool) -> int:
+        from modules.sampling.vae_tiling import supports_tiling, tiled_decoding
+
+        vae, meta, attention = self.vae, self.meta, self.attention
+        if self._prompt_passes is None:
+            self._prompt_passes = _PromptPasses(self, prompt)
+        passes = self._prompt_passes
+        peaks = list(passes.text_peaks)
+        if tiled in passes.denoise:
+            peaks.append(passes.denoise[tiled])
         else:
-            caching = max(caching or 0, _text_peak(family, tokens, known, meta, fake, attention))
+            with tiled_decoding([vae] if vae is not None else [], tiled), _runs(vae) as vae_ran:
+                # (the sampler's switch holds for the whole pipeline: its own VAE encodes, an
+                # image-to-video prompt's image or control images, tile too)
+                peak = _peak(passes.denoise_pass, self.known + passes.inputs, meta, attention)
+            peaks.append(peak)
+            # where the VAE did not run in it, tiling changes nothing there: the other tiling's too
+            passes.denoise.update({tiled: peak} if vae_ran else {True: peak, False: peak})
+        if vae is None or passes.decoded is None:
+            notes.append("sampling: the VAE decode is not planned (no image part with encode and decode)")
+        else:
+            z = passes.decoded
+            if tiled and not supports_tiling(vae):
+                notes.append(f"sampling: {type(vae).__name__} has no tiled decode: vae_tiling decodes it whole")
 
-    prompt = largest_prompt(config, family)
-    sampling = None
-    if prompt is not None:
-        sampling = _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes,
-                                  cache_text and tokens is not None, planned_tiling(config))
-    return PhaseFigures(caching, sampling, tuple(notes))
+            def decode():
+                with tiled_decoding([vae], tiled):  # the sampler's own switch (modules/sampling/vae_tiling.py)
+                    vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False)
+            peaks.append(_peak(decode, self.known, meta, attention))
+        return max(peaks)
+
+
+class _PromptPasses:
+    """Of the sample prompt's passes, what tiling does not change: its latents' shapes, its text
+    encoding's peak, the denoiser's pass (run by PhasePasses, under each tiling where the VAE runs in it)."""
+
+    def __init__(self, passes: PhasePasses, prompt):
+        family, meta = passes.family, passes.meta
+        frames = sample_frames(prompt, family)
+        batch = guidance_batch(prompt, family)
+        controls = min(len(prompt.control_images), family.control_images)
+        pixels = torch.empty(1, 3, *((frames,) if frames > 1 else ()), prompt.height, prompt.width, device=TRAIN)
+        with meta, torch.no_grad(), _first_encoding(passes.vae) as encoded:  # the shapes, uncounted
+            latents = family.encode_images(pixels)
+            conditioning = family.encode_pixel_conditioning(pixels)
+        self.decoded = encoded[0] if encoded else None
+        self.text_peaks = []
+        tokens = None if passes.cached_text else family.planning_tokens(1, TRAIN)
+        if tokens is not None:  # the prompt's own encoding (a negative one is a second call of the same size);
+            # where caching encodes captions, at its larger batch on the same weights, that phase holds more
+            self.text_peaks.append(_text_peak(family, tokens, passes.known, meta, passes.fake, passes.attention))
+        self.inputs = [latents, *conditioning.values()]
+        self.denoise: dict[bool, int] = {}  # tiled -> the denoiser pass's peak
+
+        def denoise():
+            from modules.util.torch_utils import make_generator
+
+            if conditioning:  # a pipeline's own encoding of the prompt's image (image-to-video)
+                family.encode_pixel_conditioning(torch.empty_like(pixels))
+            text = {**family.planning_conditioning_with_controls(batch, TRAIN, controls, prompt.width, prompt.height),
+                    **{k: _batched(v, batch) for k, v in conditioning.items()}}
+            if controls:  # the control images' latents, encoded at the sample's size
+                control_pixels = torch.empty(controls, 3, prompt.height, prompt.width, device=TRAIN)
+                text["control_latents"] = _batched(family.encode_images(control_pixels).float().unsqueeze(0), batch)
+            family.predict(_batched(latents, batch), text, make_generator("cpu", 0))
+        self.denoise_pass = denoise
+
+
+def measure_phases(family, config, resolution: int, frames: int, cache_latents: bool, cache_text: bool,
+                   fused_attention: bool = True, tiled: bool | None = None) -> PhaseFigures:
+    """The activation peaks of caching and of sampling `config`'s largest prompt (PhasePasses), with
+    the decode tiled as `tiled` says (None: as the config plans it, planned_tiling)."""
+    passes = PhasePasses(family, config, resolution, frames, cache_latents, cache_text, fused_attention)
+    return passes.figures(planned_tiling(config) if tiled is None else tiled)
 
 
 def planned_tiling(config) -> bool:
@@ -125,58 +215,13 @@ def planned_tiling(config) -> bool:
     return config.sampling.vae_tiling is not False
 
 
-def _sampling_peak(family, prompt, known, meta, fake, attention, vae, notes, cached_text: bool,
-                   tiled: bool) -> int:
-    from modules.sampling.vae_tiling import supports_tiling, tiled_decoding
-    from modules.util.torch_utils import make_generator
-
-    frames = sample_frames(prompt, family)
-    batch = guidance_batch(prompt, family)
-    controls = min(len(prompt.control_images), family.control_images)
-    pixels = torch.empty(1, 3, *((frames,) if frames > 1 else ()), prompt.height, prompt.width, device=TRAIN)
-    with meta, torch.no_grad(), _first_encoding(vae) as encoded:  # the shapes, uncounted
-        latents = family.encode_images(pixels)
-        conditioning = family.encode_pixel_conditioning(pixels)
-    peaks = []
-    tokens = None if cached_text else family.planning_tokens(1, TRAIN)
-    if tokens is not None:  # the prompt's own encoding (a negative one is a second call of the same size);
-        # where caching encodes captions, at its larger batch on the same weights, that phase holds more
-        peaks.append(_text_peak(family, tokens, known, meta, fake, attention))
-
-    def denoise():
-        if conditioning:  # a pipeline's own encoding of the prompt's image (image-to-video)
-            family.encode_pixel_conditioning(torch.empty_like(pixels))
-        text = {**family.planning_conditioning_with_controls(batch, TRAIN, controls, prompt.width, prompt.height),
-                **{k: _batched(v, batch) for k, v in conditioning.items()}}
-        if controls:  # the control images' latents, encoded at the sample's size
-            control_pixels = torch.empty(controls, 3, prompt.height, prompt.width, device=TRAIN)
-            text["control_latents"] = _batched(family.encode_images(control_pixels).float().unsqueeze(0), batch)
-        family.predict(_batched(latents, batch), text, make_generator("cpu", 0))
-
-    with tiled_decoding([vae] if vae is not None else [], tiled):  # the sampler's switch holds for the whole
-        # pipeline: its own VAE encodes (an image-to-video prompt's image, control images) tile too
-        peaks.append(_peak(denoise, known + [latents, *conditioning.values()], meta, attention))
-    if vae is None or not encoded:
-        notes.append("sampling: the VAE decode is not planned (no image part with encode and decode)")
-    else:
-        z = encoded[0]
-        if tiled and not supports_tiling(vae):
-            notes.append(f"sampling: {type(vae).__name__} has no tiled decode: vae_tiling decodes it whole")
-
-        def decode():
-            with tiled_decoding([vae], tiled):  # the sampler's own switch (modules/sampling/vae_tiling.py)
-                vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False)
-        peaks.append(_peak(decode, known, meta, attention))
-    return max(peaks)
-
-
 def _batched(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.empty((batch, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
 def _peak(run, known, meta: MetaOpCache, attention) -> int:
     """The most new bytes `run()` holds on the train device at once (meta tensors), without grad."""
-    live = LiveBytes(TRAIN, meta.run)
+    live = LiveBytes(TRAIN, meta.run, flops=False)  # (no phase's FLOPs are planned)
     live.known(known)
     with torch.no_grad(), live, attention():
         run()
@@ -201,7 +246,7 @@ def _text_peak(family, tokens: dict, known, meta: MetaOpCache, fake: FakeTensorM
             module._plan_fake = True
     for module in parts:
         _place(module, fake)
-    live = LiveBytes(TRAIN)
+    live = LiveBytes(TRAIN, flops=False)
     with fake:
         live.known(_with_tensors(known, parts) + list(tokens.values()))
         with torch.no_grad(), live, attention():
@@ -229,6 +274,22 @@ def _decoding_part(family):
         if callable(getattr(module, "encode", None)) and callable(getattr(module, "decode", None)):
             return module
     return None
+
+
+@contextlib.contextmanager
+def _runs(vae):
+    """A list inside the block that is not empty once any of `vae`'s modules has run (its encoder or
+    decoder: diffusers' encode and decode, tiled or whole, compute only through them)."""
+    ran: list[bool] = []
+    if vae is None:
+        yield ran
+        return
+    hooks = [module.register_forward_pre_hook(lambda *_: ran.append(True)) for module in vae.children()]
+    try:
+        yield ran
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @contextlib.contextmanager

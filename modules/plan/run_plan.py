@@ -309,7 +309,7 @@ class Planner:
     def phases(self, config: TrainConfig, modes: dict[str, str]):
         """The activation peaks of caching and sampling (phase_pass.py), once per what shapes them."""
         from modules.plan.fake_pass import planned_frames
-        from modules.plan.phase_pass import measure_phases, planned_tiling
+        from modules.plan.phase_pass import PhasePasses, planned_tiling
 
         family = self.sizes(config, modes)["family"]
         from modules.quantization.weight_modes import DENSE_DTYPES
@@ -319,13 +319,15 @@ class Planner:
         cache_text = not text_in_step(config, family)
         key = ("phases", computes, largest_resolution(config), planned_frames(config, family),
                config.data.flip, config.data.cache_latents, cache_text, train_device_type(config),
-               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled), planned_tiling(config))
+               tuple(p.model_dump_json() for p in config.sampling.prompts if p.enabled))
+        # (the sample decode's tiling is not in the key: one config's plans tiled and whole share the
+        # passes it does not change, PhasePasses)
         if key not in self._steps:
             planned = self._architecture(config, modes)  # (a fresh one: the passes place its tensors)
-            self._steps[key] = measure_phases(
+            self._steps[key] = PhasePasses(
                 planned.family, config, largest_resolution(config), planned_frames(config, planned.family),
                 config.data.cache_latents, cache_text, train_device_type(config) in FUSED_ATTENTION_DEVICES)
-        return self._steps[key]
+        return self._steps[key].figures(planned_tiling(config))
 
     def plan(self, config: TrainConfig, vram: int | None, ram: int | None, gpu_class_name: str | None) -> RunPlan:
         from modules.data.step_parts import idle_parts
