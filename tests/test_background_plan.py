@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from conftest import train_config
 from modules.trainer.callbacks import TrainCallbacks
 
@@ -19,6 +21,9 @@ def plan_run(*args, **kwargs):
 
 run_plan.plan_run = plan_run
 '''
+
+
+pytestmark = pytest.mark.background_plan
 
 
 class Recorder(TrainCallbacks):

@@ -126,6 +126,7 @@ def test_the_line_says_what_was_measured(measured, line):
     assert describe_memory({"step": 2, "measured": measured}) == f"memory after step 2: {line}"
 
 
+@pytest.mark.background_plan
 def test_a_device_that_surely_fits_reports_the_plan_made_beside_the_load(fake_device, tiny_model, shape_images,
                                                                          tmp_path, monkeypatch):
     import torch

@@ -45,7 +45,8 @@ from modules.trainer.first_step_guard import FirstStepGuard
 from modules.trainer.guards import TrainingError, check_finite
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer import outputs
-from modules.trainer.background_plan import BackgroundPlan, start_background_plan
+from modules.trainer import background_plan
+from modules.trainer.background_plan import BackgroundPlan
 from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.planned_autos import resolve_planned_autos
@@ -129,7 +130,7 @@ class GenericTrainer:
         if config.backup.resume:
             check_resume_early(self)
         if self.ranks.main:  # where preflight skipped the plan (the device surely fits): made beside the load
-            self.background_plan = start_background_plan(config, self.device, self.plan is not None)
+            self.background_plan = background_plan.start_background_plan(config, self.device, self.plan is not None)
         self.callbacks.on_status("loading model")
         self.rss_before_load = process_memory().get("rss")  # the plan's host figures are growth over this
         if self.ranks.main:
