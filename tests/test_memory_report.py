@@ -147,3 +147,12 @@ def test_a_device_that_surely_fits_reports_the_plan_made_beside_the_load(fake_de
     planned = report["planned"]
     assert abs(planned["device_peak"] / report["measured"]["device_peak_allocated"] - 1) <= 0.10
     assert planned["host_load_peak"] > 0
+
+
+def test_the_line_says_why_a_plan_made_beside_the_run_is_missing():
+    from modules.trainer.memory_report import describe_memory
+
+    report = {"step": 2, "measured": {"device": "cpu", "host_peak_rss": 2**30},
+              "unplanned": "the plan made beside the run was not ready after 40 s"}
+    assert describe_memory(report) == ("memory after step 2: host peak 1.00 GiB resident; "
+                                       "no plan: the plan made beside the run was not ready after 40 s")

@@ -154,7 +154,7 @@ def _plan_in_child() -> None:
     threading.Thread(target=_exit_when_parent_goes, daemon=True).start()
     try:
         os.nice(10)  # behind the training process's own threads (loading, data) on a busy host
-    except OSError:
+    except (OSError, AttributeError):  # (no os.nice on Windows: the child plans at the parent's priority)
         pass
     torch.set_num_threads(1)  # the plan runs on meta and fake tensors: nothing for a thread pool
     try:
