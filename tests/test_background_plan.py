@@ -73,3 +73,20 @@ def test_a_run_stopped_while_the_plan_is_made_ends_the_child_at_once(fake_device
     trainer.end()  # nothing trained; release() stops the child
     assert time.monotonic() - started < 5
     assert child.poll() is not None and trainer.background_plan.result() == (None, "was stopped before it was made")
+
+
+def test_a_planning_process_that_cannot_start_is_a_failure_said_not_raised(tiny_model, shape_images, tmp_path,
+                                                                          monkeypatch):
+    import torch
+
+    from modules.trainer import background_plan
+
+    def no_process(*args, **kwargs):
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(background_plan.subprocess, "Popen", no_process)
+    plan = background_plan.BackgroundPlan(train_config(tiny_model, shape_images, tmp_path), torch.device("cpu"),
+                                          2**40, None)
+    assert plan.result() == (None, "failed: the planning process did not start "
+                                   "([Errno 11] Resource temporarily unavailable)")
+    plan.close()  # (what release() does) nothing to stop

@@ -47,15 +47,26 @@ class BackgroundPlan:
                    "vram": free, "ram": ram, "privateuse1": torch._C._get_privateuse1_backend_name()}
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
         self.started = time.monotonic()
-        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: the libraries' warnings never block the child
-        self._process = subprocess.Popen([sys.executable, "-m", "modules.trainer.background_plan"], env=env,
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
-        self._process.stdin.write((json.dumps(payload) + "\n").encode())
-        self._process.stdin.flush()  # stdin stays open: the child exits when it closes (this process gone)
         self._plan: dict | None = None
         self._error: str | None = None
         self._done = threading.Event()
         self._closed = False
+        self._process = None
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: the libraries' warnings never block the child
+        try:
+            self._process = subprocess.Popen([sys.executable, "-m", "modules.trainer.background_plan"], env=env,
+                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+            self._process.stdin.write((json.dumps(payload) + "\n").encode())
+            self._process.stdin.flush()  # stdin stays open: the child exits when it closes (this process gone)
+        except OSError as error:  # no process to be had (or it died at once): said at the memory event
+            self._error = f"the planning process did not start ({error})"
+            if self._process is not None:
+                self._process.kill()
+                self._process.wait()
+                self._process = None
+            self._stderr.close()
+            self._done.set()
+            return
         # the reader waits on the pipes (no GIL held meanwhile); the training thread only looks
         self._reader = threading.Thread(target=self._read, name="background-plan", daemon=True)
         self._reader.start()
@@ -92,6 +103,8 @@ class BackgroundPlan:
     def close(self) -> None:
         """Stop the child if it still plans (Stop, the end of the run, an error); returns at once."""
         self._closed = True
+        if self._process is None:
+            return
         if self._process.poll() is None:
             self._process.kill()
         try:
