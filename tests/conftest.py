@@ -200,6 +200,18 @@ def home(tmp_path_factory):
         os.environ["DIFFTRAINER_HOME"] = old
 
 
+@pytest.fixture(autouse=True)
+def _background_plan_only_where_marked(request, monkeypatch):
+    """A run on the fake device without a capacity surely fits, so it plans beside its load in a child
+    process (modules/trainer/background_plan.py): measured +10 s and +6 s of CPU per run on a busy
+    2-core box, most of it the memory event waiting for the child. Only the tests marked
+    `background_plan` start one; elsewhere no plan is made, as before that child existed."""
+    if request.node.get_closest_marker("background_plan") is None:
+        from modules.trainer import background_plan
+
+        monkeypatch.setattr(background_plan, "start_background_plan", lambda *args, **kwargs: None)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _tk_garbage_collected_on_the_main_thread(request):
     """After a GUI test file: collect its leftover Tk objects here, on the main thread. Left to a

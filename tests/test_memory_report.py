@@ -124,3 +124,35 @@ def test_the_line_says_what_was_measured(measured, line):
     from modules.trainer.memory_report import describe_memory
 
     assert describe_memory({"step": 2, "measured": measured}) == f"memory after step 2: {line}"
+
+
+@pytest.mark.background_plan
+def test_a_device_that_surely_fits_reports_the_plan_made_beside_the_load(fake_device, tiny_model, shape_images,
+                                                                         tmp_path, monkeypatch):
+    import torch
+
+    import modules.plan.run_plan as run_plan
+    from modules.trainer import fit_check, memory_report
+
+    # no capacity: the fake device says 1 TiB is free, SURELY_FITS times SD1.5's float32 weights and far more,
+    # so preflight plans nothing (in this process: planning here fails the test) and the child plans instead
+    assert fit_check.surely_fits(train_config(tiny_model, shape_images, tmp_path), torch.fakegpu.mem_get_info()[0])
+    monkeypatch.setattr(run_plan, "plan_run", lambda *a, **k: pytest.fail("planned in the training process"))
+    # the child imports torch and plans at a low priority: on a busy CPU-only test box that can outlast
+    # these few tiny steps, where a GPU run's load and caching take longer than the plan
+    monkeypatch.setattr(memory_report, "REPORT_PLAN_WAIT_S", 300.0)
+    recorder, _ = trained_run(tiny_model, shape_images, tmp_path, "fakegpu")
+    report = recorder.memory[0]
+    assert "unplanned" not in report
+    planned = report["planned"]
+    assert abs(planned["device_peak"] / report["measured"]["device_peak_allocated"] - 1) <= 0.10
+    assert planned["host_load_peak"] > 0
+
+
+def test_the_line_says_why_a_plan_made_beside_the_run_is_missing():
+    from modules.trainer.memory_report import describe_memory
+
+    report = {"step": 2, "measured": {"device": "cpu", "host_peak_rss": 2**30},
+              "unplanned": "the plan made beside the run was not ready after 40 s"}
+    assert describe_memory(report) == ("memory after step 2: host peak 1.00 GiB resident; "
+                                       "no plan: the plan made beside the run was not ready after 40 s")

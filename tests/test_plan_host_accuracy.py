@@ -47,7 +47,8 @@ def test_planned_host_peaks_are_within_ten_percent_of_the_measured_ones(case, mo
         everything = planned_host(model, images, tmp_path, "wide", method, mode, offload, "cpu")["load_peak"]
         assert abs(planned["load_peak"] - measured["load"]) < abs(everything - measured["load"]), (planned, measured)
     if planned["train_peak"]:  # within 10%, or within the run's noise where the figure is that small (the
-        # int8 case: only its idle text encoder and VAE, ~28 MiB in pinned home copies, measured 23-27 MB)
+        # int8 case: only its idle text encoder and VAE, ~28 MiB in pinned home copies; the host tensors
+        # alive after step 2, not the resident size, which read 11.5 to 51.8 MB under load)
         assert abs(planned["train_peak"] - measured["train"]) <= max(0.10 * measured["train"], NOISE), (
             planned, measured)
     else:  # nothing parked: what the host holds is the noise

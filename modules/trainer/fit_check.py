@@ -4,7 +4,8 @@ and the `--set` lines that make it fit, instead of an out-of-memory error minute
 
 Only where the device says how much is free (its torch module's `mem_get_info`: CUDA, the tests'
 fake device with a capacity), and not where that is far more than the model can need (SURELY_FITS:
-an H200 training SDXL is not planned); on the CPU nothing is refused (its "device" memory is the host's, which the plan
+an H200 training SDXL is not planned here, so its start waits for no plan; the memory event's plan
+is made beside the load instead: background_plan.py); on the CPU nothing is refused (its "device" memory is the host's, which the plan
 cannot bound without knowing what else the machine runs).
 """
 

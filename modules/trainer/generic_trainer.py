@@ -45,6 +45,8 @@ from modules.trainer.first_step_guard import FirstStepGuard
 from modules.trainer.guards import TrainingError, check_finite
 from modules.trainer.loss import snr_weighting_requested, training_loss
 from modules.trainer import outputs
+from modules.trainer import background_plan
+from modules.trainer.background_plan import BackgroundPlan
 from modules.trainer.memory_report import MemoryReport
 from modules.trainer.part_setup import setup_optimizations, setup_train_device
 from modules.trainer.planned_autos import resolve_planned_autos
@@ -101,6 +103,7 @@ class GenericTrainer:
         self.inbox: CommandInbox | None = None  # commands from files in the workspace (command_inbox.py)
         self.plan: dict | None = None  # the run's plan (modules/plan/), where preflight or an auto made one
         self.rss_before_load: int | None = None  # resident bytes as the load began (the memory event's baseline)
+        self.background_plan: BackgroundPlan | None = None  # the plan made while loading where preflight made none
 
     # --- start -------------------------------------------------------------------------------
 
@@ -126,6 +129,8 @@ class GenericTrainer:
                                               outputs.saved_suffixes(config))
         if config.backup.resume:
             check_resume_early(self)
+        if self.ranks.main:  # where preflight skipped the plan (the device surely fits): made beside the load
+            self.background_plan = background_plan.start_background_plan(config, self.device, self.plan is not None)
         self.callbacks.on_status("loading model")
         self.rss_before_load = process_memory().get("rss")  # the plan's host figures are growth over this
         if self.ranks.main:
@@ -469,6 +474,8 @@ class GenericTrainer:
 
     def release(self) -> None:
         """Free the workspace for the next run (also after an error: run_training calls it)."""
+        if self.background_plan is not None:  # a plan still being made is stopped, not waited for
+            self.background_plan.close()
         if self.batches is not None:
             self.batches.close()
         if self.inbox is not None:

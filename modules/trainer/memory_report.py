@@ -11,8 +11,9 @@ resident memory (VmHWM, load included), its resident memory now, and what it was
 load began (`host_rss_before_load`: the interpreter, torch and the libraries; the plan's host
 figures are growth over it, so peak minus it is what to read beside them). On the CPU there is no
 device figure: the host's is the whole story (and holds the "device" memory too). Where the run
-was planned before loading (preflight's fit check, or an `auto` resolved through the plan), the
-planned peaks go beside the measured ones.
+was planned before loading (preflight's fit check, or an `auto` resolved through the plan), or
+beside the load where the device surely fits (background_plan.py), the planned peaks go beside the
+measured ones; a plan made beside the run that is not ready or failed is said in `unplanned`.
 
 Torch-free at import: the GUI and the console format the event with `describe_memory`.
 """
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     import torch
 
 REPORT_AFTER_STEPS = 2  # this process's optimizer steps before the report
+# a plan made beside the run (background_plan.py) not ready by then is waited for this long at most:
+# it takes seconds, the load and the caching longer, so this is the rare case
+REPORT_PLAN_WAIT_S = 10.0
 
 
 def device_module(device: torch.device):
@@ -82,6 +86,14 @@ class MemoryReport:
         report = {"step": self.trainer.step,
                   "measured": measured_memory(self.trainer.device, getattr(self.trainer, "rss_before_load", None))}
         plan = getattr(self.trainer, "plan", None)
+        background = getattr(self.trainer, "background_plan", None)
+        if not plan and background is not None:  # the plan made while loading (background_plan.py)
+            plan, unplanned = background.result(REPORT_PLAN_WAIT_S)
+            background.close()  # read once: a plan still being made is of no more use
+            if unplanned:
+                report["unplanned"] = f"the plan made beside the run {unplanned}"
+                if unplanned.startswith("failed"):
+                    self.trainer.callbacks.on_warning(f"memory: {report['unplanned']}; the run goes on without it")
         if plan:  # beside what the plan said before loading (modules/plan/), where one was made
             # (the training step's: the peaks were reset as training began, after the caches were filled)
             report["planned"] = {"device_peak": plan["device"].get("step", plan["device"]["peak"]), "host_train_peak": plan["host"]["train_peak"],
@@ -111,6 +123,8 @@ def describe_memory(report: dict) -> str:
                 text += f", {_gib(planned['host_load_peak'])} loading"
             text += ")"
         parts.append(text)
+    if report.get("unplanned"):
+        parts.append(f"no plan: {report['unplanned']}")
     return f"memory after step {report.get('step')}: " + ("; ".join(parts) or "not measurable here")
 
 
