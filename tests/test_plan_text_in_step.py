@@ -2,7 +2,7 @@
 every training step, and the plan runs them in its step (modules/plan/fake_pass.py): forward on
 the ids `planning_tokens` describes, backward into the new token vectors or the encoder's adapters.
 
-Against the peak a real run reaches on the fake device (as tests/test_plan_accuracy.py takes it):
+Against the peak a real run's training reaches on the fake device (as tests/test_plan_accuracy.py measures it):
 within 10% for an SD1.5 embedding run, an SD1.5 text-encoder LoRA run, and an embedding run of Chroma
 (T5), Anima (Qwen3 and its LLM adapter), Krea-2, FIBO-2, FIBO Edit and Qwen-Image-Edit/-Plus (a
 caption without control images; Qwen-Image-Edit on edit pairs too, the encoder's language
