@@ -1,7 +1,7 @@
 """The plan against the run (issue 25): planned train-device peak vs the peak the real trainer reaches
 on the fake device with capacity (tests/fake_device.py: torch.fakegpu.max_memory_allocated over
-start and two steps), for every weight mode that runs here x offload_fraction {0, 0.5} x gradient
-checkpointing x method (adapter; fine-tune with and without the fused backward), on the tiny and
+start, caching included, and two steps), for every weight mode that runs here x offload_fraction {0, 0.5} x
+gradient checkpointing x method (adapter; fine-tune with and without the fused backward), on the tiny and
 small SD1.5 models (benchmarks/models.py) at 64 and 128 px, batch 2. Also the host side: the bytes
 parked in RAM as planned vs the parked blocks' bytes the run's conductor holds there.
 
@@ -20,6 +20,7 @@ import gc
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,9 +32,18 @@ METHODS = {
 RESOLUTION = {"tiny": 64, "small": 128}
 
 
-def measured_device_peak(config, inspect=None) -> tuple[int, int, object]:
-    """Train `config` (on the fake device) and return the most bytes it held there over what the device
-    held before, the steps it took and `inspect(trainer)` read before the trainer is released."""
+class MeasuredRun(NamedTuple):
+    peak: int  # the whole run's: loading, filling the caches and training (what the plan's device_peak is)
+    training_peak: int  # the training's alone (what the plan's step_peak is)
+    steps: int
+    inspected: object
+
+
+def measured_device_peak(config, inspect=None) -> MeasuredRun:
+    """Train `config` (on the fake device): the most bytes it held there over what the device held
+    before, over the whole run and over the training alone, the steps it took and `inspect(trainer)`
+    read before the trainer is released. The trainer resets the device's peaks as training starts
+    (trainer/memory_report.py), so what loading and caching reached is read before that."""
     import torch
 
     from modules.trainer.callbacks import TrainCallbacks
@@ -45,12 +55,13 @@ def measured_device_peak(config, inspect=None) -> tuple[int, int, object]:
     before = memory.memory_allocated()
     trainer = GenericTrainer(config, TrainCallbacks())
     trainer.start()
+    setup = memory.max_memory_allocated() - before  # the load and the caches (reset as training starts)
     trainer.train()
-    measured = memory.max_memory_allocated() - before
+    training = memory.max_memory_allocated() - before
     inspected = inspect(trainer) if inspect is not None else None
     steps = trainer.step
     trainer.release()
-    return measured, steps, inspected
+    return MeasuredRun(max(setup, training), training, steps, inspected)
 
 
 def cases(modes: list[str], methods: list[str]):
@@ -87,8 +98,8 @@ def measure(model: Path, images: Path, work: Path, size: str, method: str, mode:
         conductor = trainer.conductors.get("unet")
         return sum(block_bytes(conductor.blocks[index]) for index in conductor.parked) if conductor else 0
 
-    measured, _, parked = measured_device_peak(config, parked_bytes)
-    return plan.device_peak, measured, sum(p.parked for p in plan.parts.values()), parked
+    run = measured_device_peak(config, parked_bytes)
+    return plan.device_peak, run.peak, sum(p.parked for p in plan.parts.values()), run.inspected
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,8 @@ their image tokens to the conditioning. On each edit family's tiny model the pla
 with each control, and for FLUX.1 Kontext, Qwen-Image-Edit and FIBO-2 (its image to edit) it stays
 within 10% of the peak a real run reaches on the fake device (as tests/test_plan_accuracy.py measures
 it; planned/measured 1.018, 0.983, 1.014); a plan that leaves the controls out is 0.4x (Kontext),
-0.8x (Qwen-Image-Edit) and 0.4x (FIBO-2) of that peak there."""
+0.8x (Qwen-Image-Edit) and 0.4x (FIBO-2) of that peak there. The whole run's peak too (loading and
+caching included), planned/measured 1.018, 1.010 (Qwen-Image-Edit's is its caching phase), 1.014."""
 
 from __future__ import annotations
 
@@ -71,13 +72,18 @@ def test_the_planned_peak_grows_with_a_control_to_within_ten_percent_of_the_meas
         family, tiny_family_model, pairs, shape_images, fake_device, tmp_path):
     run = {"train_device": str(fake_device), "schedule": {"epochs": 2, "batch_size": 2, "max_steps": 2}}
     model = tiny_family_model(family)
-    # the step's peak, which this test is about (Qwen-Image-Edit's caching phase plans 5.75 MB here, over
-    # the run's 4.09: its VAE pass 2.49 MB of activations; open, docs/memory-and-offload.md)
-    planned = _planned(model, family, pairs, shape_images, tmp_path, (0, 1), **run)[1].step_peak
+    plan = _planned(model, family, pairs, shape_images, tmp_path, (0, 1), **run)[1]
     config = _config(model, family, _concepts(pairs, shape_images, 1), tmp_path, **run)
-    measured, steps, _ = measured_device_peak(config)
-    assert steps == 2
-    assert planned == pytest.approx(measured, rel=0.10), f"planned {planned} bytes, measured {measured}"
+    measured = measured_device_peak(config)
+    assert measured.steps == 2
+    print(family, "planned/measured step", round(plan.step_peak / measured.training_peak, 3),
+          "whole run", round(plan.device_peak / measured.peak, 3))
+    assert plan.step_peak == pytest.approx(measured.training_peak, rel=0.10), \
+        f"step: planned {plan.step_peak} bytes, measured {measured.training_peak}"
+    # the whole run too: Qwen-Image-Edit's is its caching phase's (the VAE over the chunk), which the
+    # trainer's reset of the device's peaks as training starts once hid from this measure
+    assert plan.device_peak == pytest.approx(measured.peak, rel=0.10), \
+        f"whole run: planned {plan.device_peak} bytes ({plan.outside_step_phases}), measured {measured.peak}"
 
 
 @pytest.mark.parametrize(("family", "controls"), [("qwen_image_edit", 1), ("qwen_image_edit_plus", 2)])

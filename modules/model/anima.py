@@ -78,6 +78,21 @@ def _text_encoder_step(family: AnimaFamily):
     return FamilyT5Ids()
 
 
+def _pipeline_on_the_transformers_device(blocks):
+    """AnimaModularPipeline whose execution device is where the transformer computes. Its own is its
+    first component's, the Qwen3 encoder's first parameter: its token table, which a frozen encoder
+    keeps on the host (modules/offload/host_tables.py), so the T5 ids went to the CPU while the LLM
+    adapter waited on the train device."""
+    from diffusers import AnimaModularPipeline
+
+    class OnTheTransformersDevice(AnimaModularPipeline):
+        @property
+        def _execution_device(self):
+            return compute_device(self.transformer)
+
+    return OnTheTransformersDevice(blocks=blocks)
+
+
 def _quiet(blocks) -> None:
     """No progress bar from any block of a modular pipeline (the denoise loop sits three levels down)."""
     for block in getattr(blocks, "sub_blocks", {}).values():
@@ -251,7 +266,7 @@ class AnimaFamily(FlowMatchingTraining, ModelFamily):
         blocks = AnimaAutoBlocks()
         blocks.sub_blocks["text_encoder"] = _text_encoder_step(self)
         _quiet(blocks)  # (the pipeline's set_progress_bar_config reaches its direct sub-blocks only)
-        pipe = blocks.init_pipeline()  # (a copy of the blocks, their settings kept)
+        pipe = _pipeline_on_the_transformers_device(blocks)
         pipe.update_components(
             text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer, t5_tokenizer=self.t5_tokenizer,
             text_conditioner=self.parts["text_conditioner"], transformer=self.transformer, vae=self.parts["vae"],
