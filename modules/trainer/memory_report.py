@@ -29,8 +29,10 @@ if TYPE_CHECKING:
 
 REPORT_AFTER_STEPS = 2  # this process's optimizer steps before the report
 # a plan made beside the run (background_plan.py) not ready by then is waited for this long at most:
-# it takes seconds, the load and the caching longer, so this is the rare case
-REPORT_PLAN_WAIT_S = 10.0
+# it takes seconds, a real model's load and caching longer, so this is the rare case; short, because
+# the training thread waits (a tiny model's run, as the GPU check makes a dozen of, reaches step 2
+# before the child has imported torch: it says "not ready" rather than holding each run 10 s)
+REPORT_PLAN_WAIT_S = 1.0
 
 
 def device_module(device: torch.device):
