@@ -304,3 +304,46 @@ def test_fibo_edit_presets_are_listed_and_valid_and_its_folder_is_told_by_its_pi
         # an adapter file in diffusers' names (ComfyUI has no FIBO model); a fine-tune saves a folder
         assert config.model.family == "fibo_edit" and (config.method.type != "adapter"
                                                        or config.output.format == "diffusers")
+
+
+@pytest.mark.parametrize("mode", ["float8", "int8"])
+def test_smollm3s_tied_head_stays_its_token_table_in_the_load_and_the_plan(tmp_path, tiny_fibo_edit, shape_images,
+                                                                           mode):
+    """SmolLM3's config ties its head to its token table (`tie_word_embeddings` true), so in a
+    quantized mode the head stays dense and is the table (skip_rules.py), in the load and in the
+    plan's skeleton alike: one full-precision tensor, counted once, the same bytes in both; before,
+    the load quantized the head and then re-tied it to the table (streamed_load._tie_weights), so
+    its quantized layer held the full table while the plan counted a quantized head apart. The
+    encoding never reads the head: it is that of the same model with the head quantized apart."""
+    from modules.model.components.embedding_tokens import token_embedding
+    from modules.model.fibo_edit import FiboEditFamily
+    from modules.offload.layer_tensors import block_bytes
+    from modules.plan.run_plan import Planner
+    from modules.quantization.replace import load_dense_weight, new_quantized_layer
+
+    config = train_config(tiny_fibo_edit, shape_images, tmp_path,
+                          {**PAIRED, "model": {"family": "fibo_edit", "parts": {"text_encoder": {"weight_dtype": mode}}}})
+    family = FiboEditFamily(config)
+    family.load()
+    encoder = family.parts["text_encoder"]
+    table = token_embedding(encoder).weight
+    assert type(encoder.lm_head) is torch.nn.Linear and encoder.lm_head.weight is table
+    assert table.dtype == family.compute_dtype("text_encoder")
+    assert "lm_head" in family.quantization_reports["text_encoder"].skipped
+    assert family.quantization_reports["text_encoder"].quantized  # the rest of SmolLM3 is quantized
+
+    planner = Planner(None)
+    planned = planner.sizes(config, planner.weight_modes(config))["family"].parts["text_encoder"]
+    assert type(planned.lm_head) is torch.nn.Linear and planned.lm_head.weight is token_embedding(planned).weight
+    assert block_bytes(planned) == block_bytes(encoder)
+
+    tokens = family.tokenize([INSTRUCTION])
+    with torch.no_grad():
+        reference = family.encode_text(tokens)
+        apart = new_quantized_layer(mode, encoder.lm_head, family.compute_dtype("text_encoder"))
+        load_dense_weight(apart, "weight", table.detach().clone(), family.compute_dtype("text_encoder"))
+        encoder.lm_head = apart
+        quantized_apart = family.encode_text(tokens)
+    for key, value in reference.items():
+        if value is not None:
+            assert torch.equal(quantized_apart[key], value), key

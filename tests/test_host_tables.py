@@ -314,11 +314,10 @@ def test_a_table_tied_to_a_head_that_never_runs_stays_on_the_host(family, fake_d
     assert any("token tables on the host" in note for note in plan_run(config("hosted"), None, None).notes)
 
 
-def test_a_head_that_never_runs_is_off_the_device_in_the_plan_when_quantized_apart(tiny_family_model):
-    """The plan's skeleton quantizes FIBO Edit's int8 SmolLM3 head into a weight of its own, no longer
-    the table's (the load re-ties it, so the trainer's head holds the table): it waits on the host
-    with the table all the same (never_run), so the plan counts neither on the device, as the
-    trainer holds neither there."""
+def test_a_tied_head_that_never_runs_is_off_the_device_in_the_plan_in_a_quantized_mode(tiny_family_model):
+    """FIBO Edit's int8 SmolLM3 keeps its tied head dense, the table itself (skip_rules.py), in the
+    plan's skeleton as in the load: the head waits on the host with the table (never_run), and the
+    plan counts the one tensor once as the table, none of it on the device."""
     from modules.config.loading import build_config
     from modules.offload.layer_tensors import block_bytes
     from modules.plan.run_plan import Planner
@@ -328,5 +327,5 @@ def test_a_head_that_never_runs_is_off_the_device_in_the_plan_when_quantized_apa
     planner = Planner(None)
     sized = planner.sizes(config, planner.weight_modes(config))
     encoder = sized["family"].parts["text_encoder"]
-    assert encoder.lm_head.weight is not token_embedding(encoder).weight  # (quantized apart)
-    assert sized["parts"]["text_encoder"]["table"] == block_bytes(token_embedding(encoder)) + block_bytes(encoder.lm_head)
+    assert encoder.lm_head.weight is token_embedding(encoder).weight  # (tied, not quantized apart)
+    assert sized["parts"]["text_encoder"]["table"] == block_bytes(token_embedding(encoder))

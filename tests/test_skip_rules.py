@@ -63,3 +63,20 @@ def test_lists_set_on_the_instance_alone_are_read_too():
     assert not hasattr(_Blocks, "_keep_in_fp32_modules")
     assert "_skip_layerwise_casting_patterns" in skip_reason(model, "unet", "time_proj", model.time_proj, [])
     assert keeps_float32(model, "attn_q") and not keeps_float32(model, "q")
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_head_stays_dense_where_the_config_ties_it_to_the_token_table(tie):
+    """The tie is the instance's (`all_tied_weights_keys`, from `tie_word_embeddings`), not the
+    class's `_tied_weights_keys`, which lists SmolLM3's head either way: an untied head is quantized."""
+    import torch
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    config = SmolLM3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        model = SmolLM3ForCausalLM(config)
+    reason = skip_reason(model, "text_encoder", "lm_head", model.lm_head, [])
+    assert (reason == "its weight is tied to model.embed_tokens.weight (SmolLM3ForCausalLM's tied weights)") is tie
+    assert tie or reason is None

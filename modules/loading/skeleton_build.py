@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from modules.loading.streamed_load import model_from_config
+from modules.quantization.tied_weights import tied_weight_keys
 
 
 def skeleton_model(cls: Any, folder: Path, where: str) -> nn.Module:
@@ -54,8 +55,8 @@ def tie_skeleton_weights(model: nn.Module) -> nn.Module:
     """An empty model's tied weights made one tensor, as a load of a released file (which holds
     one name of each tied pair: streamed_load._tie_weights) leaves them; an empty build may give
     each name a tensor of its own, so a skeleton would hold T5's `shared` embedding twice."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    if isinstance(tied, dict):
+    tied = tied_weight_keys(model)
+    if tied:
         names = dict(model.named_parameters(remove_duplicate=False))
         for alias, source in tied.items():
             if alias in names and source in names:

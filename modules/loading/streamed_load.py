@@ -38,6 +38,7 @@ from modules.quantization.replace import (
 from modules.quantization.skip_rules import keeps_float32
 from modules.quantization.weight_modes import DENSE_DTYPES, LayerOptions
 from modules.util.memory import freed_memory_returned_to_os, return_freed_heap
+from modules.quantization.tied_weights import tied_weight_keys
 
 _SCALE_SUFFIXES = (".scale_weight", ".scale_input")
 # bytes read between two heap trims: what glibc keeps of the freed read buffers stays under a few
@@ -245,11 +246,10 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
 
 def _tie_weights(model: nn.Module, expected: dict, seen: set[str]) -> None:
     """transformers models tie some weights after loading (T5's encoder.embed_tokens is its
-    `shared` embedding) and their files hold only one name: the other becomes the same tensor."""
-    tied = getattr(model, "_tied_weights_keys", None)
-    if not isinstance(tied, dict):
-        return
-    for alias, source in tied.items():
+    `shared` embedding; SmolLM3's head is its token table where its config ties them) and their
+    files hold only one name: the other becomes the same tensor. A tied Linear is never quantized
+    (skip_rules.py), so the tensor it gets is its own weight's, as the plan's skeleton ties it."""
+    for alias, source in tied_weight_keys(model).items():
         if alias not in expected or source not in expected:
             continue
         if source in seen and alias not in seen:

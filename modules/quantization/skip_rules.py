@@ -3,6 +3,10 @@
 A layer stays dense when any of these says so (the union, so no source is forgotten; InvokeAI's
 fp8 storage honoured the first list and not the second, and quantized layers a model needs in
 high precision):
+0. a weight the model ties to another (tied_weights.py: SmolLM3's head is its token table where
+   `tie_word_embeddings` is true): the tie makes them one tensor, which a quantized layer cannot
+   share with an embedding, so a quantized head would be a second, quantized copy of the table
+   (transformers' own quantizers leave tied weights dense, `get_keys_to_not_convert`),
 1. the model class's `_skip_layerwise_casting_patterns` (diffusers: regexes searched in the
    module name; layers too sensitive to store in low precision),
 2. the model class's `_keep_in_fp32_modules` (diffusers and transformers: module names that must
@@ -19,6 +23,8 @@ from __future__ import annotations
 import re
 
 from torch import nn
+
+from modules.quantization.tied_weights import tied_weight_keys
 
 DEFAULT_SKIP_PATTERNS = (r"norm", r"emb", r"^proj_out$", r"^final_layer(\.|$)")
 # a model instance may carry its family's extra skip regexes (searched in the module name) here
@@ -49,6 +55,11 @@ def keeps_float32(model: nn.Module, module_name: str) -> bool:
 def skip_reason(model: nn.Module, part: str, module_name: str, layer: nn.Linear,
                 user_patterns: list[str]) -> str | None:
     """Why this Linear stays dense, or None when it is quantized."""
+    tied = tied_weight_keys(model)
+    weight = f"{module_name}.weight"
+    if weight in tied or weight in tied.values():
+        other = tied.get(weight) or next(alias for alias, source in tied.items() if source == weight)
+        return f"its weight is tied to {other} ({type(model).__name__}'s tied weights)"
     for pattern in _class_list(model, "_skip_layerwise_casting_patterns"):
         if re.search(pattern, module_name):
             return f"{type(model).__name__}._skip_layerwise_casting_patterns ({pattern!r})"
