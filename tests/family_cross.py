@@ -68,7 +68,9 @@ def offloaded_training_matches(model, images, workspace, family: str, part: str,
     original = checkpoint_module.checkpoint
 
     def recording(function, *args, **kwargs):
-        kept.extend(t.device.type for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.numel())
+        # (the preflight plan's own pass checkpoints meta tensors, which training never holds: not counted)
+        kept.extend(t.device.type for t in [*args, *kwargs.values()]
+                    if isinstance(t, torch.Tensor) and t.numel() and not t.is_meta)
         return original(function, *args, **kwargs)
 
     def run(fraction, where):

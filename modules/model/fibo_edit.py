@@ -29,7 +29,7 @@ reference images by an instruction:
   scheduler's timesteps) and predicts noise - x. Training draws logit-normal times shifted as the
   model's FlowMatchEulerDiscreteScheduler config shifts its sampling (`calculate_shift` on the
   image's token count, as the pipeline computes mu), or by loss.flow_shift.
-- sampling: the pipeline itself (it encodes the prompt with the live SmolLM3's language model, its
+- sampling: the pipeline itself (it encodes the prompt with the live SmolLM3, its
   head left out as in training, and its adapters, within the same window), CFG as it does it when cfg > 1 (a second pass on the
   negative prompt, by default the empty one; the negative prompt is not put in edit form, as the
   pipeline takes it as given).
@@ -42,6 +42,7 @@ Adapter key names: modules/model/keys/fibo_edit.py (diffusers' names: ComfyUI ha
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Collection
 
@@ -65,6 +66,25 @@ def _pipeline_class():
     from diffusers import BriaFiboEditPipeline
 
     return BriaFiboEditPipeline
+
+
+class _NoLogits(torch.nn.Module):
+    """Stands in for SmolLM3's head while the pipeline encodes: it reads only the hidden states,
+    so no logits are computed (the head's weight is the token table, which may stay on the host)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[..., :0]
+
+
+@contextlib.contextmanager
+def _head_left_out(encoder):
+    """The encoder's `lm_head` (never_run) swapped out for the call, put back after."""
+    head = encoder.lm_head
+    encoder.lm_head = _NoLogits()
+    try:
+        yield
+    finally:
+        encoder.lm_head = head
 
 
 def edit_caption(text: str) -> str:
@@ -265,10 +285,10 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
     def pipeline(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
+        # the whole SmolLM3ForCausalLM, as the released pipeline holds it (so a LoRA file's
+        # `text_encoder.model.layers...` keys load into it); sampling leaves its head out (below)
         pipe = _pipeline_class()(transformer=self.transformer, vae=self.parts["vae"],
-                                 # its language model without the head (never_run): the pipeline reads
-                                 # only its hidden states
-                                 text_encoder=self.parts["text_encoder"].model, tokenizer=self.tokenizer,
+                                 text_encoder=self.parts["text_encoder"], tokenizer=self.tokenizer,
                                  scheduler=FlowMatchEulerDiscreteScheduler.from_config(self.noise_scheduler.config))
         pipe.set_progress_bar_config(disable=True)
         return pipe
@@ -278,6 +298,10 @@ class FiboEditFamily(FlowMatchingTraining, ModelFamily):
         if prompt.control_images:
             references = {"image": fitted_control_images(prompt.control_images, prompt.width, prompt.height,
                                                          self.control_images, self.label)}
+        with _head_left_out(self.parts["text_encoder"]):
+            return self._run_pipeline(prompt, device, references)
+
+    def _run_pipeline(self, prompt, device, references):
         return self.pipeline()(
             # an embedding's placeholder written out as its tokens, as captions are (the pipeline does not)
             prompt=edit_caption(self.written_out_prompt(prompt.prompt)),
