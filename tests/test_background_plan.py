@@ -90,3 +90,65 @@ def test_a_planning_process_that_cannot_start_is_a_failure_said_not_raised(tiny_
     assert plan.result() == (None, "failed: the planning process did not start "
                                    "([Errno 11] Resource temporarily unavailable)")
     plan.close()  # (what release() does) nothing to stop
+
+
+
+# imported by the child's interpreter at start (PYTHONPATH): a planner that asks CUDA something, as a
+# careless change to the plan's path would
+PLANNER_ASKS_CUDA = '''
+import torch
+import modules.plan.run_plan as run_plan
+
+planned = run_plan.plan_run
+
+def plan_run(*args, **kwargs):
+    torch.cuda.current_device()
+    return planned(*args, **kwargs)
+
+run_plan.plan_run = plan_run
+'''
+
+
+def _plan_a_cuda_run_in_the_child(tiny_model, shape_images, tmp_path, monkeypatch, sitecustomize: str = ""):
+    """(plan, why none, the child's environment) of a run on cuda:0 planned in the child."""
+    import torch
+
+    from modules.trainer import background_plan
+
+    (tmp_path / "child").mkdir()
+    (tmp_path / "child" / "sitecustomize.py").write_text(sitecustomize)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "child"))
+    environments = []
+    popen = background_plan.subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        environments.append(kwargs["env"])
+        return popen(*args, **kwargs)
+
+    monkeypatch.setattr(background_plan.subprocess, "Popen", recording_popen)
+    plan = background_plan.BackgroundPlan(train_config(tiny_model, shape_images, tmp_path), torch.device("cuda:0"),
+                                          2**40, 2**40)
+    try:
+        return (*plan.result(wait_s=300), environments[0])  # (however slow the box)
+    finally:
+        plan.close()
+
+
+def test_the_planning_child_plans_a_cuda_run_with_cuda_hidden_and_never_started(tiny_model, shape_images, tmp_path,
+                                                                                  monkeypatch):
+    """A CUDA context in the child would take ~500 MiB of the card from the run: the child sees no
+    GPU (bitsandbytes' import, through diffusers', asks the device's capability where one is
+    visible: a context), and nothing on its path (imports, config, plan) starts CUDA."""
+    plan, unplanned, environment = _plan_a_cuda_run_in_the_child(tiny_model, shape_images, tmp_path, monkeypatch)
+    assert environment["CUDA_VISIBLE_DEVICES"] == ""
+    assert unplanned is None
+    assert plan["device"]["step"] > 0
+
+
+def test_a_cuda_start_in_the_planning_child_fails_its_plan_saying_why(tiny_model, shape_images, tmp_path, monkeypatch):
+    from modules.trainer.background_plan import CUDA_STARTED
+
+    plan, unplanned, _ = _plan_a_cuda_run_in_the_child(tiny_model, shape_images, tmp_path, monkeypatch,
+                                                       PLANNER_ASKS_CUDA)
+    assert plan is None
+    assert unplanned == f"failed: RuntimeError: {CUDA_STARTED.format(how='torch.cuda._lazy_init')}"

@@ -13,8 +13,10 @@ start from uninitialised memory; transformers' init guard saves and restores the
 so two threads interleaving can leave them patched for good), and the fake pass routes
 F.scaled_dot_product_attention for the whole process (plan/attention.py). Apart from that, the
 plan's Python-heavy dispatch would take the GIL from the training thread. A child shares none of
-that, runs at a lower priority on one thread, and stops at once: killed on Stop or at the end of
-the run, and it exits by itself when its parent goes (its stdin closes). A plan that fails is
+that, runs at a lower priority on one thread, never starts CUDA (a context would take ~500 MiB of
+the card from the run: it sees no GPU, and any CUDA start there is the plan's error), and stops
+at once: killed on Stop or at the end of the run, and it exits by itself when its parent goes (its
+stdin closes). A plan that fails is
 said as a warning; the run goes on.
 """
 
@@ -45,7 +47,10 @@ class BackgroundPlan:
         # the child resolves nothing: the device as this process resolved it ("auto" -> "cuda:0")
         payload = {"config": {**config.model_dump(mode="json"), "train_device": str(device)},
                    "vram": free, "ram": ram, "privateuse1": torch._C._get_privateuse1_backend_name()}
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_PROJECT_ROOT), os.environ.get("PYTHONPATH")]))}
+        # no GPU visible to the child (a library that finds one starts CUDA on import: bitsandbytes,
+        # imported with diffusers, asks each device's capability); the plan reads the device's type alone
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_PROJECT_ROOT), os.environ.get("PYTHONPATH")])),
+               "CUDA_VISIBLE_DEVICES": ""}
         self.started = time.monotonic()
         self._plan: dict | None = None
         self._error: str | None = None
@@ -150,6 +155,21 @@ def _name_the_parents_backend(name: str) -> None:
         torch.utils.rename_privateuse1_backend(name)
 
 
+CUDA_STARTED = ("the plan made beside the run started CUDA ({how}): a CUDA context in this child would take "
+                "~500 MiB of the card the run trains on; the plan needs meta and fake tensors only")
+
+
+def _refuse_cuda() -> None:
+    """Any CUDA start in this process is an error (the plan fails, said as the parent's warning): torch
+    starts CUDA through torch.cuda._lazy_init, from Python calls and from C++ (a tensor made on, or
+    moved to, a CUDA device) alike."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(CUDA_STARTED.format(how="torch.cuda._lazy_init"))
+
+    torch.cuda._lazy_init = refuse
+
+
 def _read_payload() -> dict:
     line = b""
     while not line.endswith(b"\n"):
@@ -170,6 +190,7 @@ def _plan_in_child() -> None:
     except (OSError, AttributeError):  # (no os.nice on Windows: the child plans at the parent's priority)
         pass
     torch.set_num_threads(1)  # the plan runs on meta and fake tensors: nothing for a thread pool
+    _refuse_cuda()
     try:
         from modules.config.loading import build_config
         from modules.plan.run_plan import plan_run
