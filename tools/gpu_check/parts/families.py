@@ -40,6 +40,9 @@ def run_family(family: str, context) -> dict:
               "train_device": "cpu" if context.dry else "auto", "workspace_dir": str(work / "ws"),
               "output": {"path": str(work / "out" / "adapter.safetensors")}}
     (work / "config.json").write_text(json.dumps(config))
+    # an image-to-video family samples from its first (and last) frame: the prompt gets them
+    prompts[0]["control_images"] = [str(path) for path in sorted(images.glob("*.png"))][:prompt_images(family, work)]
+    (work / "config.json").write_text(json.dumps(config))
     train = ["train", "--config", str(work / "config.json"), "--protocol", "jsonl"] + (
         ["--preset", preset.name] if preset else [])
     code, events = launch_events(train)
@@ -56,6 +59,18 @@ def run_family(family: str, context) -> dict:
         return {"status": "failed", "reason": f"resume: {problem}"}
     return {"status": "passed", "figures": {"preset": preset.name if preset else None, "train_s": round(trained_s, 1),
                                             "total_s": round(time.monotonic() - started, 1)}}
+
+
+def prompt_images(family: str, work) -> int:
+    """How many images each sample prompt must hold with the model in `work` (its config.json): the
+    model's exact count where its files tell it (Wan 2.1 I2V: one, or two with an FLF2V
+    transformer), else the fewest its family samples from."""
+    from modules.cli.train_command import resolve_config
+    from modules.config.families import get_family_class
+
+    model = get_family_class(family)(resolve_config([str(work / "config.json")], None, []))
+    exact = model.exact_prompt_images()
+    return exact.count if exact is not None else model.prompt_images[0]
 
 
 def run(context) -> dict:
