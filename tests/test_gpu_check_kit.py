@@ -53,6 +53,7 @@ def test_the_cpu_dry_run_runs_every_part_and_each_passes_or_skips_with_a_reason(
     assert all(case["status"] == "passed" and isinstance(case["figures"]["ratio"], float) for case in compared), \
         compared
     assert compared[1]["figures"]["parked_blocks"] != compared[0]["figures"]["parked_blocks"]
+    assert parts["background_plan"]["figures"]["unplanned"] is None  # the child's plan came
     markdown = (out / "report.md").read_text()
     assert all(f"## {name}: " in markdown for name in parts)
 
@@ -129,6 +130,24 @@ def test_a_part_stopped_at_its_budget_keeps_the_cases_it_finished(tmp_path, monk
     result = runner.run_part("families", 7, tmp_path)
     assert result["status"] == "timeout" and "budget of 7 s" in result["reason"]
     assert result["cases"] == [{"name": "sd15", "status": "passed"}]
+
+
+def test_a_part_gets_its_budget_and_what_the_parts_before_it_left_unused(tmp_path, monkeypatch):
+    from tools.gpu_check import runner
+
+    budgets = {}
+
+    def quick(name, budget, work):  # every part done at once: its whole budget left over
+        budgets[name] = budget
+        return {"name": name, "status": "passed", "seconds": 0.0}
+
+    monkeypatch.setattr(runner, "run_part", quick)
+    runner.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    planned = 0
+    for name, seconds in runner.PARTS:
+        planned += seconds
+        expected = min(planned, runner.GPU_TOTAL_S - runner.RESERVE_S)  # never past the check's total
+        assert expected - 2 < budgets[name] <= expected, name  # (2 s for this box's own slowness)
 
 
 def test_a_parts_case_is_tried_failed_on_what_it_raises_skipped_past_the_budget_and_saved(tmp_path):

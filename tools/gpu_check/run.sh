@@ -5,7 +5,7 @@
 #
 # Writes report.json and report.md into DIR (default: $OUT when set, else ./gpu-check-report),
 # rewritten after each part, so a run stopped at its time limit keeps what finished. The whole
-# check takes at most --total-s (default 450 s) plus the install. Packages the machine lacks come
+# check takes at most --total-s (default 400 s: runner.py's PARTS) plus the install. Packages the machine lacks come
 # from the wheels tools/gpu_check/fetch_wheels.sh put into .whl/ (installed into a folder of their
 # own, beside the machine's torch).
 # --cpu-dry-run: every part at its smallest size on the CPU (the test suite runs it).

@@ -24,17 +24,19 @@ from pathlib import Path
 from tools.gpu_check.report import Report
 
 REPO = Path(__file__).resolve().parent.parent.parent
-# (part, its seconds on a GPU)
+# (part, its seconds on a GPU); a part also gets what the parts before it left of theirs
 PARTS = [
-    ("environment", 15),
-    ("torch_compat", 30),
-    ("cuda_tests", 60),
-    ("families", 80),
-    ("weight_modes", 60),
-    ("real_width", 80),
-    ("plan_vs_measured", 80),
-    ("compile_smoke", 45),  # together 450 s: run.sh's default total, 7.5 minutes
+    ("environment", 10),
+    ("torch_compat", 25),
+    ("background_plan", 20),
+    ("cuda_tests", 45),
+    ("families", 70),
+    ("weight_modes", 45),
+    ("real_width", 70),
+    ("plan_vs_measured", 90),
+    ("compile_smoke", 25),
 ]
+GPU_TOTAL_S = sum(seconds for _, seconds in PARTS)  # 400 s: with the wheels' install and a machine's start, ~8 minutes
 DRY_RUN_BUDGET_S = 600  # a part's budget in the dry run: its sizes are the smallest, its time is the CPU's
 RESERVE_S = 5  # for the report after the last part
 
@@ -81,14 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="where report.json, report.md and the logs go")
     parser.add_argument("--cpu-dry-run", action="store_true", help="every part at its smallest size, on the CPU")
     parser.add_argument("--total-s", type=float, help="the whole check's time (parts are cut to fit); default "
-                        "450 s on the GPU; the dry run has no limit (a busy CPU must not fail it)")
+                        f"{GPU_TOTAL_S} s on the GPU; the dry run has no limit (a busy CPU must not fail it)")
     parser.add_argument("--only", nargs="*", help="run only these parts")
     parser.add_argument("--work", help="scratch space: models, workspaces, each part's log (default: a new "
                         "folder under the temp dir; --out then holds report.json and report.md alone)")
     args = parser.parse_args(argv)
     if args.cpu_dry_run:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU's, also on a machine with a GPU (before torch loads)
-    total_s = args.total_s or (DRY_RUN_BUDGET_S * len(PARTS) if args.cpu_dry_run else 450)
+    total_s = args.total_s or (DRY_RUN_BUDGET_S * len(PARTS) if args.cpu_dry_run else GPU_TOTAL_S)
     out = Path(args.out)
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="difftrainer-gpu-check-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -96,17 +98,20 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(out, {"mode": "cpu-dry-run" if args.cpu_dry_run else "gpu",
                           "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                           "work": str(work)})
+    planned_s = 0.0  # the budgets of the parts run so far: what they left unused goes to the next
     for name, full_s in PARTS:
         if args.only and name not in args.only:
             continue
+        planned_s += full_s
         left = total_s - (time.monotonic() - started) - RESERVE_S
-        if left < 5:
+        budget = min(planned_s - (time.monotonic() - started), left)
+        if budget < 5:
             report.add({"name": name, "status": "skipped", "reason": "no time left in the check's total", "seconds": 0})
             continue
         if args.cpu_dry_run:
             result = run_part_here(name, min(DRY_RUN_BUDGET_S, left), work)
         else:
-            result = run_part(name, min(full_s, left), work)
+            result = run_part(name, budget, work)
         if name == "environment":
             figures = result.get("figures", {})
             report.data.update(device=figures.get("device"), torch=figures.get("torch"), commit=figures.get("commit"))
