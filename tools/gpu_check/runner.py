@@ -30,11 +30,11 @@ REPO = Path(__file__).resolve().parent.parent.parent
 PARTS = [
     ("environment", 10),
     ("torch_compat", 20),
-    ("background_plan", 20),
+    ("background_plan", 30),
     ("plan_vs_measured", 130),
-    ("cuda_tests", 40),
+    ("cuda_tests", 35),
     ("families", 50),
-    ("weight_modes", 40),
+    ("weight_modes", 35),
     ("real_width", 60),
     ("compile_smoke", 30),
 ]
