@@ -88,7 +88,10 @@ def run_case(family: str, model, images, fraction: float, planners: dict, contex
                "measure": measure, **({"reserved_gib": _gib(reserved)} if reserved is not None else {}),
                **({"allocated_before_gib": _gib(allocated_before)} if allocated_before is not None else {}),
                "parked_blocks": f"{denoiser['parked_blocks']} of {denoiser['blocks']}",
-               "plan_s": round(plan_s, 1), "train_s": round(time.monotonic() - started, 1)}
+               "plan_s": round(plan_s, 1), "train_s": round(time.monotonic() - started, 1),
+               # the run's own plan (made beside the load where the device surely fits), or why none
+               "event_planned_gib": _gib(memory["planned"]["device_peak"]) if memory.get("planned") else None,
+               "event_unplanned": memory.get("unplanned")}
     return {**verdict(planned, measured, context.dry), "figures": figures}
 
 
