@@ -4,7 +4,7 @@ would import eagerly that a plan never uses through them.
 At import, diffusers asks `importlib.util.find_spec` once whether bitsandbytes, torchao and peft
 are installed and, where they are, imports them right away: its bitsandbytes and torchao
 quantizers (bitsandbytes compiles its default kernels, pulling in torch._inductor), its hooks and
-LoRA scaling (peft). transformers' quantizers import torchao the same way. Together about 3 CPU
+LoRA scaling (peft). transformers' quantizers import torchao the same way. Together 1-3 CPU
 seconds of a `launch.py plan` process that the plan never needs: it builds its own quantized
 layers and adapters, and imports bitsandbytes or torchao itself, when a part's weight mode runs
 on them (modules/quantization/linear_nf4.py, torchao_int8.py), as peft where an adapter needs it.
