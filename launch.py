@@ -213,6 +213,9 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    from modules.util.planning_imports import import_model_libraries_for_planning
+
+    import_model_libraries_for_planning()  # first: a process that only plans (modules/util/planning_imports.py)
     from modules.cli.plan_command import format_plan, run_plan_command
     from modules.cli.train_command import resolve_config
 

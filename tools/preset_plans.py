@@ -120,8 +120,10 @@ def main() -> None:
     parser.add_argument("--preset", action="append", default=[], help="only these presets (repeatable)")
     args = parser.parse_args()
     from modules.util.library_logs import quiet_library_logs
+    from modules.util.planning_imports import import_model_libraries_for_planning
 
     quiet_library_logs()
+    import_model_libraries_for_planning()  # this process only plans (modules/util/planning_imports.py)
     if args.render:
         write_readme(read_plans())
         return

@@ -192,6 +192,9 @@ def _plan_in_child() -> None:
     torch.set_num_threads(1)  # the plan runs on meta and fake tensors: nothing for a thread pool
     _refuse_cuda()
     try:
+        from modules.util.planning_imports import import_model_libraries_for_planning
+
+        import_model_libraries_for_planning()  # this process only plans (modules/util/planning_imports.py)
         from modules.config.loading import build_config
         from modules.plan.run_plan import plan_run
 
