@@ -4,13 +4,13 @@ default (the files with the most tests first).
 xdist sends one whole file to one worker, most tests first: the files of one or two slow tests
 (tests/test_plan_host_accuracy.py: 2 tests, ~100 s; test_readme_recipes.py: 3 tests, ~60 s) went
 last, and one worker ran them while the other had nothing left (on the 21:38 UTC 2026-12-07 run's
-durations: 955 s on the busier worker against 934 s for longest first; 2 workers). Longest first,
+durations: 955 s on the busier worker against 935 s this way; 2 workers). Longest first,
 each file to whichever worker asks next, leaves the shortest files for the end.
 
 The seconds: tests/file_seconds.json, made from a `--durations=0` log by
-`python tests/longest_files_first.py LOG > tests/file_seconds.json`. A file it does not name (new
-since) counts SECONDS_PER_UNLISTED_TEST per test; a stale figure changes only the order, never which
-tests run."""
+`python tests/longest_files_first.py LOG > tests/file_seconds.json`. The files it does not name
+(under LISTED_FROM_S, or new since) follow, most tests first as xdist orders them; a stale figure
+changes only the order, never which tests run."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 TABLE = Path(__file__).with_name("file_seconds.json")
-SECONDS_PER_UNLISTED_TEST = 0.2  # about the suite's median file's seconds per test
 LISTED_FROM_S = 2.0  # files faster than this are left out of the table: their order hardly matters
 _DURATION = re.compile(r"^([0-9.]+)s (?:setup|call|teardown)\s+(\S+?)::")
 
@@ -55,13 +54,14 @@ def longest_files_first_scheduler(config, log):
             super().__init__(config, log)
             self.expected_seconds = _load_table()
 
-        def _seconds(self, scope: str) -> float:
+        def _order(self, scope: str) -> tuple[bool, float]:
+            """Listed files before the rest, each by its seconds; the rest by their test count."""
             listed = self.expected_seconds.get(scope)
-            return listed if listed is not None else SECONDS_PER_UNLISTED_TEST * len(self.workqueue[scope])
+            return (True, listed) if listed is not None else (False, len(self.workqueue[scope]))
 
         def _assign_work_unit(self, node) -> None:
             # xdist takes the queue's first file: put the longest still waiting there
-            self.workqueue.move_to_end(max(self.workqueue, key=self._seconds), last=False)
+            self.workqueue.move_to_end(max(self.workqueue, key=self._order), last=False)
             super()._assign_work_unit(node)
 
     return LongestFilesFirst(config, log)

@@ -34,10 +34,12 @@ def _config():
 
 
 def test_the_longest_files_go_first_whatever_their_test_count(monkeypatch):
-    # many.py has the most tests (xdist's default would send it first); slow.py is listed longest
-    monkeypatch.setattr(longest_files_first, "_load_table", lambda: {"tests/slow.py": 90, "tests/mid.py": 30})
+    # many.py has the most tests (xdist's default would send it first); slow.py is listed longest,
+    # quick.py is listed and short, but its seconds are known: it goes before the unlisted ones
+    monkeypatch.setattr(longest_files_first, "_load_table",
+                        lambda: {"tests/slow.py": 90, "tests/mid.py": 30, "tests/quick.py": 2})
     collection = [*(f"tests/many.py::t{i}" for i in range(20)), "tests/slow.py::a", "tests/slow.py::b",
-                  *(f"tests/mid.py::t{i}" for i in range(3)), "tests/unlisted.py::a"]
+                  *(f"tests/mid.py::t{i}" for i in range(3)), "tests/unlisted.py::a", "tests/quick.py::a"]
     scheduler = longest_files_first.pytest_xdist_make_scheduler(_config(), None)
     nodes = [_Node("gw0"), _Node("gw1")]
     for node in nodes:
@@ -47,8 +49,10 @@ def test_the_longest_files_go_first_whatever_their_test_count(monkeypatch):
 
     first_files = [collection[node.sent[0]].split("::")[0] for node in nodes]
     assert first_files == ["tests/slow.py", "tests/mid.py"]
-    # many.py: 20 unlisted tests count 20 x SECONDS_PER_UNLISTED_TEST = 4 s, unlisted.py 0.2 s
-    assert [f for f, _ in scheduler.assigned_work[nodes[0]].items()] == ["tests/slow.py", "tests/many.py"]
+    # gw0 holds 2 tests, so it is sent its next file at once (xdist's low-watermark); gw1 holds 3
+    assert list(scheduler.assigned_work[nodes[0]]) == ["tests/slow.py", "tests/quick.py"]
+    scheduler._assign_work_unit(nodes[1])  # as when gw1 runs low
+    assert list(scheduler.assigned_work[nodes[1]]) == ["tests/mid.py", "tests/many.py"]
     assert list(scheduler.workqueue) == ["tests/unlisted.py"]
 
 
