@@ -27,6 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from modules.util.library_logs import quiet_library_logs  # noqa: E402
+from longest_files_first import pytest_xdist_make_scheduler  # noqa: E402,F401 (the hook: slowest files first)
 
 quiet_library_logs()
 
