@@ -2,7 +2,12 @@
 
 import io
 
+import pytest
+
 from modules.cli.console import ConsoleCallbacks
+from modules.config.errors import ConfigError
+from modules.config.loading import build_config
+from modules.config.presets import find_preset
 from modules.trainer.callbacks import Progress
 
 
@@ -12,3 +17,28 @@ def test_the_last_step_of_the_last_epoch_reads_epoch_n_of_n():
     ConsoleCallbacks(stream).on_progress(Progress(step=4, total_steps=4, epoch=1, epochs=1, loss=0.5, lr=1e-4,
                                                   it_per_s=1.0, eta_s=0.0))
     assert "step 4/4 epoch 1/1 " in stream.getvalue(), stream.getvalue()
+
+
+@pytest.mark.parametrize("override, line", [
+    ("schedule.epoch=3", "schedule.epoch: unknown key; did you mean 'epochs'?"),
+    ("concepts[0].repets=2", "concepts[0].repets: unknown key; did you mean 'repeats'?"),
+    ("model.parts.unet.learning_rat=1", "model.parts.unet.learning_rat: unknown key; did you mean 'learning_rate'?"),
+    ("adapter.rnk=4", "adapter.rnk: unknown key; did you mean 'rank'?"),
+    ("schedul.epochs=1", "schedul: unknown key; did you mean 'schedule'?"),
+])
+def test_a_typo_d_config_key_names_the_key_it_meant(override, line):
+    with pytest.raises(ConfigError) as raised:
+        build_config([{"concepts": [{"path": "x"}]}], overrides=(override,))
+    assert line in raised.value.problems
+
+
+def test_a_key_of_another_member_of_a_tagged_section_is_not_suggested_as_itself():
+    # `dora` is a LoRA option: LoHa has none, so the message must not read "did you mean 'dora'?"
+    with pytest.raises(ConfigError) as raised:
+        build_config([{"adapter": {"type": "loha", "dora": True}}])
+    assert raised.value.problems == ["adapter.dora: unknown key"]
+
+
+def test_a_preset_name_with_a_typo_names_the_preset_it_meant():
+    with pytest.raises(ConfigError, match=r"preset 'SD15 LoRA' not found; did you mean 'SD1.5 LoRA'\?"):
+        find_preset("SD15 LoRA")

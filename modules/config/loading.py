@@ -147,7 +147,7 @@ def validate_config(data: dict, source: str | None = None) -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error), source) from None
+        raise ConfigError(format_validation_error(error, TrainConfig, data), source) from None
 
 
 def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:
