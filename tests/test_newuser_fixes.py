@@ -42,3 +42,22 @@ def test_a_key_of_another_member_of_a_tagged_section_is_not_suggested_as_itself(
 def test_a_preset_name_with_a_typo_names_the_preset_it_meant():
     with pytest.raises(ConfigError, match=r"preset 'SD15 LoRA' not found; did you mean 'SD1.5 LoRA'\?"):
         find_preset("SD15 LoRA")
+
+
+def test_every_option_of_every_subcommand_says_what_it_does_in_its_help():
+    import argparse
+
+    import launch
+
+    parser = launch.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    silent = [f"{name} {action.dest}" for name, command in sub.choices.items() for action in command._actions
+              if not action.help and not isinstance(action, argparse._HelpAction)]
+    assert silent == []
+
+
+def test_make_tiny_model_with_a_typo_d_family_names_the_family_it_meant(capsys):
+    import launch
+
+    assert launch.main(["make-tiny-model", "--family", "sdx", "--out", "unused"]) == 2
+    assert "--family: unknown family 'sdx'; did you mean 'sdxl'?" in capsys.readouterr().err
