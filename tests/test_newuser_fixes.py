@@ -61,3 +61,20 @@ def test_make_tiny_model_with_a_typo_d_family_names_the_family_it_meant(capsys):
 
     assert launch.main(["make-tiny-model", "--family", "sdx", "--out", "unused"]) == 2
     assert "--family: unknown family 'sdx'; did you mean 'sdxl'?" in capsys.readouterr().err
+
+
+def test_an_init_from_of_another_family_with_another_rank_says_whose_it_is(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from modules.adapters.formats.adopt import adopt_file_layout
+    from modules.adapters.formats.files import AdapterFileError
+    from modules.config.adapter_configs import AdapterConfig
+
+    path = tmp_path / "flux-lora.safetensors"
+    save_file({"lora_transformer_single_blocks_0_attn_to_q.lora_down.weight": torch.zeros(4, 8),
+               "lora_transformer_single_blocks_0_attn_to_q.lora_up.weight": torch.zeros(8, 4)}, str(path),
+              metadata={"difftrainer.family": "flux"})
+    with pytest.raises(AdapterFileError, match=r"settings \(its header says it is an adapter of model.family 'flux'; "
+                                               r"this run trains 'sd15'\): adapter.rank is 32"):
+        adopt_file_layout(AdapterConfig(rank=32, init_from=str(path)), path, "kohya", "sd15")
