@@ -78,3 +78,10 @@ def test_an_init_from_of_another_family_with_another_rank_says_whose_it_is(tmp_p
     with pytest.raises(AdapterFileError, match=r"settings \(its header says it is an adapter of model.family 'flux'; "
                                                r"this run trains 'sd15'\): adapter.rank is 32"):
         adopt_file_layout(AdapterConfig(rank=32, init_from=str(path)), path, "kohya", "sd15")
+
+
+def test_a_gpu_class_with_a_typo_names_the_class_it_meant():
+    from modules.plan.gpu_classes import gpu_class
+
+    with pytest.raises(ValueError, match=r"unknown GPU class 'rtx4009'; did you mean 'rtx4090'\?"):
+        gpu_class("rtx4009")
