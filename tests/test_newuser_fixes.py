@@ -85,3 +85,16 @@ def test_a_gpu_class_with_a_typo_names_the_class_it_meant():
 
     with pytest.raises(ValueError, match=r"unknown GPU class 'rtx4009'; did you mean 'rtx4090'\?"):
         gpu_class("rtx4009")
+
+
+def test_a_set_key_that_cannot_be_read_shows_the_form_of_one():
+    with pytest.raises(ConfigError, match=r"--set concepts\[0\]path: cannot read the key \(names joined by '\.', "
+                                          r"list items by \[index\]"):
+        build_config([{}], overrides=("concepts[0]path=x",))
+
+
+def test_an_unknown_model_part_names_the_part_it_meant():
+    with pytest.raises(ConfigError) as raised:
+        build_config([{"model": {"family": "sd15", "parts": {"unte": {"train": False}}}}])
+    assert raised.value.problems == ["model.parts.unte: unknown part for family 'sd15'; did you mean 'unet'? "
+                                     "(parts: text_encoder, unet, vae)"]

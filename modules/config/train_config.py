@@ -36,6 +36,7 @@ from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  #
 from modules.config.strict import StrictModel
 from modules.config.video_config import VideoConfig
 from modules.quantization.weight_modes import LayerOptions, is_weight_mode, weight_mode_names
+from modules.util.did_you_mean import did_you_mean
 
 CURRENT_VERSION = 2
 
@@ -157,7 +158,8 @@ class ModelConfig(StrictModel):
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise located_error(
-                f"unknown part for family {family!r} (parts: {', '.join(defaults)})", "parts", unknown[0]
+                f"unknown part for family {family!r}{did_you_mean(unknown[0], defaults)} (parts: {', '.join(defaults)})",
+                "parts", unknown[0]
             )
         parts = {}
         for name, default in defaults.items():
