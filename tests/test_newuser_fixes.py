@@ -98,3 +98,15 @@ def test_an_unknown_model_part_names_the_part_it_meant():
         build_config([{"model": {"family": "sd15", "parts": {"unte": {"train": False}}}}])
     assert raised.value.problems == ["model.parts.unte: unknown part for family 'sd15'; did you mean 'unet'? "
                                      "(parts: text_encoder, unet, vae)"]
+
+
+@pytest.mark.parametrize("layer, start", [
+    ({"adapter": {"type": "lroa"}}, "adapter.type: unknown type 'lroa'; did you mean 'lora'? (known: "),
+    ({"model": {"family": "sdlx"}}, "model.family: unknown family 'sdlx'; did you mean 'sdxl'? (known: "),
+    ({"model": {"parts": {"unet": {"weight_dtype": "flaot8"}}}},
+     "model.parts.unet.weight_dtype: unknown weight mode 'flaot8'; did you mean 'float8'? (known: "),
+])
+def test_a_typo_d_choice_names_the_choice_it_meant(layer, start):
+    with pytest.raises(ConfigError) as raised:
+        build_config([layer])
+    assert any(line.startswith(start) for line in raised.value.problems), raised.value.problems

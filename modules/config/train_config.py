@@ -98,7 +98,8 @@ class ModelPartConfig(StrictModel):
     @classmethod
     def _registered_weight_mode(cls, value: str) -> str:
         if value != "auto" and not is_weight_mode(value):
-            raise ValueError(f"unknown weight mode {value!r} (known: {', '.join(weight_dtype_choices())})")
+            raise ValueError(f"unknown weight mode {value!r}{did_you_mean(value, weight_dtype_choices())} "
+                             f"(known: {', '.join(weight_dtype_choices())})")
         return value
 
     _fraction_in_range = field_validator("offload_fraction", mode="wrap")(
@@ -175,7 +176,8 @@ class ModelConfig(StrictModel):
         from modules.config.families import family_names
 
         if value not in family_names():
-            raise ValueError(f"unknown family {value!r} (known: {', '.join(family_names())})")
+            raise ValueError(f"unknown family {value!r}{did_you_mean(value, family_names())} "
+                             f"(known: {', '.join(family_names())})")
         return value
 
 
