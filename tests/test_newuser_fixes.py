@@ -110,3 +110,9 @@ def test_a_typo_d_choice_names_the_choice_it_meant(layer, start):
     with pytest.raises(ConfigError) as raised:
         build_config([layer])
     assert any(line.startswith(start) for line in raised.value.problems), raised.value.problems
+
+
+def test_a_typo_d_fixed_choice_names_the_choice_it_meant():
+    with pytest.raises(ConfigError) as raised:
+        build_config([{"lr_scheduler": {"type": "cosin"}}])
+    assert raised.value.problems[0].endswith("(got 'cosin'; did you mean 'cosine'?)"), raised.value.problems

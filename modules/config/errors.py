@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 from typing import Any
@@ -51,7 +52,9 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "multiple_of":
         return f"must be a multiple of {ctx.get('multiple_of')} (got {value!r})"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')} (got {value!r})"
+        expected = str(ctx.get("expected"))
+        near = did_you_mean(value, re.findall(r"'([^']*)'", expected)) if isinstance(value, str) else ""
+        return f"must be one of {expected} (got {value!r}{near})"
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return f"must be a whole number (got {value!r})"
     if kind in ("float_parsing", "float_type"):
