@@ -116,3 +116,10 @@ def test_a_typo_d_fixed_choice_names_the_choice_it_meant():
     with pytest.raises(ConfigError) as raised:
         build_config([{"lr_scheduler": {"type": "cosin"}}])
     assert raised.value.problems[0].endswith("(got 'cosin'; did you mean 'cosine'?)"), raised.value.problems
+
+
+def test_the_stop_message_promises_no_backup_a_stop_during_the_load_cannot_write():
+    from modules.cli.stop_signals import TRAINING_STOP
+
+    # stopped while loading or caching, the run writes nothing ("stopped before the first step")
+    assert TRAINING_STOP.endswith("a backup and the output are written if a step has run")
