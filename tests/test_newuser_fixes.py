@@ -123,3 +123,27 @@ def test_the_stop_message_promises_no_backup_a_stop_during_the_load_cannot_write
 
     # stopped while loading or caching, the run writes nothing ("stopped before the first step")
     assert TRAINING_STOP.endswith("a backup and the output are written if a step has run")
+
+
+needs_cpu_torch = pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is there")
+
+
+@needs_cpu_torch
+def test_a_train_device_this_torch_lacks_reads_no_free_memory_and_raises_nothing():
+    import torch
+
+    from modules.trainer.fit_check import free_device_memory
+
+    # the planned autos ask before preflight, which then names train_device (was: an AssertionError traceback)
+    assert free_device_memory(torch.device("cuda")) is None
+
+
+@needs_cpu_torch
+def test_plan_for_a_gpu_this_machine_lacks_asks_for_vram():
+    from modules.cli.plan_command import SizeError, default_budget
+    from modules.config.loading import build_config
+
+    config = build_config([{"train_device": "cuda"}])
+    with pytest.raises(SizeError, match=r"train_device: 'cuda' is not available here .*give --vram SIZE"):
+        default_budget(config)
+    assert default_budget(config, read_vram=False)[0] is None  # --vram given: the device is not asked
