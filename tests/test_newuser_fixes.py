@@ -147,3 +147,15 @@ def test_plan_for_a_gpu_this_machine_lacks_asks_for_vram():
     with pytest.raises(SizeError, match=r"train_device: 'cuda' is not available here .*give --vram SIZE"):
         default_budget(config)
     assert default_budget(config, read_vram=False)[0] is None  # --vram given: the device is not asked
+
+
+@needs_cpu_torch
+def test_cache_on_a_train_device_this_torch_lacks_names_it_before_the_load(tmp_path):
+    from modules.cli.cache_command import build_caches
+    from modules.config.loading import build_config
+    from modules.errors import UserError
+
+    config = build_config([{"train_device": "cuda", "workspace_dir": str(tmp_path / "ws"),
+                            "model": {"base": str(tmp_path / "no-model")}, "concepts": [{"path": str(tmp_path)}]}])
+    with pytest.raises(UserError, match=r"^train_device: 'cuda' is not available here"):
+        build_caches(config)

@@ -116,6 +116,11 @@ def _frame_problems(config: TrainConfig) -> list[str]:
 
 # --- devices -----------------------------------------------------------------------------------
 
+def device_problems(config: TrainConfig) -> list[str]:
+    """train_device and temp_device take a tensor here (for `cache`, which runs no full preflight)."""
+    return _device_problems(config)[0]
+
+
 def _device_problems(config: TrainConfig) -> tuple[list[str], torch.device | None]:
     """Each device must take a tensor: the one test that works for every backend (cuda, mps, xpu,
     a privateuse1 device) without naming any."""
