@@ -196,9 +196,11 @@ def cmd_schema(_args) -> int:
 
 def cmd_make_tiny_model(args) -> int:
     from modules.config.families import family_names, get_family_class
+    from modules.util.did_you_mean import did_you_mean
 
     if args.family not in family_names():
-        print(f"error: --family: unknown family {args.family!r} (known: {', '.join(family_names())})", file=sys.stderr)
+        print(f"error: --family: unknown family {args.family!r}{did_you_mean(args.family, family_names())} "
+              f"(known: {', '.join(family_names())})", file=sys.stderr)
         return 2
     family = get_family_class(args.family)
     if args.variant is None:
@@ -289,24 +291,31 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. data.resolution=768")
     cache.set_defaults(run=cmd_cache)
 
-    demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in well under a minute")
-    demo.add_argument("--workspace", default="workspace/demo")
-    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    demo = sub.add_parser("demo", help="train a tiny LoRA on a tiny model, offline, in about a minute on a CPU")
+    demo.add_argument("--workspace", default="workspace/demo", metavar="DIR",
+                      help="where the tiny model, its images and the run go (default: workspace/demo)")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override the demo's config, e.g. schedule.max_steps=10")
     demo.set_defaults(run=cmd_demo)
 
     presets = sub.add_parser("presets", help="list, show or save presets")
-    presets.add_argument("action", nargs="?", choices=["list", "show", "save"])
-    presets.add_argument("name", nargs="?")
-    presets.add_argument("--config", action="append", default=[], metavar="FILE")
+    presets.add_argument("action", nargs="?", choices=["list", "show", "save"],
+                         help="list (the default): every preset; show NAME: it merged onto the defaults, as JSON; "
+                              "save NAME: a user preset")
+    presets.add_argument("name", nargs="?", help="the preset to show or save")
+    presets.add_argument("--config", action="append", default=[], metavar="FILE",
+                         help="save: config JSON to put on top (repeatable; later wins)")
     presets.add_argument("--preset", help="save: start from this preset (the config files and --set go on top)")
-    presets.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    presets.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="show, save: override, e.g. schedule.epochs=5")
     presets.set_defaults(run=cmd_presets)
 
     sub.add_parser("schema", help="print the config's JSON Schema").set_defaults(run=cmd_schema)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random model of a family, offline")
-    tiny.add_argument("--family", default="sd15")
-    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--family", default="sd15",
+                      help="the model.family to build (default sd15; `launch.py info` lists the families)")
+    tiny.add_argument("--out", required=True, metavar="DIR", help="the folder to write the diffusers model into")
     tiny.add_argument("--variant", help="a model of a family of several: flux2's 'klein' (default) or "
                       "'dev'; qwen_image_edit_plus's '2509' (default) or '2511'; wan_i2v's 'i2v' (default) or "
                       "'flf2v' (Wan 2.1 FLF2V)")

@@ -21,7 +21,7 @@ def test_defaults_are_a_plain_lora_saved_as_kohya():
 
 
 @pytest.mark.parametrize("overlay, message", [
-    ({"adapter": {"type": "dora"}}, "adapter.type: unknown type 'dora' (known: lora, loha, lokr, oft)"),
+    ({"adapter": {"type": "dora"}}, "adapter.type: unknown type 'dora'; dora is an option of type 'lora' (adapter.dora) (known: lora, loha, lokr, oft)"),
     ({"adapter": {"type": "oft", "dora": True}}, "adapter.dora: unknown key"),  # each algorithm has its own options
     ({"adapter": {"type": "loha", "dora": True}}, "adapter.dora: unknown key"),
     ({"adapter": {"type": "oft", "rank": 4}}, "adapter.rank: unknown key"),

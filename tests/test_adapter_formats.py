@@ -184,6 +184,17 @@ def test_a_key_that_fits_no_adapter_is_named(family, tmp_path):
     assert f"{stem}.lora_mid.weight (LoCon's Tucker (CP) middle layer, not supported)" in message
 
 
+def test_a_file_of_another_model_is_named_as_one_with_what_its_header_says(family, tmp_path):
+    path = tmp_path / "flux.safetensors"
+    save_file({"lora_transformer_single_blocks_0_attn_to_q.lora_down.weight": torch.zeros(4, 8)}, str(path),
+              metadata={"modelspec.architecture": "flux-1-dev/lora"})
+    with adapters_on(family) as adapters:
+        with pytest.raises(AdapterFileError) as error:
+            load_adapter_file(path, adapters, family)
+    assert (f"none does: is it an adapter of another model than model.family {family.name!r}? (its header says "
+            f"'flux-1-dev/lora'; this family's LoRA is {family.modelspec_architecture!r})") in str(error.value)
+
+
 def test_a_file_missing_adapters_of_this_run_is_refused_naming_them(family, tmp_path):
     path = tmp_path / "partial.safetensors"
     with adapters_on(family) as adapters:

@@ -222,7 +222,7 @@ def test_set_bad_keys_are_config_errors(assignment):
 
 
 def test_set_to_an_unknown_key_is_reported_by_validation():
-    assert problems_of({}, overrides=("schedule.epoch=5",)) == ["schedule.epoch: unknown key"]
+    assert problems_of({}, overrides=("schedule.epoch=5",)) == ["schedule.epoch: unknown key; did you mean 'epochs'?"]
     assert problems_of({}, overrides=("concepts[0].repeats=0",)) == [
         "concepts[0].path: required", "concepts[0].repeats: must be >= 1 (got 0)"
     ]

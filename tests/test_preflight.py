@@ -100,6 +100,17 @@ def test_a_pickled_init_from_is_refused_before_the_model_loads(tmp_path, tiny_mo
                                           "(pickled .pt/.ckpt files can run code when loaded)"]
 
 
+def test_a_concept_folder_without_images_is_refused_before_the_model_loads(tmp_path, tiny_model, shape_images):
+    empty = tmp_path / "data"
+    (empty / "sub").mkdir(parents=True)
+    shutil.copy(next(shape_images.glob("*.png")), empty / "sub")  # a user's images, one folder down
+    config = train_config(tiny_model, shape_images, tmp_path, {"concepts": [{"path": str(shape_images)},
+                                                                            {"path": str(empty)}]})
+    (line,) = field_lines(preflight_problems(config), "concepts[1].path")
+    assert line.startswith(f"concepts[1].path: no image in {empty} (training reads .jpeg, .jpg, .png, .webp")
+    assert line.endswith("set concepts[1].include_subfolders to true to read them")
+
+
 def test_a_workspace_that_is_a_file(tmp_path, tiny_model, shape_images):
     (tmp_path / "ws").write_text("not a folder")
     config = train_config(tiny_model, shape_images, tmp_path)

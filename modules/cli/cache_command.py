@@ -45,13 +45,14 @@ def build_caches(config: TrainConfig, callbacks: TrainCallbacks | None = None,
     """`commands`: its stop request ends the build between two encoder batches."""
     from modules.data.concepts import check_concepts
     from modules.trainer.generic_trainer import GenericTrainer
-    from modules.trainer.preflight import workspace_problem
+    from modules.trainer.preflight import device_problems, workspace_problem
     from modules.util.stopping import StopRequested
 
     callbacks = callbacks or TrainCallbacks()
-    problem = workspace_problem(config)
-    if problem:
-        raise UserError(problem)
+    # before the load: the encoders go to train_device (a CUDA one on a CPU-only torch was a traceback)
+    problems = [problem for problem in [workspace_problem(config), *device_problems(config)] if problem]
+    if problems:
+        raise UserError("\n".join(problems))
     check_concepts(config.concepts)  # before the slow model load
     commands = commands or TrainCommands()
     trainer = GenericTrainer(config, callbacks, commands)  # for its cache folder, device and weight-mode resolution

@@ -12,6 +12,12 @@ from modules.trainer.callbacks import Progress, TrainCallbacks
 from modules.trainer.memory_report import describe_memory
 
 
+def epoch_label(p: Progress) -> str:
+    """"epoch 1/N" as the GUI's status line reads it. p.epoch counts the epochs done, so the last step
+    of the last epoch reports p.epoch == p.epochs: shown as N/N, not N+1/N."""
+    return f"{min(p.epoch + 1, p.epochs)}/{p.epochs}"
+
+
 class ConsoleCallbacks(TrainCallbacks):
     def __init__(self, stream=sys.stderr, every: int = 10):
         self.stream = stream
@@ -39,11 +45,10 @@ class ConsoleCallbacks(TrainCallbacks):
                 # and ETA cover only the steps this process ran
                 self.bar.initial = self.bar.n = self.bar.last_print_n = p.step - 1
             self.bar.update(p.step - self.bar.n)
-            # p.epoch counts from 0; the user reads epoch 1 of N, as the GUI's status line says
-            self.bar.set_postfix(epoch=f"{p.epoch + 1}/{p.epochs}", loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}")
+            self.bar.set_postfix(epoch=epoch_label(p), loss=f"{p.loss:.4f}", lr=f"{p.lr:.2e}")
         elif p.step % self.every == 0 or p.step == p.total_steps or p.step == 1:
             eta = f"{p.eta_s:.0f}s" if p.eta_s != float("inf") else "?"
-            self._line(f"step {p.step}/{p.total_steps} epoch {p.epoch + 1}/{p.epochs} loss {p.loss:.4f} "
+            self._line(f"step {p.step}/{p.total_steps} epoch {epoch_label(p)} loss {p.loss:.4f} "
                        f"lr {p.lr:.2e} {p.it_per_s:.2f} it/s eta {eta}")
 
     def on_sample(self, path: str, control_images: list[str] | None = None) -> None:

@@ -25,13 +25,17 @@ def parse_size(text: str, option: str) -> int:
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def default_budget(config) -> tuple[int | None, int | None]:
-    """The train device's free memory and the host's available RAM, as `info` reads them."""
+def default_budget(config, read_vram: bool = True) -> tuple[int | None, int | None]:
+    """The train device's free memory (where `read_vram`) and the host's available RAM, as `info` reads them."""
     from modules.quantization.capabilities import _system_memory, detect_capabilities
     from modules.util.torch_utils import resolve_device
 
     device = resolve_device(config.train_device)
-    vram = None if device.type == "cpu" else detect_capabilities(device).free_memory
+    try:
+        vram = None if device.type == "cpu" or not read_vram else detect_capabilities(device).free_memory
+    except (RuntimeError, AssertionError) as error:  # planning for a GPU this machine lacks
+        raise SizeError(f"train_device: {config.train_device!r} is not available here to read its free memory "
+                        f"({str(error).strip() or type(error).__name__}); give --vram SIZE to plan for it") from None
     return vram, _system_memory()[1]
 
 
@@ -93,7 +97,7 @@ def run_plan_command(config, vram: str | None, ram: str | None, gpu: str | None,
     vram_bytes = parse_size(vram, "--vram") if vram else None
     ram_bytes = parse_size(ram, "--ram") if ram else None
     if vram is None or ram is None:
-        default_vram, default_ram = default_budget(config)
+        default_vram, default_ram = default_budget(config, read_vram=vram is None)
         vram_bytes = default_vram if vram is None else vram_bytes
         ram_bytes = default_ram if ram is None else ram_bytes
     return plan_run(config, vram_bytes, ram_bytes, gpu, variant=variant).as_dict()

@@ -32,7 +32,8 @@ def _stderr(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-TRAINING_STOP = "stopping at the next step; a backup will be written"
+# true in every phase: stopped while loading or caching, no step has run and nothing is written
+TRAINING_STOP = "stopping at the next step; a backup and the output are written if a step has run"
 
 
 def _said(signum: int, doing: str) -> str:

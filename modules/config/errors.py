@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from modules.errors import UserError
-
+import re
+import types
+import typing
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError
+
+from modules.config.tagged import TaggedUnion
+from modules.errors import UserError
+from modules.util.did_you_mean import did_you_mean
 
 
 class ConfigError(UserError, ValueError):
@@ -47,7 +52,9 @@ def _message(error: dict[str, Any]) -> str:
     if kind == "multiple_of":
         return f"must be a multiple of {ctx.get('multiple_of')} (got {value!r})"
     if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')} (got {value!r})"
+        expected = str(ctx.get("expected"))
+        near = did_you_mean(value, re.findall(r"'([^']*)'", expected)) if isinstance(value, str) else ""
+        return f"must be one of {expected} (got {value!r}{near})"
     if kind in ("int_parsing", "int_type", "int_from_float"):
         return f"must be a whole number (got {value!r})"
     if kind in ("float_parsing", "float_type"):
@@ -72,9 +79,49 @@ def located_error(text: str, *at: str | int) -> PydanticCustomError:
     return PydanticCustomError("located", "{text}", {"text": text, "at": list(at)})
 
 
-def format_validation_error(error: ValidationError) -> list[str]:
+def known_keys(annotation: Any, steps: tuple[Any, ...], data: Any = None, metadata: tuple[Any, ...] = ()) -> set[str]:
+    """The keys the object at location `steps` below a value of `annotation` takes, for the "did
+    you mean" of an unknown key; `data` (the value validated) picks a tagged section's member by
+    its `type`. Empty where the walk cannot tell."""
+    def below(step: Any) -> Any:
+        try:
+            return data[step]
+        except (KeyError, IndexError, TypeError):
+            return None
+
+    for meta in metadata:
+        if isinstance(meta, TaggedUnion):
+            tag = data.get("type", meta.default) if isinstance(data, dict) else meta.default
+            member = meta.members().get(tag)
+            return known_keys(member.config_class, steps, data) if member is not None else set()
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return known_keys(args[0], steps, data, tuple(args[1:]) + metadata)
+    if origin in (typing.Union, types.UnionType):
+        return {key for arg in args for key in known_keys(arg, steps, data, metadata)}
+    if origin in (list, tuple) and args and steps and isinstance(steps[0], int):
+        return known_keys(args[0], steps[1:], below(steps[0]))
+    if origin is dict and len(args) == 2 and steps and isinstance(steps[0], str):
+        return known_keys(args[1], steps[1:], below(steps[0]))
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not steps:
+            return set(annotation.model_fields)
+        field = annotation.model_fields.get(steps[0]) if isinstance(steps[0], str) else None
+        if field is None:
+            return set()
+        return known_keys(field.annotation, steps[1:], below(steps[0]), tuple(field.metadata))
+    return set()
+
+
+def format_validation_error(error: ValidationError, model: type[BaseModel] | None = None,
+                            data: Any = None) -> list[str]:
+    """`model`, the class validated (and `data`, what it was given), lets an unknown key name the
+    nearest known one ("did you mean")."""
     lines = []
     for e in error.errors():
         loc = tuple(e["loc"]) + tuple((e.get("ctx") or {}).get("at", ()) if e["type"] == "located" else ())
-        lines.append(f"{dotted_path(loc)}: {_message(e)}")
+        message = _message(e)
+        if e["type"] == "extra_forbidden" and model is not None and loc and isinstance(loc[-1], str):
+            message += did_you_mean(loc[-1], known_keys(model, loc[:-1], data))
+        lines.append(f"{dotted_path(loc)}: {message}")
     return lines

@@ -82,6 +82,8 @@ def read_json_file(path: str | Path) -> dict:
 
 
 _SEGMENT = re.compile(r"([^.\[\]]+)|\[(\d+)\]")
+# what a key of --set looks like, for the message about one that is not
+_KEY_FORM = "(names joined by '.', list items by [index]: schedule.epochs=5, concepts[0].repeats=3)"
 
 
 def parse_dotted(key: str) -> list[str | int]:
@@ -93,11 +95,11 @@ def parse_dotted(key: str) -> list[str | int]:
         is_name = match.group(1) is not None
         # a name follows a '.' (or starts the key); an index follows what it indexes directly
         if between != ("." if is_name and steps else ""):
-            raise ConfigError([f"--set {key}: cannot read the key"])
+            raise ConfigError([f"--set {key}: cannot read the key {_KEY_FORM}"])
         steps.append(match.group(1) if is_name else int(match.group(2)))
         position = match.end()
     if not steps or position != len(key):
-        raise ConfigError([f"--set {key}: cannot read the key"])
+        raise ConfigError([f"--set {key}: cannot read the key {_KEY_FORM}"])
     return steps
 
 
@@ -147,7 +149,7 @@ def validate_config(data: dict, source: str | None = None) -> TrainConfig:
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_validation_error(error), source) from None
+        raise ConfigError(format_validation_error(error, TrainConfig, data), source) from None
 
 
 def build_config(layers: Iterable[dict], overrides: Iterable[str] = ()) -> TrainConfig:

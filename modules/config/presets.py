@@ -18,6 +18,7 @@ from modules.config.loading import config_overlay, read_json_file
 from modules.config.preset_aliases import renamed_preset
 from modules.config.train_config import TrainConfig
 from modules.util.atomic import write_text
+from modules.util.did_you_mean import did_you_mean
 
 BUILTIN_PRESETS_DIR = Path(__file__).resolve().parents[2] / "resources" / "presets"
 
@@ -89,8 +90,9 @@ def find_preset(name: str) -> PresetInfo:
     if not matches and (new := renamed_preset(name)):
         matches = [p for p in list_presets() if p.name == new and p.builtin]
     if not matches:
-        known = ", ".join(sorted({p.name for p in list_presets()}))
-        raise ConfigError([f"preset {name!r} not found (known: {known})"])
+        names = sorted({p.name for p in list_presets()})
+        # the suggestion first: the full list of ~100 names hides it (`launch.py presets` lists them)
+        raise ConfigError([f"preset {name!r} not found{did_you_mean(name, names)} (known: {', '.join(names)})"])
     return next((p for p in matches if not p.builtin), matches[0])
 
 

@@ -26,6 +26,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticCustomError, PydanticKnownError, core_schema
 
+from modules.util.did_you_mean import did_you_mean
+
 
 @dataclass(frozen=True)
 class Member:
@@ -139,10 +141,21 @@ class TaggedUnion:
         kind = data.get("type", self.default)
         if kind not in members:
             raise ValidationError.from_exception_data(self.section, [{
-                "type": PydanticCustomError("unknown_type", "unknown type {kind} (known: {known})",
-                                            {"kind": repr(kind), "known": ", ".join(members)}),
+                "type": PydanticCustomError("unknown_type", "unknown type {kind}{suggestion} (known: {known})",
+                                            {"kind": repr(kind), "known": ", ".join(members),
+                                             "suggestion": self._suggestion(kind, members)}),
                 "loc": ("type",), "input": kind}])
         return members[kind].config_class.model_validate(data)
+
+    def _suggestion(self, kind: Any, members: dict[str, Member]) -> str:
+        """What an unknown `type` may have meant: a member's option of that name (DoRA is LoRA's
+        `dora`), else the nearest member's name."""
+        if not isinstance(kind, str):
+            return ""
+        for name, member in members.items():
+            if kind != "type" and kind in member.config_class.model_fields:
+                return f"; {kind} is an option of type {name!r} ({self.section}.{kind})"
+        return did_you_mean(kind, members)
 
     def __get_pydantic_core_schema__(self, _source: Any, _handler: Any) -> core_schema.CoreSchema:
         def serialize(value: BaseModel, info: Any) -> Any:

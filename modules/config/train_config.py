@@ -36,6 +36,7 @@ from modules.config.sampling_config import SamplePromptConfig, SamplingConfig  #
 from modules.config.strict import StrictModel
 from modules.config.video_config import VideoConfig
 from modules.quantization.weight_modes import LayerOptions, is_weight_mode, weight_mode_names
+from modules.util.did_you_mean import did_you_mean
 
 CURRENT_VERSION = 2
 
@@ -97,7 +98,8 @@ class ModelPartConfig(StrictModel):
     @classmethod
     def _registered_weight_mode(cls, value: str) -> str:
         if value != "auto" and not is_weight_mode(value):
-            raise ValueError(f"unknown weight mode {value!r} (known: {', '.join(weight_dtype_choices())})")
+            raise ValueError(f"unknown weight mode {value!r}{did_you_mean(value, weight_dtype_choices())} "
+                             f"(known: {', '.join(weight_dtype_choices())})")
         return value
 
     _fraction_in_range = field_validator("offload_fraction", mode="wrap")(
@@ -157,7 +159,8 @@ class ModelConfig(StrictModel):
         unknown = sorted(set(given) - set(defaults))
         if unknown:
             raise located_error(
-                f"unknown part for family {family!r} (parts: {', '.join(defaults)})", "parts", unknown[0]
+                f"unknown part for family {family!r}{did_you_mean(unknown[0], defaults)} (parts: {', '.join(defaults)})",
+                "parts", unknown[0]
             )
         parts = {}
         for name, default in defaults.items():
@@ -173,7 +176,8 @@ class ModelConfig(StrictModel):
         from modules.config.families import family_names
 
         if value not in family_names():
-            raise ValueError(f"unknown family {value!r} (known: {', '.join(family_names())})")
+            raise ValueError(f"unknown family {value!r}{did_you_mean(value, family_names())} "
+                             f"(known: {', '.join(family_names())})")
         return value
 
 

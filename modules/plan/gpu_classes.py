@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from modules.util.did_you_mean import did_you_mean
+
 # the share of the nominal bf16 throughput a training step reaches (attention, norms and small
 # matmuls run far below peak); a planning figure, not a measurement
 COMPUTE_EFFICIENCY = 0.4
@@ -41,7 +43,7 @@ def gpu_class(name: str | None) -> GpuClass:
     """The class named (case-insensitive), the default for None; ValueError naming the known ones."""
     key = (name or DEFAULT_GPU_CLASS).lower()
     if key not in GPU_CLASSES:
-        raise ValueError(f"unknown GPU class {name!r} (known: {', '.join(GPU_CLASSES)})")
+        raise ValueError(f"unknown GPU class {name!r}{did_you_mean(key, GPU_CLASSES)} (known: {', '.join(GPU_CLASSES)})")
     return GPU_CLASSES[key]
 
 

@@ -38,7 +38,8 @@ def add_remote_parser(sub) -> argparse.ArgumentParser:
     remote.add_argument("--preset", help="a preset name, applied under the config files")
     remote.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. schedule.epochs=5")
     remote.add_argument("--resume", action="store_true", help="continue from the newest backup")
-    remote.add_argument("--protocol", choices=["text", "jsonl"], default="text")
+    remote.add_argument("--protocol", choices=["text", "jsonl"], default="text",
+                        help="jsonl: the run protocol of `train --protocol jsonl` (events on stdout, commands on stdin)")
     remote.add_argument("--retries", type=int, default=3, help="reconnect tries in a row after a dropped connection (default 3)")
     return remote
 

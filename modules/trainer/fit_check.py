@@ -24,7 +24,10 @@ def free_device_memory(device: torch.device) -> int | None:
     info = getattr(module, "mem_get_info", None)
     if not callable(info):
         return None
-    return int(info(device)[0])
+    try:
+        return int(info(device)[0])
+    except (RuntimeError, AssertionError):  # a device this torch lacks: preflight names train_device
+        return None
 
 
 def available_ram() -> int | None:

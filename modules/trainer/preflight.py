@@ -116,6 +116,11 @@ def _frame_problems(config: TrainConfig) -> list[str]:
 
 # --- devices -----------------------------------------------------------------------------------
 
+def device_problems(config: TrainConfig) -> list[str]:
+    """train_device and temp_device take a tensor here (for `cache`, which runs no full preflight)."""
+    return _device_problems(config)[0]
+
+
 def _device_problems(config: TrainConfig) -> tuple[list[str], torch.device | None]:
     """Each device must take a tensor: the one test that works for every backend (cuda, mps, xpu,
     a privateuse1 device) without naming any."""
@@ -328,8 +333,9 @@ def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int, list[s
     """Each enabled concept scanned as training will scan it (captions read and decoded);
     also how many images an epoch trains, for the disk estimate, and the captions it trains on
     (with their prefix and suffix)."""
-    from modules.data.concepts import DataError, check_concepts
+    from modules.data.concepts import DataError, check_concepts, scan_concept
     from modules.data.pairs import scan_items
+    from modules.data.video import is_video_concept, scan_options
 
     try:
         check_concepts(config.concepts)
@@ -339,15 +345,31 @@ def _concept_problems(config: TrainConfig) -> tuple[list[UserError], int, list[s
     for index, concept in enumerate(config.concepts):
         if not concept.enabled:
             continue
-        try:
-            items = scan_items(index, concept, _ignore)
+        try:  # (scanned as the dataset scans it: a video concept's clips count)
+            items = scan_concept(index, concept, _ignore, **scan_options(concept)) if is_video_concept(concept) \
+                else scan_items(index, concept, _ignore)
         except DataError as error:
             problems.append(error)
+            continue
+        if not items:  # found here, not after the model's load and the caching of the other concepts
+            problems.append(_no_image_problem(index, concept))
             continue
         if not concept.validation:
             images += concept.samples_per_epoch or len(items) * concept.repeats
             captions += [concept.captions.prefix + item.caption + concept.captions.suffix for item in items]
     return problems, images, captions
+
+
+def _no_image_problem(index: int, concept) -> str:
+    from modules.data.concepts import IMAGE_SUFFIXES
+
+    folder = Path(concept.path)
+    line = (f"concepts[{index}].path: no image in {folder} (training reads "
+            f"{', '.join(sorted(IMAGE_SUFFIXES))}, each with its caption in a .txt of the same name)")
+    if not concept.include_subfolders and any(
+            p.suffix.lower() in IMAGE_SUFFIXES for p in folder.glob("*/**/*") if p.is_file()):
+        line += f"; its subfolders hold images: set concepts[{index}].include_subfolders to true to read them"
+    return line
 
 
 def _ignore(_message: str) -> None:

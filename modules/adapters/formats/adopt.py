@@ -14,7 +14,8 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from modules.adapters.formats.files import AdapterFileError, algorithm_of_keys, check_adapter_file
+from modules.adapters.formats.files import (AdapterFileError, adapter_file_metadata, algorithm_of_keys,
+                                           check_adapter_file)
 from modules.adapters.registry import adapter_class
 from modules.config.adapter_configs import resolve_dora_axis
 from modules.config.train_config import AdapterConfig, TrainConfig
@@ -85,10 +86,11 @@ def _found(shapes: dict[str, tuple[int, ...]], config: AdapterConfig | None = No
     return found
 
 
-def adopt_file_layout(config: AdapterConfig, source: str | Path,
-                      output_format: str = "kohya") -> tuple[AdapterConfig, list[str]]:
+def adopt_file_layout(config: AdapterConfig, source: str | Path, output_format: str = "kohya",
+                      model_family: str | None = None) -> tuple[AdapterConfig, list[str]]:
     """The adapter config with the file's layout adopted where no setting was given, and what was
-    adopted (one line per setting); a given setting the file contradicts is an AdapterFileError."""
+    adopted (one line per setting); a given setting the file contradicts is an AdapterFileError
+    (naming the file's family where its header gives another than `model_family`)."""
     shapes = file_shapes(source)
     name = Path(source).name
     explicit = config.model_fields_set
@@ -110,7 +112,11 @@ def adopt_file_layout(config: AdapterConfig, source: str | Path,
         changes[field] = value
         said.append(f"adapter.{field}: {value!r} (e.g. {key})")
     if conflicts:
-        raise AdapterFileError(f"adapter.init_from: {name} does not fit the explicit adapter settings: "
+        # a LoRA of another model differs in rank as often as not: that, not the rank, is the news
+        made_for = adapter_file_metadata(source).get("difftrainer.family")
+        other = (f" (its header says it is an adapter of model.family {made_for!r}; this run trains "
+                 f"{model_family!r})") if made_for and model_family and made_for != model_family else ""
+        raise AdapterFileError(f"adapter.init_from: {name} does not fit the explicit adapter settings{other}: "
                                + "; ".join(conflicts) + "; remove the setting to adopt the file's")
     if not changes:
         return config, []
@@ -125,6 +131,7 @@ def adopt_init_from(config: TrainConfig, warn: Callable[[str], None]) -> None:
     backup's (which holds the adopted settings) and before the adapters are built."""
     if config.method.type != "adapter" or not config.adapter.init_from:
         return
-    config.adapter, adopted = adopt_file_layout(config.adapter, config.adapter.init_from, config.output.format)
+    config.adapter, adopted = adopt_file_layout(config.adapter, config.adapter.init_from, config.output.format,
+                                                config.model.family)
     for line in adopted:
         warn(line)

@@ -264,6 +264,16 @@ def check_adapter_file(path: str | Path, where: str = "adapter.init_from") -> No
                                "(pickled .pt/.ckpt files can run code when loaded)")
 
 
+def adapter_file_metadata(path: str | Path, where: str = "adapter.init_from") -> dict[str, str]:
+    """The header metadata of a .safetensors file, without reading its tensors."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), "pt") as file:
+            return file.metadata() or {}
+    except (SafetensorError, OSError) as error:
+        raise AdapterFileError(f"{where}: {path.name} is not a readable safetensors file ({error})") from None
+
+
 def read_adapter_file(path: str | Path, where: str = "adapter.init_from") -> tuple[dict[str, torch.Tensor], dict]:
     """Tensors and the header metadata of a .safetensors file (never unpickles anything)."""
     path = Path(path)
@@ -309,8 +319,16 @@ def canonical_state(tensors: dict[str, torch.Tensor], metadata: dict, adapters: 
         grouped.setdefault(name, {})[suffix] = tensor
         layout_of.setdefault(name, set()).add(layout)
     if unmapped:
+        hint = ""
+        if not grouped:  # not one key names a layer: a file of another model, or layers this run leaves out
+            made_for = metadata.get("modelspec.architecture") or metadata.get("ss_base_model_version")
+            ours = metadata.get("difftrainer.family")  # what this trainer writes (outputs.py)
+            hint = f"; none does: is it an adapter of another model than model.family {family.name!r}?" + (
+                f" (its header says model.family {ours!r})" if ours and ours != family.name else
+                f" (its header says {made_for!r}; this family's LoRA is {family.modelspec_architecture!r})"
+                if made_for and made_for != family.modelspec_architecture else "")
         raise AdapterFileError(f"{where}: {source}: {len(unmapped)} key(s) map to no layer this run puts an adapter on "
-                               f"(adapter.layer_preset / layer_filter, model.parts.*.train): {_listing(unmapped)}")
+                               f"(adapter.layer_preset / layer_filter, model.parts.*.train){hint}: {_listing(unmapped)}")
     mixed = sorted(name for name, layouts in layout_of.items() if len(layouts) > 1)
     if mixed:
         raise AdapterFileError(f"{where}: {source}: {_listing(mixed)} given twice, in two key layouts")
