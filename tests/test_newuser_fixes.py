@@ -159,3 +159,13 @@ def test_cache_on_a_train_device_this_torch_lacks_names_it_before_the_load(tmp_p
                             "model": {"base": str(tmp_path / "no-model")}, "concepts": [{"path": str(tmp_path)}]}])
     with pytest.raises(UserError, match=r"^train_device: 'cuda' is not available here"):
         build_caches(config)
+
+
+def test_the_window_s_validation_names_the_key_a_typo_d_one_meant():
+    """A config opened in the GUI with a typo'd key shows the same "did you mean" as the CLI."""
+    from ui.state import ConfigState, default_data
+
+    data = default_data()
+    data["schedule"]["epoch"] = 3
+    state = ConfigState(data)
+    assert "did you mean 'epochs'" in state.errors["schedule.epoch"], state.problems

@@ -313,7 +313,7 @@ class ConfigState:
             problems = []
         except ValidationError as error:
             self.config = None
-            problems = format_validation_error(error)
+            problems = format_validation_error(error, TrainConfig, self.data)  # "did you mean" for a typo'd key
         except ConfigError as error:
             self.config = None
             problems = list(error.problems)
