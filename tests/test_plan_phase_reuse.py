@@ -50,3 +50,24 @@ def test_tiled_and_whole_plans_of_one_planner_are_a_fresh_planners(family, confi
     fresh = {tiled: plan_run(config_of(family, tiled), None, None).as_dict() for tiled in (False, True)}
     assert shared == fresh
     assert fresh[True]["device"]["outside_step_phases"] != fresh[False]["device"]["outside_step_phases"]  # they tile
+
+
+@pytest.mark.parametrize("family", list(SAMPLES))
+def test_auto_tiling_reruns_only_what_tiling_changes(family, config_of, monkeypatch):
+    """`vae_tiling: auto` against a budget the untiled sample decode overruns and the tiled one fits:
+    the resolver plans both tilings, yet caching runs once, the decode once per tiling and the
+    denoiser's pass once (twice where the VAE runs in it, Wan 2.1 I2V): no second full set of passes."""
+    from modules.plan import phase_pass
+    from modules.plan.run_plan import plan_run
+
+    if family == "wan_i2v":  # a sample large enough that its decode, not the step, sets the peak
+        monkeypatch.setitem(SAMPLES, family, {"width": 256, "height": 256, "frames": 5})
+    whole, tiled = (plan_run(config_of(family, t), None, None).device_peak for t in (False, True))
+    assert tiled < whole
+    passes = []
+    peak = phase_pass._peak
+    monkeypatch.setattr(phase_pass, "_peak", lambda run, *args: passes.append(run.__name__) or peak(run, *args))
+    plan = plan_run(config_of(family, "auto"), (whole + tiled) // 2, None, fix=False)
+    assert plan.auto["sampling.vae_tiling"]["value"] is True, plan.auto
+    assert passes.count("encode") == 1 and passes.count("decode") == 2, passes
+    assert passes.count("denoise") == (2 if family == "wan_i2v" else 1), passes

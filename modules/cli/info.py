@@ -1,7 +1,7 @@
 """`launch.py info [--json] [--device DEV]`: what this machine can train with: families, presets,
 devices, and the base-weight precision modes that work on the train device (and whether
 `compile: true` can compile each), with the one auto would pick for each family, and how
-`sampling.vae_tiling: auto` resolves here. The GUI offers only the modes listed here."""
+`sampling.vae_tiling: auto` and `offload_fraction: auto` resolve here. The GUI offers only the modes listed here."""
 
 from __future__ import annotations
 
@@ -63,6 +63,23 @@ def _auto_offload(modes: dict[str, str], sizes: dict[str, int], free_memory: int
     return {part: auto_offload_fraction(size, size, total - size, free_memory) for part, size in part_bytes.items()}
 
 
+def _offload_auto(device: torch.device) -> dict:
+    """How a run on `device` resolves `offload_fraction: auto`: through its plan against the free
+    memory where the device says it (trainer/planned_autos.py: the least parking that fits the whole
+    step, activations included), else left to the placement's own auto, which parks nothing."""
+    free = free_device_memory(device)
+    if free is None:
+        return {"planned": False, "budget_bytes": None,
+                "why": f"nothing parked: a run on {device.type} is not planned ({device.type} does not say what of "
+                       "it is free for training); on a GPU it is resolved at train time by each run's plan against "
+                       "the device's free memory: the least parking that fits the whole step (`launch.py plan "
+                       "--vram` says per config)"}
+    return {"planned": True, "budget_bytes": free,
+            "why": "resolved at train time by each run's plan against the free memory: the least parking that "
+                   "fits the whole step, activations included (`launch.py plan` says per config); per family "
+                   "below, what the weights alone would need at auto's modes"}
+
+
 def _vae_tiling_auto(device: torch.device) -> dict:
     """How a run on `device` resolves `sampling.vae_tiling: auto`: through its plan (per config, so
     not here) against the free memory where the device says it (the trainer's own free_device_memory,
@@ -86,6 +103,7 @@ def machine_info(train_device: str = "auto") -> dict:
     working = working_modes(capabilities)
     devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     presets = list_presets()
+    offload = _offload_auto(device)
 
     families = {}
     for name in family_names():
@@ -99,7 +117,8 @@ def machine_info(train_device: str = "auto") -> dict:
             entry["recommended"] = {"weight_dtype": plan.modes, "estimated_bytes": plan.estimated_bytes,
                                     "budget_bytes": plan.budget_bytes, "fits": plan.fits,
                                     "warnings": list(plan.warnings),
-                                    "offload_fraction": _auto_offload(plan.modes, sizes, capabilities.free_memory)}
+                                    # against what the trainer plans offload with (None on the CPU: nothing parked)
+                                    "offload_fraction": _auto_offload(plan.modes, sizes, offload["budget_bytes"])}
         else:
             entry["recommended"] = None
         families[name] = entry
@@ -124,6 +143,7 @@ def machine_info(train_device: str = "auto") -> dict:
                           for blocker in [_compile_blocker(mode, s.works, device)]},
         "auto_headroom": HEADROOM,
         "vae_tiling_auto": _vae_tiling_auto(device),
+        "offload_auto": offload,
         "families": families,
     }
 
@@ -136,9 +156,9 @@ def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
 
 
-def _vae_tiling_line(tiling: dict) -> str:
-    budget = f" ({_gib(tiling['budget_bytes'])} free now)" if tiling["planned"] else ""
-    return f"  sampling.vae_tiling auto{budget}: {tiling['why']}"
+def _auto_line(field: str, auto: dict) -> str:
+    budget = f" ({_gib(auto['budget_bytes'])} free now)" if auto["planned"] else ""
+    return f"  {field} auto{budget}: {auto['why']}"
 
 
 def format_info(info: dict) -> str:
@@ -152,7 +172,8 @@ def format_info(info: dict) -> str:
         (f"  torchao int8: {_yes(caps['torchao_int8'])}   bitsandbytes nf4: {_yes(caps['bitsandbytes'])}   "
          f"float8 dtypes: {_yes(caps['float8_dtypes'])}   torch._int_mm: {_yes(caps['int_mm'])}   "
          f"torch._scaled_mm: {_yes(caps['scaled_mm'])}"),
-        _vae_tiling_line(info["vae_tiling_auto"]),
+        _auto_line("sampling.vae_tiling", info["vae_tiling_auto"]),
+        _auto_line("offload_fraction", info["offload_auto"]),
         "",
         f"weight_dtype on {caps['device']}:",
     ]
@@ -178,7 +199,8 @@ def format_info(info: dict) -> str:
             lines.append(f"    auto on {caps['device']}: {modes} (~{_gib(recommended['estimated_bytes'])} of "
                          f"a {_gib(recommended['budget_bytes'])} budget)")
             lines += [f"    warning: {warning}" for warning in recommended["warnings"]]
-            offload = {part: f for part, f in recommended["offload_fraction"].items() if f}
-            lines.append("    offload_fraction auto: " + (", ".join(f"{p}={f:g}" for p, f in offload.items())
-                                                         if offload else "0 (everything fits)"))
+            if info["offload_auto"]["planned"]:  # (unplanned, nothing is parked: the line above says so once)
+                offload = {part: f for part, f in recommended["offload_fraction"].items() if f}
+                lines.append("    offload_fraction auto, the weights alone: " + (
+                    ", ".join(f"{p}={f:g}" for p, f in offload.items()) if offload else "0 (they fit)"))
     return "\n".join(lines)
