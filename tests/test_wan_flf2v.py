@@ -253,6 +253,8 @@ def test_the_preflight_names_a_prompt_of_other_than_the_images_its_transformer_t
     def problems(*given):
         config = train_config(model, clips[0], tmp_path, {
             "model": {"family": "wan_i2v"}, "data": {"resolution": SIDE},
+            # (a video concept: its clips are frame folders, which a still concept does not read)
+            "concepts": [{"path": str(clips[0]), "video": {"frames": 5}}],
             "sampling": {"prompts": [{"prompt": "a", "frames": 5, "control_images": [str(p) for p in given]}]}})
         return preflight_problems(config)
 
