@@ -70,7 +70,7 @@ def _collect(config: TrainConfig, notes: list[str] | None = None, made: dict | N
     place_problems = _output_problems(config) + _folder_problems(config)
     model_problems, family = _model_problems(config)
     caption_problems, images_per_epoch, captions = _concept_problems(config)
-    problems = (device_problems + place_problems + model_problems + _init_from_problems(config) + caption_problems
+    problems = (device_problems + place_problems + model_problems + _init_from_problems(config, family) + caption_problems
                 + _loss_problems(config) + _frame_problems(config) + _control_problems(config, family))
     if config.embeddings:
         from modules.methods.embedding_files import embedding_problems
@@ -259,10 +259,12 @@ def _model_problems(config: TrainConfig):
     return problems, (family if not problems else None)
 
 
-def _init_from_problems(config: TrainConfig) -> list[str]:
-    """adapter.init_from is read only after the model has loaded: a missing file or a pickle's
-    suffix is told here, before that."""
+def _init_from_problems(config: TrainConfig, family) -> list[str]:
+    """adapter.init_from is read only after the model has loaded: a missing file, a pickle's
+    suffix or a file of another model family (where the model's files are sound: `family`) is
+    told here, before that."""
     from modules.adapters.formats.files import AdapterFileError, check_adapter_file
+    from modules.trainer.init_from_family import init_from_family_problem
 
     if not config.adapter.init_from or not METHODS.traits(config.method.type).uses_adapter:
         return []
@@ -270,7 +272,8 @@ def _init_from_problems(config: TrainConfig) -> list[str]:
         check_adapter_file(config.adapter.init_from)
     except AdapterFileError as error:
         return [str(error)]
-    return []
+    problem = init_from_family_problem(config) if family is not None else None
+    return [problem] if problem else []
 
 
 def _check_weight_files(family, part: str) -> None:
