@@ -28,6 +28,7 @@ from modules.loading.diffusers_folder import ModelLoadError, _quiet_loaders
 from modules.loading.safetensors_stream import SafetensorsError, SafetensorsStream
 from modules.loading.torch_files import load_weights_only
 from modules.quantization.base import QuantizedLinear
+from modules.quantization.half_storage import stored_dtype
 from modules.quantization.replace import (
     QuantizationReport,
     is_quantized_mode,
@@ -36,7 +37,7 @@ from modules.quantization.replace import (
     plan_layers,
 )
 from modules.quantization.skip_rules import keeps_float32
-from modules.quantization.weight_modes import DENSE_DTYPES, LayerOptions
+from modules.quantization.weight_modes import LayerOptions
 from modules.util.memory import freed_memory_returned_to_os, return_freed_heap
 from modules.quantization.tied_weights import tied_weight_keys
 
@@ -183,7 +184,7 @@ def load_streamed(model: nn.Module, folder: Path, *, part: str, where: str, mode
     Everything else is loaded onto the CPU. layer_options: the part's options for the mode's
     layers (`ModelPartConfig.layer_options`).
     """
-    dense = DENSE_DTYPES.get(mode, compute_dtype)
+    dense = stored_dtype(mode, compute_dtype)  # (the other 16-bit float's: half_storage.py)
     expected = {key: tensor.shape for key, tensor in model.state_dict().items()}
     report = None
     quantized: dict[str, nn.Module] = {}

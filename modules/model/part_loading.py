@@ -17,8 +17,8 @@ from modules.loading.diffusers_folder import (
     component_folder,
     weights_fingerprint,
 )
+from modules.quantization.half_storage import part_compute_dtype
 from modules.quantization.skip_rules import FAMILY_SKIP_ATTRIBUTE
-from modules.quantization.weight_modes import DENSE_DTYPES
 from modules.util.torch_utils import dtype_of
 
 
@@ -186,8 +186,9 @@ class PartLoading:
 
     def compute_dtype(self, part: str) -> torch.dtype:
         """The dtype a part computes in: its dense storage dtype, or the config's train_dtype when
-        its weights are quantized (never read back from a parameter, which may be fp8 or uint8)."""
-        return DENSE_DTYPES.get(self.weight_mode(part)) or dtype_of(self.config.train_dtype)
+        its weights are quantized or stored in the other 16-bit float (half_storage.py); never read
+        back from a parameter, which may be fp8 or uint8."""
+        return part_compute_dtype(self.weight_mode(part), dtype_of(self.config.train_dtype))
 
     def load_part(self, part: str, cls: type, rename: Callable[[str], str] | None = None,
                   ignore_unexpected: list[str] | None = None) -> nn.Module:

@@ -23,9 +23,9 @@ from torch import nn
 from modules.config.families import get_family_class
 from modules.config.train_config import TrainConfig
 from modules.loading.diffusers_folder import ModelLoadError
+from modules.quantization.half_storage import stored_dtype
 from modules.quantization.replace import is_quantized_mode, new_quantized_layer, plan_layers
 from modules.quantization.skip_rules import FAMILY_SKIP_ATTRIBUTE, keeps_float32
-from modules.quantization.weight_modes import DENSE_DTYPES
 
 META = torch.device("meta")
 
@@ -79,7 +79,7 @@ def store_as_planned(module: nn.Module, part: str, mode: str, compute_dtype: tor
     """As streamed_load does on a real load: quantized layers from the mode's factory (their
     storage on meta), every other floating tensor in the dense dtype, `_keep_in_fp32_modules` in
     float32."""
-    dense = DENSE_DTYPES.get(mode, compute_dtype)
+    dense = stored_dtype(mode, compute_dtype)  # (the other 16-bit float's: half_storage.py)
     if is_quantized_mode(mode):
         setattr(module, FAMILY_SKIP_ATTRIBUTE, family_skip)
         targets, _ = plan_layers(module, part, part_config.quantize_skip)

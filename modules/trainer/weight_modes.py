@@ -9,8 +9,10 @@ import torch
 
 from modules.config.errors import ConfigError
 from modules.quantization.capabilities import detect_capabilities
+from modules.quantization.half_storage import other_half
 from modules.quantization.policy import plan_base_precision
 from modules.quantization.weight_modes import DENSE_MODE_NAMES
+from modules.util.torch_utils import dtype_of
 
 if TYPE_CHECKING:
     from modules.trainer.generic_trainer import GenericTrainer
@@ -20,6 +22,13 @@ def resolve_weight_modes(trainer: GenericTrainer) -> dict[str, str]:
     """Each part's storage mode for this machine: "auto" resolved, and a mode that cannot work
     here refused before anything is loaded (policy.py has the table)."""
     requested = {name: part.weight_dtype for name, part in trainer.config.model.parts.items()}
+    train_dtype = dtype_of(trainer.config.train_dtype)
+    for name, mode in requested.items():
+        if other_half(mode, train_dtype):  # the load stores it so (half_storage.py says why)
+            trainer.callbacks.on_warning(
+                f"model.parts.{name}.weight_dtype: {mode} under train_dtype {trainer.config.train_dtype}: stored in "
+                f"{trainer.config.train_dtype} (the same 2 bytes a parameter; autocast casts each of its matmul "
+                f"weights to {trainer.config.train_dtype} anyway)")
     if all(mode in DENSE_MODE_NAMES for mode in requested.values()):
         return requested  # nothing to probe: dense storage works everywhere torch runs
     capabilities = detect_capabilities(trainer.device)
