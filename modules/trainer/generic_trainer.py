@@ -286,6 +286,12 @@ class GenericTrainer:
         self.total_steps = schedule.epochs * self.steps_per_epoch
         if schedule.max_steps:
             self.total_steps = min(self.total_steps, schedule.max_steps)
+        # the epochs the run reaches: progress says "epoch 13/13", not "13/100", where max_steps stops it
+        self.epochs_to_run = min(schedule.epochs, -(-self.total_steps // max(self.steps_per_epoch, 1)))
+        if self.ranks.main and self.epochs_to_run < schedule.epochs:
+            self.callbacks.on_status(f"schedule.max_steps: {schedule.max_steps} steps end the run in epoch "
+                                     f"{self.epochs_to_run} of schedule.epochs {schedule.epochs} "
+                                     f"({self.steps_per_epoch} steps an epoch)")
         self.scheduler = build_scheduler(self.config.lr_scheduler, self.optimizer, self.total_steps)
         if self.ranks.main and (warmup := warmup_note(self.config.lr_scheduler, self.total_steps)):
             self.callbacks.on_warning(warmup)
@@ -406,7 +412,7 @@ class GenericTrainer:
         rate = done / elapsed if elapsed > 0 else 0.0
         lr = self.scheduler.get_last_lr()[0]
         self.callbacks.on_progress(Progress(
-            step=self.step, total_steps=self.total_steps, epoch=self.epoch, epochs=self.config.schedule.epochs,
+            step=self.step, total_steps=self.total_steps, epoch=self.epoch, epochs=self.epochs_to_run,
             loss=self.last_loss, lr=lr, it_per_s=rate,
             eta_s=(self.total_steps - self.step) / rate if rate > 0 else float("inf"),
         ))
