@@ -298,7 +298,7 @@ def test_fibo_edit_presets_are_listed_and_valid_and_its_folder_is_told_by_its_pi
     assert detect_family(tiny_fibo_edit) == "fibo_edit"  # model_index's BriaFiboEditPipeline
     names = sorted(p.name for p in list_presets() if p.family == "fibo_edit")
     assert names == ["FIBO Edit LoRA 16GB", "FIBO Edit LoRA 24GB", "FIBO Edit embedding 12GB",
-                     "FIBO Edit full fine-tune 12GB"]
+                     "FIBO Edit embedding 8GB", "FIBO Edit full fine-tune 12GB"]
     for name in names:
         config = build_config([load_preset_overlay(name)])
         # an adapter file in diffusers' names (ComfyUI has no FIBO model); a fine-tune saves a folder
