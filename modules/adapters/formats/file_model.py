@@ -37,10 +37,15 @@ def _tensor_names() -> tuple[str, ...]:
     return (*canonical_keys(), *peft_keys.local_keys(), *unsupported_keys())
 
 
+def key_stems(key: str, names: tuple[str, ...] | None = None) -> list[str]:
+    """What the key's stem may be: the key less each tensor name it ends in (`.lora_down.weight`, `.alpha`)."""
+    return [key[: -len(n) - 1] for n in names or _tensor_names() if key.endswith("." + n)]
+
+
 def keys_naming(keys, stems: set[str]) -> list[str]:
-    """The keys whose stem (the key less its tensor name: `.lora_down.weight`, `.alpha`) is one of `stems`."""
+    """The keys whose stem is one of `stems`."""
     names = _tensor_names()
-    return [key for key in keys if any(key.endswith("." + n) and key[: -len(n) - 1] in stems for n in names)]
+    return [key for key in keys if any(stem in stems for stem in key_stems(key, names))]
 
 
 def header_family(metadata: dict[str, str], families: list[type[ModelFamily]]) -> type[ModelFamily] | None:
