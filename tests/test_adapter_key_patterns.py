@@ -4,6 +4,8 @@ exhaustive count gives (modules/trainer/init_from_family.py, modules/adapters/fo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from modules.adapters.formats.file_model import keys_naming
@@ -77,3 +79,14 @@ def test_a_file_no_family_names_builds_none(monkeypatch):
     monkeypatch.setattr(init_from_family, "built_on_meta", lambda config: pytest.fail("built " + config.model.family))
     families = [get_family_class(name) for name in family_names()]
     assert init_from_family._family_by_keys(["lora_unet_not_a_layer_anywhere.alpha"], families) == (None, "")
+
+
+def test_a_tie_goes_to_the_first_declared_family_even_when_a_later_one_promised_more(monkeypatch):
+    # b's patterns promise both keys, a's one; each names one: the tie is a's, as the exhaustive count says
+    a, b = SimpleNamespace(name="a"), SimpleNamespace(name="b")
+    monkeypatch.setattr(init_from_family, "family_key_patterns", lambda: {"a": {"x_#"}, "b": {"x_#", "y_#"}})
+    monkeypatch.setattr(init_from_family, "built_on_meta", lambda config: _Stems({"x_1"}))
+    monkeypatch.setattr(init_from_family, "model_stems", lambda built: built.stems)
+    monkeypatch.setattr(init_from_family.TrainConfig, "model_validate",
+                        lambda data: SimpleNamespace(model=SimpleNamespace(family=data["model"]["family"])))
+    assert init_from_family._family_by_keys(["x_1.alpha", "y_1.alpha"], [a, b]) == (a, "1 of its keys name that model's layers")
