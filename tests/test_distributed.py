@@ -121,6 +121,12 @@ def _worker(rank: int, world: int, port: int, runs: list[tuple[list[dict], int |
     from fake_device import enable_fake_device
 
     enable_fake_device()  # before the first backward pass (as conftest.py does); run C trains on it
+    # no plan beside the load, as conftest.py's autouse fixture has it for every test not marked
+    # background_plan (a spawned process is beyond its monkeypatch): run C's fake device surely
+    # fits, and each rank would start a planning child for a memory event no test here reads
+    from modules.trainer import background_plan
+
+    background_plan.start_background_plan = lambda *args, **kwargs: None
 
     from modules.config.loading import build_config
     from modules.quantization.base import QuantizedLinear
