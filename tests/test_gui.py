@@ -323,7 +323,28 @@ def test_failed_run_shows_its_error_and_the_window_stays_live(app, monkeypatch):
     dialog.destroy()
 
 
-def test_close_during_run_stops_with_backup_and_config_comes_back(app, home, tmp_path):
+# A run that trains nothing and ends only on the window's stop command, writing a backup then (what
+# the trainer does on that command: test_stop_stops_and_leaves_a_backup above, through the same
+# App.stop); ended any other way (stdin closed, killed) it leaves no backup.
+STOPPED_ONLY_BY_COMMAND = """
+import json, os, sys
+def emit(**event):
+    print(json.dumps(event), flush=True)
+emit(event="started", total_steps=1000)
+emit(event="progress", step=1, total_steps=1000, epoch=0, epochs=500, loss=0.5, lr=1e-4, it_per_s=1.0, eta_s=1.0)
+for line in sys.stdin:
+    if json.loads(line).get("command") == "stop":
+        backup = os.path.join(sys.argv[1], "backup", "step0000001")
+        os.makedirs(backup)
+        open(os.path.join(backup, "state.pt"), "wb").close()
+        emit(event="backup", path=backup)
+        emit(event="finished")
+        sys.exit(0)
+sys.exit(1)
+"""
+
+
+def test_close_during_run_stops_with_backup_and_config_comes_back(app, home, tmp_path, monkeypatch):
     from ui.app import App
 
     app.preset_var.set(PRESET)
@@ -331,6 +352,10 @@ def test_close_during_run_stops_with_backup_and_config_comes_back(app, home, tmp
     edit(app, "Training", "schedule.epochs", "500")
     edit(app, "General", "workspace_dir", str(tmp_path / "ws"))
     edit(app, "Adapter", "adapter.rank", "6")
+    # what closing does to a run (send stop, wait for its end, then close): a child of the protocol,
+    # not a second real training beside the stop test's
+    monkeypatch.setattr(app, "run_argv", lambda _config: [sys.executable, "-c", STOPPED_ONLY_BY_COMMAND,
+                                                           str(tmp_path / "ws")])
     previous = app.client
     app.start_button.invoke()
     client = app.client

@@ -178,7 +178,7 @@ def through_widget(app, path: str, value) -> None:
     app.tabview.set(tab)
     binding = next(b for b in widget.bindings if b.path == path)  # a cadence's value or its unit
     binding.var.set(to_text(binding.kind, value))
-    pump(app, timeout=0.02)
+    pump(app, timeout=0)  # one pass of the event loop: the trace has set the config already; no timer to wait for
 
 
 def exported(app, tmp_path) -> dict:
@@ -199,7 +199,7 @@ def test_every_schema_leaf_is_set_through_its_widget(app, tmp_path, path, member
     from ui.state import get_path
 
     app.cfg.load(base_data())
-    pump(app, timeout=0.02)
+    pump(app, timeout=0)
     if member:
         union_type, kind = member.split("=")
         through_widget(app, union_type, kind)

@@ -68,6 +68,26 @@ def test_offloading_a_part_moves_its_bytes_off_the_device(app):
     assert unet_row == ("unet", after["device"]["total"], after["parked"])
 
 
+def test_a_runs_measured_memory_shows_beside_the_plan(app):
+    # beside the plan the previous test waited for (before the budget's test, whose cleanup edit would
+    # start one more `launch.py plan` child just for this)
+    panel = app.plan_panel
+    app.tabview.set("Offload")
+    plan = wait_for_plan(app)
+    event = {"event": "memory", "step": 2,
+             "measured": {"device": "cuda:0", "device_peak_allocated": plan["device"]["peak"] // 2,
+                          "device_peak_reserved": None, "host_peak_rss": 3 * 2**30, "host_rss": 2 * 2**30},
+             "planned": {"device_peak": plan["device"]["peak"], "host_train_peak": plan["host"]["train_peak"]}}
+    app._event(event)  # what the run's reader delivers (the jsonl form: tests/test_memory_report.py)
+    pump(app, timeout=0.2)
+    line = app.tabs["Run"].memory_line.cget("text")
+    assert line.startswith("Memory after step 2: cuda:0 peak ") and "(planned " in line
+    total_label = [panel.canvas.itemcget(item, "text") for item in panel.canvas.find_all()
+                   if panel.canvas.type(item) == "text" and "measured" in panel.canvas.itemcget(item, "text")]
+    assert len(total_label) == 1
+    assert app.callback_errors == []
+
+
 def test_the_verdict_and_the_fixes_for_a_budget(app, tiny_model):
     from ui.components import ERROR_COLOR
 
@@ -88,24 +108,6 @@ def test_the_verdict_and_the_fixes_for_a_budget(app, tiny_model):
     panel.budget.set("lots")
     pump(app, lambda: "not 'lots'" in panel.state_label.cget("text"), timeout=5, what="the budget refused")
     panel.budget.set("")
-
-
-def test_a_runs_measured_memory_shows_beside_the_plan(app):
-    panel = app.plan_panel
-    app.tabview.set("Offload")
-    plan = wait_for_plan(app)
-    event = {"event": "memory", "step": 2,
-             "measured": {"device": "cuda:0", "device_peak_allocated": plan["device"]["peak"] // 2,
-                          "device_peak_reserved": None, "host_peak_rss": 3 * 2**30, "host_rss": 2 * 2**30},
-             "planned": {"device_peak": plan["device"]["peak"], "host_train_peak": plan["host"]["train_peak"]}}
-    app._event(event)  # what the run's reader delivers (the jsonl form: tests/test_memory_report.py)
-    pump(app, timeout=0.2)
-    line = app.tabs["Run"].memory_line.cget("text")
-    assert line.startswith("Memory after step 2: cuda:0 peak ") and "(planned " in line
-    total_label = [panel.canvas.itemcget(item, "text") for item in panel.canvas.find_all()
-                   if panel.canvas.type(item) == "text" and "measured" in panel.canvas.itemcget(item, "text")]
-    assert len(total_label) == 1
-    assert app.callback_errors == []
 
 
 def test_the_verdict_says_which_phase_outside_the_step_sets_the_peak():
