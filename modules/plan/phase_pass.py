@@ -37,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from modules.plan.attention import efficient_attention
 from modules.plan.live_bytes import LiveBytes
 from modules.plan.meta_ops import MetaOpCache
+from modules.plan.repeated_calls import RepeatedCalls
 
 TRAIN = torch.device("meta")
 
@@ -88,6 +89,8 @@ class PhasePasses:
         for module in family.parts.values():
             module.eval()
         self.vae = _decoding_part(family)
+        # what a tiled encode or decode calls once per tile and frame (repeated_calls.py)
+        self.repeated = list(self.vae.children()) if self.vae is not None else []
         image_modules = [family.parts[p] for p in family.image_parts]
         for module in image_modules + [family.parts[family.denoiser_part]]:
             _place(module, self.meta)
@@ -108,7 +111,7 @@ class PhasePasses:
                 family.encode_images(pixels).float()
                 family.encode_pixel_conditioning(pixels)
             with one_image_per_encoder_call(family):  # as the cache build encodes (one image per VAE call)
-                caching = _peak(encode, self.known, self.meta, self.attention)
+                caching = _peak(encode, self.known, self.meta, self.attention, self.repeated)
         tokens = None
         if cache_text:
             from modules.data.cache_build import ENCODE_BATCH
@@ -147,7 +150,7 @@ class PhasePasses:
             with tiled_decoding([vae] if vae is not None else [], tiled), _runs(vae) as vae_ran:
                 # (the sampler's switch holds for the whole pipeline: its own VAE encodes, an
                 # image-to-video prompt's image or control images, tile too)
-                peak = _peak(passes.denoise_pass, self.known + passes.inputs, meta, attention)
+                peak = _peak(passes.denoise_pass, self.known + passes.inputs, meta, attention, self.repeated)
             peaks.append(peak)
             # where the VAE did not run in it, tiling changes nothing there: the other tiling's too
             passes.denoise.update({tiled: peak} if vae_ran else {True: peak, False: peak})
@@ -161,7 +164,7 @@ class PhasePasses:
             def decode():
                 with tiled_decoding([vae], tiled):  # the sampler's own switch (modules/sampling/vae_tiling.py)
                     vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False)
-            peaks.append(_peak(decode, self.known, meta, attention))
+            peaks.append(_peak(decode, self.known, meta, attention, self.repeated))
         return max(peaks)
 
 
@@ -220,11 +223,13 @@ def _batched(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.empty((batch, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
-def _peak(run, known, meta: MetaOpCache, attention) -> int:
-    """The most new bytes `run()` holds on the train device at once (meta tensors), without grad."""
+def _peak(run, known, meta: MetaOpCache, attention, repeated=()) -> int:
+    """The most new bytes `run()` holds on the train device at once (meta tensors), without grad;
+    the calls of the modules `repeated` (a VAE's encoder and decoder, once per tile) run once per
+    key, the rest replayed (repeated_calls.py)."""
     live = LiveBytes(TRAIN, meta.run, flops=False)  # (no phase's FLOPs are planned)
     live.known(known)
-    with torch.no_grad(), live, attention():
+    with torch.no_grad(), live, attention(), RepeatedCalls(live, repeated):
         run()
     return live.peak
 
