@@ -1,5 +1,5 @@
 """A phase pass replays a VAE's repeated encoder and decoder calls (modules/plan/repeated_calls.py):
-each key's first call runs, the rest are made from its note. The peak must be the pass's without
+each key's first call runs, the rest (in that pass and the passes after it) are made from its note. The peak must be the pass's without
 replays to the byte: a causal Wan VAE (its encoder and decoder keep each conv's last frames in a
 list they mutate, call after call) and an SD-style AutoencoderKL, tiled (tiles of several shapes)
 and whole, on meta. And a wrong key must show: a toy module whose bytes depend on its input's shape
@@ -37,12 +37,13 @@ def _kl_vae():
     return vae, (1, 3, 80, 112)
 
 
-def _peaks(vae, pixels_shape, tiled: bool, replay: bool) -> tuple[int, int]:
-    """(the encode's peak, the decode's) on meta, with the VAE's children replayed where `replay`."""
+def _peaks(vae, pixels_shape, tiled: bool, replay: bool) -> tuple[int, int, int]:
+    """(the encode's peak, the decode's, a second encode's) on meta, in passes that share one
+    RepeatedCalls of the VAE's children where `replay` (the second encode's calls all replayed)."""
     meta = MetaOpCache()
     vae.use_tiling = tiled
     known = [*vae.parameters(), *vae.buffers()]
-    repeated = list(vae.children()) if replay else []
+    repeated = RepeatedCalls(vae.children()) if replay else None
     latents = []
 
     def encode():
@@ -51,7 +52,8 @@ def _peaks(vae, pixels_shape, tiled: bool, replay: bool) -> tuple[int, int]:
     def decode():
         vae.decode(torch.empty(latents[0].shape, device="meta"), return_dict=False)
     return (phase_pass._peak(encode, known, meta, efficient_attention, repeated),
-            phase_pass._peak(decode, known, meta, efficient_attention, repeated))
+            phase_pass._peak(decode, known, meta, efficient_attention, repeated),
+            phase_pass._peak(encode, known + latents, meta, efficient_attention, repeated))
 
 
 @pytest.mark.parametrize("make", [_wan_vae, _kl_vae], ids=["wan causal vae", "autoencoder kl"])
@@ -88,7 +90,7 @@ def _toy_peak(replay: bool) -> tuple[int, int]:
         for size in (8, 8, 8, 32, 32, 8):
             live_calls.append(module(torch.empty(size, device="meta"), cache))
     meta = MetaOpCache()
-    peak = phase_pass._peak(run, [], meta, efficient_attention, [module] if replay else [])
+    peak = phase_pass._peak(run, [], meta, efficient_attention, RepeatedCalls([module]) if replay else None)
     return peak, len(live_calls)
 
 

@@ -89,8 +89,9 @@ class PhasePasses:
         for module in family.parts.values():
             module.eval()
         self.vae = _decoding_part(family)
-        # what a tiled encode or decode calls once per tile and frame (repeated_calls.py)
-        self.repeated = list(self.vae.children()) if self.vae is not None else []
+        # what the passes call again on the same shapes (repeated_calls.py): a VAE encode or decode
+        # its encoder and decoder once per frame chunk (and tile), in caching and sampling alike
+        self.repeated = RepeatedCalls(self.vae.children() if self.vae is not None else [])
         image_modules = [family.parts[p] for p in family.image_parts]
         for module in image_modules + [family.parts[family.denoiser_part]]:
             _place(module, self.meta)
@@ -178,9 +179,15 @@ class _PromptPasses:
         batch = guidance_batch(prompt, family)
         controls = min(len(prompt.control_images), family.control_images)
         pixels = torch.empty(1, 3, *((frames,) if frames > 1 else ()), prompt.height, prompt.width, device=TRAIN)
-        with meta, torch.no_grad(), _first_encoding(passes.vae) as encoded:  # the shapes, uncounted
-            latents = family.encode_images(pixels)
-            conditioning = family.encode_pixel_conditioning(pixels)
+        made = {}
+
+        def shapes():  # the shapes; its peak unused, counted for the notes of the VAE's calls it makes,
+            # which the denoiser's pass makes again (an image-to-video prompt's first-frame encode)
+            made["latents"] = family.encode_images(pixels)
+            made["conditioning"] = family.encode_pixel_conditioning(pixels)
+        with _first_encoding(passes.vae) as encoded:
+            _peak(shapes, passes.known, meta, passes.attention, passes.repeated)
+        latents, conditioning = made["latents"], made["conditioning"]
         self.decoded = encoded[0] if encoded else None
         self.text_peaks = []
         tokens = None if passes.cached_text else family.planning_tokens(1, TRAIN)
@@ -223,13 +230,14 @@ def _batched(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.empty((batch, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
-def _peak(run, known, meta: MetaOpCache, attention, repeated=()) -> int:
+def _peak(run, known, meta: MetaOpCache, attention, repeated: RepeatedCalls | None = None) -> int:
     """The most new bytes `run()` holds on the train device at once (meta tensors), without grad;
-    the calls of the modules `repeated` (a VAE's encoder and decoder, once per tile) run once per
-    key, the rest replayed (repeated_calls.py)."""
+    of the calls `repeated` watches (a VAE's encoder and decoder), each key's first runs and the rest
+    are replayed (repeated_calls.py)."""
     live = LiveBytes(TRAIN, meta.run, flops=False)  # (no phase's FLOPs are planned)
     live.known(known)
-    with torch.no_grad(), live, attention(), RepeatedCalls(live, repeated):
+    with torch.no_grad(), live, attention(), \
+            repeated.counting(live) if repeated is not None else contextlib.nullcontext():
         run()
     return live.peak
 

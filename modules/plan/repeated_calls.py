@@ -35,30 +35,33 @@ class _Unkeyable(Exception):
 
 
 class RepeatedCalls:
-    """Inside `with RepeatedCalls(live, modules):` each of `modules` (by forward) replays repeated
-    calls against `live` (a LiveBytes counting no FLOPs)."""
+    """Each of `modules` (by forward) replays its repeated calls inside `with calls.counting(live):`,
+    against `live` (a LiveBytes counting no FLOPs). The notes hold from pass to pass (a call's bytes
+    are its own: what it makes, and the cache entries earlier calls made), so one object serves the
+    passes of one architecture that route attention alike (phase_pass.PhasePasses)."""
 
-    def __init__(self, live, modules):
-        assert not live._formulas, "a replayed call would count no FLOPs"
-        self.live = live
+    def __init__(self, modules):
         self.modules = list(modules)
+        self.live = None
         self._notes: dict[tuple, object] = {}
-        self._own: list = []  # each module's own forward attribute, if it had one
         self.replayed = 0
 
-    def __enter__(self):
+    @contextlib.contextmanager
+    def counting(self, live):
+        assert not live._formulas, "a replayed call would count no FLOPs"
+        own = [vars(module).get("forward") for module in self.modules]  # a module's own forward attribute
+        self.live = live
         for module in self.modules:
-            self._own.append(vars(module).get("forward"))
             module.forward = self._wrapped(module, module.forward)
-        return self
-
-    def __exit__(self, *exc):
-        for module, own in zip(self.modules, self._own):
-            if own is None:
-                del module.forward  # (the class's forward again)
-            else:
-                module.forward = own
-        self._own.clear()
+        try:
+            yield self
+        finally:
+            self.live = None
+            for module, forward in zip(self.modules, own):
+                if forward is None:
+                    del module.forward  # (the class's forward again)
+                else:
+                    module.forward = forward
 
     def _wrapped(self, module, forward):
         def call(*args, **kwargs):
