@@ -1,4 +1,5 @@
-"""A phase pass replays a VAE's repeated encoder and decoder calls (modules/plan/repeated_calls.py):
+"""A phase pass replays a VAE's repeated encoder and decoder calls and its tile blends
+(modules/plan/repeated_calls.py):
 each key's first call runs, the rest (in that pass and the passes after it) are made from its note. The peak must be the pass's without
 replays to the byte: a causal Wan VAE (its encoder and decoder keep each conv's last frames in a
 list they mutate, call after call) and an SD-style AutoencoderKL, tiled (tiles of several shapes)
@@ -43,7 +44,8 @@ def _peaks(vae, pixels_shape, tiled: bool, replay: bool) -> tuple[int, int, int]
     meta = MetaOpCache()
     vae.use_tiling = tiled
     known = [*vae.parameters(), *vae.buffers()]
-    repeated = RepeatedCalls(vae.children()) if replay else None
+    blends = [(vae, name) for name in ("blend_v", "blend_h")]  # (in place into their second argument)
+    repeated = RepeatedCalls(vae.children(), blends) if replay else None
     latents = []
 
     def encode():

@@ -90,8 +90,11 @@ class PhasePasses:
             module.eval()
         self.vae = _decoding_part(family)
         # what the passes call again on the same shapes (repeated_calls.py): a VAE encode or decode
-        # its encoder and decoder once per frame chunk (and tile), in caching and sampling alike
-        self.repeated = RepeatedCalls(self.vae.children() if self.vae is not None else [])
+        # its encoder and decoder once per frame chunk (and tile), in caching and sampling alike, a
+        # tiled one diffusers' blend of each tile's edges into its neighbours'
+        self.repeated = RepeatedCalls(self.vae.children() if self.vae is not None else [],
+                                      [(self.vae, name) for name in ("blend_v", "blend_h")
+                                       if callable(getattr(self.vae, name, None))])
         image_modules = [family.parts[p] for p in family.image_parts]
         for module in image_modules + [family.parts[family.denoiser_part]]:
             _place(module, self.meta)

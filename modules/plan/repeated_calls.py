@@ -35,13 +35,15 @@ class _Unkeyable(Exception):
 
 
 class RepeatedCalls:
-    """Each of `modules` (by forward) replays its repeated calls inside `with calls.counting(live):`,
-    against `live` (a LiveBytes counting no FLOPs). The notes hold from pass to pass (a call's bytes
-    are its own: what it makes, and the cache entries earlier calls made), so one object serves the
-    passes of one architecture that route attention alike (phase_pass.PhasePasses)."""
+    """Each of `modules` (by forward), and each `(owner, name)` of `methods` (a VAE's `blend_v`, which
+    blends one tile's edge into the next row by row, in place: ~90 ops a row), replays its repeated
+    calls inside `with calls.counting(live):`, against `live` (a LiveBytes counting no FLOPs). The
+    notes hold from pass to pass (a call's bytes are its own: what it makes, and the cache entries
+    earlier calls made), so one object serves the passes of one architecture that route attention
+    alike (phase_pass.PhasePasses)."""
 
-    def __init__(self, modules):
-        self.modules = list(modules)
+    def __init__(self, modules, methods=()):
+        self.calls = [(module, "forward") for module in modules] + list(methods)
         self.live = None
         self._notes: dict[tuple, object] = {}
         self.replayed = 0
@@ -49,50 +51,53 @@ class RepeatedCalls:
     @contextlib.contextmanager
     def counting(self, live):
         assert not live._formulas, "a replayed call would count no FLOPs"
-        own = [vars(module).get("forward") for module in self.modules]  # a module's own forward attribute
+        own = [vars(owner).get(name) for owner, name in self.calls]  # an owner's own attribute of the name
         self.live = live
-        for module in self.modules:
-            module.forward = self._wrapped(module, module.forward)
+        for owner, name in self.calls:
+            setattr(owner, name, self._wrapped(owner, name, getattr(owner, name)))
         try:
             yield self
         finally:
             self.live = None
-            for module, forward in zip(self.modules, own):
-                if forward is None:
-                    del module.forward  # (the class's forward again)
+            for (owner, name), attribute in zip(self.calls, own):
+                if attribute is None:
+                    delattr(owner, name)  # (the class's method again)
                 else:
-                    module.forward = forward
+                    setattr(owner, name, attribute)
 
-    def _wrapped(self, module, forward):
+    def _wrapped(self, owner, name, method):
         def call(*args, **kwargs):
             try:
-                key = (id(module), module.training, torch.is_grad_enabled(), _key(args), tuple(kwargs),
-                       _key(kwargs.values()))
+                arguments = (_key(args), tuple(kwargs), _key(kwargs.values()))
             except _Unkeyable:
-                return forward(*args, **kwargs)
+                return method(*args, **kwargs)
+            key = (id(owner), name, getattr(owner, "training", None), torch.is_grad_enabled(), arguments)
             note = self._notes.get(key)
             if note is None:
-                out, self._notes[key] = self._noted(module, forward, args, kwargs)
+                out, self._notes[key] = self._noted(owner, method, args, kwargs)
                 return out
             if note is _UNSEEN:
-                return forward(*args, **kwargs)
+                return method(*args, **kwargs)
             self.replayed += 1
             return self._replay(note, args, kwargs)
         return call
 
-    def _noted(self, module, forward, args, kwargs):
+    def _noted(self, owner, method, args, kwargs):
         live = self.live
         lists = _lists((args, kwargs))
         before = [[_held(item) for item in items] for items in lists]  # (no reference: a replaced entry goes)
-        attributes = _attributes(module)
+        attributes = _attributes(owner)
+        metadata = _metadata((args, kwargs))
         held, peak = live.live, live.peak
         live.peak = held
         try:
-            out = forward(*args, **kwargs)
+            out = method(*args, **kwargs)
         finally:
             rise, live.peak = live.peak - held, max(peak, live.peak)
         note = _note(out, lists, before, (args, kwargs))
-        if note is _UNSEEN or attributes != _attributes(module):
+        if note is _UNSEEN or attributes != _attributes(owner):
+            return out, _UNSEEN
+        if _metadata((args, kwargs)) != metadata:  # (an in-place call leaves its arguments' metadata as it was)
             return out, _UNSEEN
         return out, (rise, live.live - held, *note)
 
@@ -100,7 +105,7 @@ class RepeatedCalls:
         rise, net, out_spec, list_specs = note
         live = self.live
         held, peak = live.live, live.peak
-        out = _made(out_spec)
+        out = (*args, *kwargs.values())[out_spec[1]] if out_spec[0] == "argument" else _made(out_spec)
         for items, spec in zip(_lists((args, kwargs)), list_specs):
             length, changes = spec
             new = [_made(entry) for _index, entry in changes]
@@ -133,6 +138,14 @@ def _key(values) -> tuple:
         else:
             raise _Unkeyable
     return tuple(key)
+
+
+def _metadata(value) -> list:
+    """The metadata of the tensors among the arguments, lists left out (a call may replace their entries)."""
+    if isinstance(value, torch.Tensor):
+        return [(value.shape, value.stride(), value.dtype, value.storage_offset())]
+    items = value.values() if isinstance(value, dict) else value if type(value) is tuple else ()
+    return [m for item in items for m in _metadata(item)]
 
 
 def _lists(value) -> list[list]:
@@ -172,6 +185,12 @@ def _attributes(module) -> dict:
 
 def _note(out, lists, before, arguments):
     """(the outputs' spec, per list (its length, [(index, new entry's spec)])), or _UNSEEN."""
+    given = (*arguments[0], *arguments[1].values())
+    for index, value in enumerate(given):  # a call that returns an argument (a blend into it, in place)
+        if isinstance(value, torch.Tensor) and out is value:
+            if not _lists_unchanged(lists, before):
+                return _UNSEEN
+            return ("argument", index), [(len(items), []) for items in lists]
     taken = _storages(arguments)  # what is not new: the arguments' tensors, the entries the call kept
     for items, old in zip(lists, before):
         for index, value in enumerate(items):
@@ -194,6 +213,11 @@ def _note(out, lists, before, arguments):
             changes.append((index, spec))
         list_specs.append((len(items), changes))
     return out_spec, list_specs
+
+
+def _lists_unchanged(lists, before) -> bool:
+    return all(len(items) == len(old) and all(_unchanged(v, h) for v, h in zip(items, old))
+               for items, old in zip(lists, before))
 
 
 def _spec(value, taken: set[int]):
