@@ -45,6 +45,10 @@ class MetaOpCache(TorchDispatchMode):
         self._notes: dict[tuple, object] = {}
         self.hits = 0
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # (as LiveBytes: no dynamo-disabling frame around each op; a plan compiles nothing)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return self.run(func, args, kwargs or {})
 

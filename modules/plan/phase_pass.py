@@ -20,9 +20,10 @@ latents its `encode` gives at that size (what the pipelines decode, before their
 phase holds the largest of these (they run one after another); the adapters' small forward
 intermediates and the pipeline's latents between steps are not counted.
 
-The VAE, denoiser and image encoders run on the meta device (meta_ops.py); the text encoders on
-fake tensors (transformers' mask helpers ask `mask.all()`, which a meta tensor cannot answer), as
-in the step (fake_pass.py). Every new storage on the train device is counted by LiveBytes.
+Every part runs on the meta device (meta_ops.py), the text encoders as in the step (fake_pass.py):
+transformers' mask helpers take the branch they take for fake tensors (traced_meta.py), and an
+encoder that still reads a value runs on fake tensors. Every new storage on the train device is
+counted by LiveBytes.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from modules.plan.attention import efficient_attention
 from modules.plan.live_bytes import LiveBytes
 from modules.plan.meta_ops import MetaOpCache
+from modules.plan.repeated_calls import RepeatedCalls
 
 TRAIN = torch.device("meta")
 
@@ -87,6 +89,12 @@ class PhasePasses:
         for module in family.parts.values():
             module.eval()
         self.vae = _decoding_part(family)
+        # what the passes call again on the same shapes (repeated_calls.py): a VAE encode or decode
+        # its encoder and decoder once per frame chunk (and tile), in caching and sampling alike, a
+        # tiled one diffusers' blend of each tile's edges into its neighbours'
+        self.repeated = RepeatedCalls(self.vae.children() if self.vae is not None else [],
+                                      [(self.vae, name) for name in ("blend_v", "blend_h")
+                                       if callable(getattr(self.vae, name, None))])
         image_modules = [family.parts[p] for p in family.image_parts]
         for module in image_modules + [family.parts[family.denoiser_part]]:
             _place(module, self.meta)
@@ -107,7 +115,7 @@ class PhasePasses:
                 family.encode_images(pixels).float()
                 family.encode_pixel_conditioning(pixels)
             with one_image_per_encoder_call(family):  # as the cache build encodes (one image per VAE call)
-                caching = _peak(encode, self.known, self.meta, self.attention)
+                caching = _peak(encode, self.known, self.meta, self.attention, self.repeated)
         tokens = None
         if cache_text:
             from modules.data.cache_build import ENCODE_BATCH
@@ -146,7 +154,7 @@ class PhasePasses:
             with tiled_decoding([vae] if vae is not None else [], tiled), _runs(vae) as vae_ran:
                 # (the sampler's switch holds for the whole pipeline: its own VAE encodes, an
                 # image-to-video prompt's image or control images, tile too)
-                peak = _peak(passes.denoise_pass, self.known + passes.inputs, meta, attention)
+                peak = _peak(passes.denoise_pass, self.known + passes.inputs, meta, attention, self.repeated)
             peaks.append(peak)
             # where the VAE did not run in it, tiling changes nothing there: the other tiling's too
             passes.denoise.update({tiled: peak} if vae_ran else {True: peak, False: peak})
@@ -160,7 +168,7 @@ class PhasePasses:
             def decode():
                 with tiled_decoding([vae], tiled):  # the sampler's own switch (modules/sampling/vae_tiling.py)
                     vae.decode(torch.empty(z.shape, dtype=z.dtype, device=TRAIN), return_dict=False)
-            peaks.append(_peak(decode, self.known, meta, attention))
+            peaks.append(_peak(decode, self.known, meta, attention, self.repeated))
         return max(peaks)
 
 
@@ -174,9 +182,15 @@ class _PromptPasses:
         batch = guidance_batch(prompt, family)
         controls = min(len(prompt.control_images), family.control_images)
         pixels = torch.empty(1, 3, *((frames,) if frames > 1 else ()), prompt.height, prompt.width, device=TRAIN)
-        with meta, torch.no_grad(), _first_encoding(passes.vae) as encoded:  # the shapes, uncounted
-            latents = family.encode_images(pixels)
-            conditioning = family.encode_pixel_conditioning(pixels)
+        made = {}
+
+        def shapes():  # the shapes; its peak unused, counted for the notes of the VAE's calls it makes,
+            # which the denoiser's pass makes again (an image-to-video prompt's first-frame encode)
+            made["latents"] = family.encode_images(pixels)
+            made["conditioning"] = family.encode_pixel_conditioning(pixels)
+        with _first_encoding(passes.vae) as encoded:
+            _peak(shapes, passes.known, meta, passes.attention, passes.repeated)
+        latents, conditioning = made["latents"], made["conditioning"]
         self.decoded = encoded[0] if encoded else None
         self.text_peaks = []
         tokens = None if passes.cached_text else family.planning_tokens(1, TRAIN)
@@ -219,25 +233,33 @@ def _batched(tensor: torch.Tensor, batch: int) -> torch.Tensor:
     return torch.empty((batch, *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
 
 
-def _peak(run, known, meta: MetaOpCache, attention) -> int:
-    """The most new bytes `run()` holds on the train device at once (meta tensors), without grad."""
+def _peak(run, known, meta: MetaOpCache, attention, repeated: RepeatedCalls | None = None) -> int:
+    """The most new bytes `run()` holds on the train device at once (meta tensors), without grad;
+    of the calls `repeated` watches (a VAE's encoder and decoder), each key's first runs and the rest
+    are replayed (repeated_calls.py)."""
     live = LiveBytes(TRAIN, meta.run, flops=False)  # (no phase's FLOPs are planned)
     live.known(known)
-    with torch.no_grad(), live, attention():
+    with torch.no_grad(), live, attention(), \
+            repeated.counting(live) if repeated is not None else contextlib.nullcontext():
         run()
     return live.peak
 
 
 def _text_peak(family, tokens: dict, known, meta: MetaOpCache, fake: FakeTensorMode, attention) -> int:
-    """The text encoders' pass over `tokens`, without grad: on meta (the quicker pass), or where the
-    encoders ask a value of a tensor (transformers' mask helpers: `mask.all()`), on fake tensors."""
+    """The text encoders' pass over `tokens`, without grad: on meta (the quicker pass: Qwen2.5-VL's
+    caching pass 0.09 s against 1.5 s on fake tensors), transformers' mask helpers taking the branch
+    they take for fake tensors (traced_meta.py, as in the step), or where the encoders still ask a
+    value of a tensor, on fake tensors."""
+    from modules.plan.traced_meta import meta_tensors_traced
+
     parts = [family.parts[p] for p in family.text_parts]
     if not any(getattr(m, "_plan_fake", False) for m in parts):
         for module in parts:
             _place(module, meta)
         try:
-            return _peak(lambda: family.encode_text(tokens), _with_tensors(known, parts) + list(tokens.values()),
-                         meta, attention)
+            with meta_tensors_traced():
+                return _peak(lambda: family.encode_text(tokens), _with_tensors(known, parts) + list(tokens.values()),
+                             meta, attention)
         except (RuntimeError, NotImplementedError) as error:
             if "meta" not in str(error):
                 raise

@@ -88,13 +88,14 @@ class LinearNf4(QuantizedLinear):
             self.nested_offset.copy_(state.offset)
 
     def unquantized_weight(self, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        from bitsandbytes.functional import QuantState, dequantize_4bit
-
         device = torch.device(device)
         if device.type == "meta" and self.weight.device.type == "meta":
             # a layer of the planner's meta architecture holds no codes: its weight is only a shape
-            # (what dequantizing elsewhere and moving the result here would leave on meta)
+            # (what dequantizing elsewhere and moving the result here would leave on meta; without
+            # importing bitsandbytes, which pulls in torch._inductor: 1.4 CPU s of a `plan` process)
             return torch.empty((self.out_features, self.in_features), dtype=dtype, device=device)
+        from bitsandbytes.functional import QuantState, dequantize_4bit
+
         # dequantize where the result goes when bitsandbytes runs there (moving 4-bit codes is
         # cheaper than moving the dense weight), else where the storage is, else on the CPU
         if device.type in _BNB_DEVICE_TYPES:
