@@ -40,8 +40,8 @@ def test_every_adapter_type_and_every_mode_is_covered():
 
 @pytest.mark.parametrize("adapter, mode", CASES)
 def test_an_adapter_type_trains_on_a_quantized_mode_with_offloading(adapter, mode, fake_device, tmp_path,
-                                                                      tiny_model, one_image):
-    config = train_config(tiny_model, one_image, tmp_path, {
+                                                                      quick_tiny_model, one_image):
+    config = train_config(quick_tiny_model, one_image, tmp_path, {
         "model": {"parts": {"unet": {"weight_dtype": mode, "gradient_checkpointing": True, "offload_fraction": 0.5}}},
         "adapter": {**ADAPTERS[adapter], "layer_preset": "attn"},
         "schedule": {"epochs": 1, "batch_size": 1},  # one step: the first-step guard checks every adapter learns
