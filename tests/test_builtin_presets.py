@@ -4,9 +4,10 @@ modes, samples, backs up and saves; where diffusers has a loader for the family 
 type, the saved file loads with `load_lora_weights` and every adapter in it lands on a layer.
 
 Overridden, and only because the test must run on a tiny model on CPU in seconds: model.base
-(the tiny model), concepts (the shape images), data.resolution (32: what the step does is the same at
-any size, and 32 px costs a quarter of 64 px's pixels), schedule.max_steps (2), the sample prompts'
-steps/width/height (2 steps, 32 px) and frames (at most 5:
+(the tiny model), concepts (the shape images), data.resolution (32: the families whose bucket quantum is
+16 or 32 px train at 32 px, the others at their 64-px quantum; what a step does is the same at any size),
+schedule.max_steps (2), the sample prompts' steps/width/height (2 steps, 32 px: a quarter of 64 px's
+pixels) and frames (at most 5:
 still a video), the prompt images (shape images, as many as the preset names, at least the one a family
 that samples from an image needs), train_device
 (cpu), workspace_dir and output.path (tmp_path), tensorboard (off). Everything else, the weight
