@@ -27,9 +27,9 @@ def frozen_state(trainer):
 
 
 @pytest.mark.parametrize("kind", RUNS)
-def test_each_type_trains_its_adapters_only_and_continues_from_its_file(tmp_path, tiny_model, shape_images, kind):
+def test_each_type_trains_its_adapters_only_and_continues_from_its_file(tmp_path, quick_tiny_model, shape_images, kind):
     adapter, fmt = RUNS[kind]
-    config = train_config(tiny_model, shape_images, tmp_path / "a", {
+    config = train_config(quick_tiny_model, shape_images, tmp_path / "a", {
         "model": {"parts": {"text_encoder": {"train": True}}},
         "adapter": {**adapter, "layer_preset": "all"},
         "schedule": {"epochs": 2, "max_steps": 3},
@@ -52,7 +52,7 @@ def test_each_type_trains_its_adapters_only_and_continues_from_its_file(tmp_path
     base_after = frozen_state(trainer)
     assert all(torch.equal(base_after[k], base_before[k]) for k in base_before)
 
-    resumed = GenericTrainer(train_config(tiny_model, shape_images, tmp_path / "b", {
+    resumed = GenericTrainer(train_config(quick_tiny_model, shape_images, tmp_path / "b", {
         "model": {"parts": {"text_encoder": {"train": True}}},
         "adapter": {**adapter, "layer_preset": "all", "init_from": str(path)},
         "schedule": {"max_steps": 1},
@@ -65,10 +65,10 @@ def test_each_type_trains_its_adapters_only_and_continues_from_its_file(tmp_path
     assert resumed.step == 1
 
 
-def test_a_format_that_cannot_hold_the_adapter_fails_before_training(tmp_path, tiny_model, shape_images):
+def test_a_format_that_cannot_hold_the_adapter_fails_before_training(tmp_path, quick_tiny_model, shape_images):
     from modules.adapters.formats.files import AdapterFileError
 
-    config = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"type": "oft"},
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {"adapter": {"type": "oft"},
                                                                 "output": {"format": "diffusers"}})
     trainer = GenericTrainer(config)
     with pytest.raises(AdapterFileError, match=r"output\.format: 'diffusers' cannot hold these adapters: peft's OFT"):
@@ -76,8 +76,8 @@ def test_a_format_that_cannot_hold_the_adapter_fails_before_training(tmp_path, t
     assert trainer.step == 0
 
 
-def test_per_part_rank_and_alpha(tmp_path, tiny_model, shape_images):
-    config = train_config(tiny_model, shape_images, tmp_path, {
+def test_per_part_rank_and_alpha(tmp_path, quick_tiny_model, shape_images):
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {
         "model": {"parts": {"text_encoder": {"train": True}}},
         "adapter": {"rank": 4, "alpha": 2, "parts": {"text_encoder": {"rank": 2, "alpha": 8}}},
         "schedule": {"max_steps": 1},
@@ -88,22 +88,22 @@ def test_per_part_rank_and_alpha(tmp_path, tiny_model, shape_images):
     assert sizes == {("unet", 4, 2.0), ("text_encoder", 2, 8.0)}
 
 
-def test_an_unknown_part_override_is_named(tmp_path, tiny_model, shape_images):
+def test_an_unknown_part_override_is_named(tmp_path, quick_tiny_model, shape_images):
     from modules.adapters.adapter_set import AdapterSetError
 
-    config = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"parts": {"vae": {"rank": 2}}}})
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {"adapter": {"parts": {"vae": {"rank": 2}}}})
     with pytest.raises(AdapterSetError, match=r"^adapter\.parts\.vae: no part of Stable Diffusion 1\.5 carries adapters"):
         GenericTrainer(config).start()
 
 
-def test_continuing_from_a_file_adopts_its_rank_and_dora_axis(tmp_path, tiny_model, shape_images):
+def test_continuing_from_a_file_adopts_its_rank_and_dora_axis(tmp_path, quick_tiny_model, shape_images):
     """The run given only adapter.init_from (and its layers) takes the file's rank and output-axis
     DoRA instead of refusing it, says so, and starts from the file's tensors."""
     from modules.config.train_config import AdapterConfig
     from modules.trainer.callbacks import TrainCallbacks
 
     made = {"type": "lora", "rank": 2, "dora": True, "dora_axis": "output", "layer_preset": "attn"}
-    first = GenericTrainer(train_config(tiny_model, shape_images, tmp_path / "a", {
+    first = GenericTrainer(train_config(quick_tiny_model, shape_images, tmp_path / "a", {
         "adapter": made, "schedule": {"epochs": 1, "max_steps": 1}}))
     first.start()
     first.train()
@@ -117,7 +117,7 @@ def test_continuing_from_a_file_adopts_its_rank_and_dora_axis(tmp_path, tiny_mod
             self.said.append(message)
 
     callbacks = Warnings()
-    config = train_config(tiny_model, shape_images, tmp_path / "b", {"schedule": {"epochs": 1, "max_steps": 1}})
+    config = train_config(quick_tiny_model, shape_images, tmp_path / "b", {"schedule": {"epochs": 1, "max_steps": 1}})
     config.adapter = AdapterConfig(type="lora", layer_preset="attn", init_from=str(path))  # no rank, no DoRA given
     resumed = GenericTrainer(config, callbacks)
     resumed.start()
@@ -128,20 +128,20 @@ def test_continuing_from_a_file_adopts_its_rank_and_dora_axis(tmp_path, tiny_mod
     assert all(torch.allclose(loaded[k], saved[k].to(loaded[k].dtype), atol=1e-3) for k in saved)
 
 
-def test_a_run_that_adopted_its_start_files_layout_resumes(tmp_path, tiny_model, shape_images):
+def test_a_run_that_adopted_its_start_files_layout_resumes(tmp_path, quick_tiny_model, shape_images):
     """The backup holds the adopted rank; resuming the same config (rank still unset) compares
     after the adoption, so nothing reads as changed."""
     from modules.config.train_config import AdapterConfig
     from modules.trainer.generic_trainer import GenericTrainer
 
-    first = GenericTrainer(train_config(tiny_model, shape_images, tmp_path / "a", {
+    first = GenericTrainer(train_config(quick_tiny_model, shape_images, tmp_path / "a", {
         "adapter": {"type": "lora", "rank": 2, "layer_preset": "attn"}, "schedule": {"epochs": 1, "max_steps": 1}}))
     first.start()
     first.train()
     path = first.end()
 
     def config(resume: bool):
-        made = train_config(tiny_model, shape_images, tmp_path / "b", {
+        made = train_config(quick_tiny_model, shape_images, tmp_path / "b", {
             "schedule": {"epochs": 2, "batch_size": 4, "backup_every": "1 epochs"}, "backup": {"resume": resume}})
         made.adapter = AdapterConfig(type="lora", layer_preset="attn", init_from=str(path))
         return made

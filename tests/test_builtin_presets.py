@@ -4,8 +4,10 @@ modes, samples, backs up and saves; where diffusers has a loader for the family 
 type, the saved file loads with `load_lora_weights` and every adapter in it lands on a layer.
 
 Overridden, and only because the test must run on a tiny model on CPU in seconds: model.base
-(the tiny model), concepts (the shape images), data.resolution (64), schedule.max_steps (2),
-the sample prompts' steps/width/height (2 steps, 64 px: the tiny models' size) and frames (at most 5:
+(the tiny model), concepts (the shape images), data.resolution (32: the families whose bucket quantum is
+16 or 32 px train at 32 px, the others at their 64-px quantum; what a step does is the same at any size),
+schedule.max_steps (2), the sample prompts' steps/width/height (2 steps, 32 px: a quarter of 64 px's
+pixels) and frames (at most 5:
 still a video), the prompt images (shape images, as many as the preset names, at least the one a family
 that samples from an image needs), train_device
 (cpu), workspace_dir and output.path (tmp_path), tensorboard (off). Everything else, the weight
@@ -46,7 +48,7 @@ def _isolated_user_dir(tmp_path, monkeypatch):
 
 def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
     # a preset without prompts (the GUI's defaults have none) samples one, so sampling is tested too
-    prompts = [{**prompt, "steps": 2, "width": 64, "height": 64, "frames": min(prompt.get("frames", 1), 5)}
+    prompts = [{**prompt, "steps": 2, "width": 32, "height": 32, "frames": min(prompt.get("frames", 1), 5)}
                for prompt in preset_overlay.get("sampling", {}).get("prompts", [{"prompt": "a red square"}])]
     # a family that samples from an image (image-to-video) starts from shape images: as many as the preset's
     # prompt names (FLF2V's first and last frames, files on its user's disk), at least the family's fewest
@@ -60,7 +62,7 @@ def _test_overrides(preset_overlay: dict, model, images, tmp_path) -> dict:
     return {
         "model": {"base": str(model)},
         "concepts": [{"path": str(images), **captions}],
-        "data": {"resolution": 64},
+        "data": {"resolution": 32},
         "schedule": {"max_steps": 2},
         "sampling": {"prompts": prompts},
         "train_device": "cpu",
@@ -178,9 +180,26 @@ def _trains_samples_backs_up_and_saves(overlay: dict, family: str, tmp_path, tin
         # the run's check says diffusers loads none of this format's adapters (Anima: its loader reads no kohya
         # key; its diffusers-format files load whole in tests/test_family_anima.py)
         return
+    pipe = _base_pipeline(str(config.model.base), without)
+    assert _lora_layers(pipe) == 0, "the shared pipeline still holds an earlier preset's adapters"
+    try:
+        for (suffix, _), path in zip(file_sets, final):
+            pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}",
+                                   **trainer.family.diffusers_load_options(suffix))
+        assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"
+    finally:
+        pipe.unload_lora_weights()  # back to the plain base for the next preset of the family
+
+
+_PIPELINES: dict[tuple[str, tuple], object] = {}
+
+
+def _base_pipeline(base: str, without: dict):
+    """The family's tiny pipeline, read from disk once for all the presets that load a LoRA into it
+    (unloaded again after each), instead of once per preset."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(str(config.model.base), local_files_only=True, **without)
-    for (suffix, _), path in zip(file_sets, final):
-        pipe.load_lora_weights(str(path), adapter_name=f"trained{suffix}", **trainer.family.diffusers_load_options(suffix))
-    assert _lora_layers(pipe) == len(trainer.adapters), "diffusers left adapters of the saved file unused"
+    key = (base, tuple(sorted(without)))
+    if key not in _PIPELINES:
+        _PIPELINES[key] = DiffusionPipeline.from_pretrained(base, local_files_only=True, **without)
+    return _PIPELINES[key]

@@ -75,17 +75,26 @@ def _outputs(family, unet, text_encoders):
     return text, pooled, sample
 
 
-@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
-def test_load_lora_weights_matches_the_hooked_model(family, tiny_sdxl, tmp_path, fmt):
+@pytest.fixture(scope="module")
+def pipe(tiny_sdxl):
+    """diffusers' pipeline on the tiny folder, read once for both formats' files (each unloaded after its test)."""
     from diffusers import StableDiffusionXLPipeline
+
+    return StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), local_files_only=True)
+
+
+@pytest.mark.parametrize("fmt", ["kohya", "diffusers"])
+def test_load_lora_weights_matches_the_hooked_model(family, pipe, tmp_path, fmt):
+    from peft.tuners.lora import LoraLayer
 
     parts = ["unet", "text_encoder", "text_encoder_2"]
     adapters = perturbed_adapters(family, parts, layer_preset="all")
+    components = (pipe.unet, pipe.text_encoder, pipe.text_encoder_2)
+    assert not any(isinstance(m, LoraLayer) for c in components for m in c.modules())  # the other format's is gone
     try:
         path = tmp_path / f"sdxl-{fmt}.safetensors"
         save_adapter_file(path, adapters, family, fmt, torch.float32, {})
         ours = _outputs(family, family.unet, (family.parts["text_encoder"], family.parts["text_encoder_2"]))
-        pipe = StableDiffusionXLPipeline.from_pretrained(str(tiny_sdxl), local_files_only=True)
         pipe.load_lora_weights(str(path))
         theirs = _outputs(family, pipe.unet, (pipe.text_encoder, pipe.text_encoder_2))
         adapters.unhook()
@@ -95,6 +104,7 @@ def test_load_lora_weights_matches_the_hooked_model(family, tiny_sdxl, tmp_path,
             assert (mine - other).abs().max() < 1e-5
     finally:
         adapters.unhook()
+        pipe.unload_lora_weights()
 
 
 def test_kohya_and_comfy_names(family):

@@ -32,15 +32,15 @@ def _temp_files(*folders: Path) -> list[Path]:
             if p.name.endswith(".tmp") or p.name.startswith(".tmp-")]
 
 
-def test_sigterm_then_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path, tiny_model, shape_images):
+def test_sigterm_then_resume_gives_the_adapter_of_an_uninterrupted_run(tmp_path, quick_tiny_model, shape_images):
     from modules.cli.train_command import resolve_config, run_training
     from modules.trainer.callbacks import TrainCallbacks
 
     overlay = {"schedule": {"epochs": 4, "batch_size": 2}, "adapter": {"dropout": 0.1}}  # 8 steps; dropout uses the RNG
-    straight = train_config(tiny_model, shape_images, tmp_path / "straight", overlay)
+    straight = train_config(quick_tiny_model, shape_images, tmp_path / "straight", overlay)
     run_training(straight, TrainCallbacks())
 
-    config = train_config(tiny_model, shape_images, tmp_path / "split", overlay)
+    config = train_config(quick_tiny_model, shape_images, tmp_path / "split", overlay)
     config_file = tmp_path / "split.json"
     config_file.write_text(config.model_dump_json())
     process = _train_child(config_file)

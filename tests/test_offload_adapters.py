@@ -1,6 +1,12 @@
-"""Every adapter type on every quantized mode, built after the conductor parked half the UNet:
+"""Every adapter type on the quantized modes, built after the conductor parked half the UNet:
 adapters are created on the train device and read parked base weights through
-`unquantized_weight(.., train_device)`, so nothing is built from a half-moved layer."""
+`unquantized_weight(.., train_device)`, so nothing is built from a half-moved layer.
+
+Each adapter that reads its base layer meets every mode: DoRA and weight-decomposed LoKr read the
+base weight (at build and in each forward), OFT the base's bias in its forward, and plain LoRA stands
+for what every adapter shares (its geometry and hook on the quantized layer, AdapterModule). LoHa
+and plain LoKr read nothing of the base but that shared part, so each meets one mode, of different
+layer kinds (nf4's QuantizedLinear, torchao's int8 tensor)."""
 
 from __future__ import annotations
 
@@ -22,11 +28,20 @@ ADAPTERS = {
 }
 
 
-@pytest.mark.parametrize("mode", QUANTIZED_MODES)
-@pytest.mark.parametrize("adapter", sorted(ADAPTERS))
-def test_every_adapter_type_trains_on_every_quantized_mode_with_offloading(adapter, mode, fake_device, tmp_path,
-                                                                           tiny_model, one_image):
-    config = train_config(tiny_model, one_image, tmp_path, {
+EVERY_MODE = ("dora", "lokr-wd", "lora", "oft")
+ONE_MODE = {"loha": "nf4", "lokr": "int8"}  # they read only the shared geometry and hook
+CASES = [(adapter, mode) for adapter in EVERY_MODE for mode in QUANTIZED_MODES] + sorted(ONE_MODE.items())
+
+
+def test_every_adapter_type_and_every_mode_is_covered():
+    assert set(EVERY_MODE) | set(ONE_MODE) == set(ADAPTERS)
+    assert set(ONE_MODE.values()) <= set(QUANTIZED_MODES)
+
+
+@pytest.mark.parametrize("adapter, mode", CASES)
+def test_an_adapter_type_trains_on_a_quantized_mode_with_offloading(adapter, mode, fake_device, tmp_path,
+                                                                      quick_tiny_model, one_image):
+    config = train_config(quick_tiny_model, one_image, tmp_path, {
         "model": {"parts": {"unet": {"weight_dtype": mode, "gradient_checkpointing": True, "offload_fraction": 0.5}}},
         "adapter": {**ADAPTERS[adapter], "layer_preset": "attn"},
         "schedule": {"epochs": 1, "batch_size": 1},  # one step: the first-step guard checks every adapter learns

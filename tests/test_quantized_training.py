@@ -112,10 +112,10 @@ def test_compile_is_applied_where_the_mode_traces(tmp_path, tiny_model, shape_im
 
 
 @pytest.mark.parametrize("mode", ["float8", "nf4", "w8a8_int8"])
-def test_training_on_a_second_device_keeps_every_tensor_there(mode, fake_device, tmp_path, tiny_model, one_image):
+def test_training_on_a_second_device_keeps_every_tensor_there(mode, fake_device, tmp_path, quick_tiny_model, one_image):
     # The fake device raises on any op that mixes its tensors with CPU ones, as CUDA does: a scale
     # left behind by a move, or an adapter created where a weight was parked, fails here.
-    config = train_config(tiny_model, one_image, tmp_path, {
+    config = train_config(quick_tiny_model, one_image, tmp_path, {
         "model": {"parts": {"unet": {"weight_dtype": mode}}},
         "schedule": {"epochs": 3, "batch_size": 1},
         "train_device": str(fake_device),

@@ -20,10 +20,11 @@ from modules.config.train_config import SamplePromptConfig
 from modules.config.families import family_names, get_family_class
 from modules.quantization.capabilities import ALL_MODES, detect_capabilities, working_modes
 
-PROMPT = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=2.0, width=64, height=64,
+PROMPT = SamplePromptConfig(prompt="a red circle", negative_prompt="blurry", steps=2, cfg=2.0, width=32, height=32,
                             seed=3)
 # the largest mean absolute pixel difference (0..255) from the float32 image allowed to a run with
-# bf16/8-bit/4-bit parts (measured on these tiny models: under 2)
+# bf16/8-bit/4-bit parts (measured on these tiny models at 64 px: under 2; every case passes it at the 32 px
+# sampled here, a quarter of the pixels: the dtypes each part computes in do not depend on the size)
 TOLERANCE = 5.0
 
 

@@ -136,13 +136,13 @@ def test_diffusers_loads_the_file_and_matches_the_hooked_model(trained, tiny_mod
     assert (as_array(ours_image) - as_array(plain_image)).abs().max() > 2  # the LoRA changes the image
 
 
-def test_resume_reaches_the_same_adapter(tmp_path, tiny_model, shape_images):
+def test_resume_reaches_the_same_adapter(tmp_path, quick_tiny_model, shape_images):
     from modules.trainer.commands import TrainCommands
 
     overlay = {"schedule": {"epochs": 3, "batch_size": 2}, "adapter": {"dropout": 0.1}}
-    straight = run(train_config(tiny_model, shape_images, tmp_path / "a", overlay))
+    straight = run(train_config(quick_tiny_model, shape_images, tmp_path / "a", overlay))
 
-    config = train_config(tiny_model, shape_images, tmp_path / "b", overlay)
+    config = train_config(quick_tiny_model, shape_images, tmp_path / "b", overlay)
     commands = TrainCommands()
     recorder = Recorder(stop_at=3, commands=commands)
     first = GenericTrainer(config, recorder, commands)
@@ -160,17 +160,18 @@ def test_resume_reaches_the_same_adapter(tmp_path, tiny_model, shape_images):
     assert any(not torch.allclose(first.adapters.state_dict()[k], expected[k]) for k in expected)
 
 
-def test_resume_refuses_a_changed_adapter_shape(tmp_path, tiny_model, shape_images):
-    config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 1}})
+def test_resume_refuses_a_changed_adapter_shape(tmp_path, quick_tiny_model, shape_images):
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 1}})
     trainer = run(config)
     trainer.backup()
-    changed = train_config(tiny_model, shape_images, tmp_path, {"adapter": {"rank": 8}, "backup": {"resume": True}})
+    changed = train_config(quick_tiny_model, shape_images, tmp_path,
+                           {"adapter": {"rank": 8}, "backup": {"resume": True}})
     with pytest.raises(TrainingError, match=r"adapter\.rank: 4 in the backup, 8 now"):
         GenericTrainer(changed).start()
 
 
-def test_guard_fires_when_an_adapter_trains_a_copy(tmp_path, tiny_model, shape_images):
-    trainer = GenericTrainer(train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 2}}))
+def test_guard_fires_when_an_adapter_trains_a_copy(tmp_path, quick_tiny_model, shape_images):
+    trainer = GenericTrainer(train_config(quick_tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 2}}))
     trainer.start()
     victim = next(iter(trainer.adapters))
     victim.unhook()
@@ -182,8 +183,8 @@ def test_guard_fires_when_an_adapter_trains_a_copy(tmp_path, tiny_model, shape_i
     assert trainer.step == 0
 
 
-def test_guard_fires_when_the_optimizer_does_not_hold_a_parameter(tmp_path, tiny_model, shape_images):
-    trainer = GenericTrainer(train_config(tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 2}}))
+def test_guard_fires_when_the_optimizer_does_not_hold_a_parameter(tmp_path, quick_tiny_model, shape_images):
+    trainer = GenericTrainer(train_config(quick_tiny_model, shape_images, tmp_path, {"schedule": {"max_steps": 2}}))
     trainer.start()
     victim = next(iter(trainer.adapters))
     for group in trainer.optimizer.param_groups:
@@ -192,10 +193,11 @@ def test_guard_fires_when_the_optimizer_does_not_hold_a_parameter(tmp_path, tiny
         trainer.train()
 
 
-def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_backup(tmp_path, tiny_model, shape_images):
+def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_backup(tmp_path, quick_tiny_model, shape_images):
     from modules.saving.backup import newest_backup, read_backup
 
-    config = train_config(tiny_model, shape_images, tmp_path, {"schedule": {"epochs": 5, "backup_every": "1 steps"}})
+    config = train_config(quick_tiny_model, shape_images, tmp_path,
+                          {"schedule": {"epochs": 5, "backup_every": "1 steps"}})
     trainer = GenericTrainer(config)
     trainer.start()
     real_predict = trainer.family.predict
@@ -215,7 +217,7 @@ def test_non_finite_loss_stops_naming_the_step_and_keeps_the_last_backup(tmp_pat
     assert state["step"] == 2 and all(torch.isfinite(t).all() for t in adapter.values())
 
 
-def test_commands_sample_backup_save_now(tmp_path, tiny_model, shape_images):
+def test_commands_sample_backup_save_now(tmp_path, quick_tiny_model, shape_images):
     from modules.trainer.commands import TrainCommands
 
     commands = TrainCommands()
@@ -223,7 +225,7 @@ def test_commands_sample_backup_save_now(tmp_path, tiny_model, shape_images):
     commands.backup_now()
     commands.save_now()
     recorder = Recorder()
-    config = train_config(tiny_model, shape_images, tmp_path, {
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {
         "schedule": {"max_steps": 1},
         "sampling": {"prompts": [{"prompt": "a square", "steps": 2, "width": 64, "height": 64}]},
     })
@@ -237,14 +239,14 @@ def test_commands_sample_backup_save_now(tmp_path, tiny_model, shape_images):
     assert Path(final_save) == Path(config.output.path) and Path(final_save).is_file()
 
 
-def test_unreadable_images_are_skipped_and_named(tmp_path, tiny_model, shape_images):
+def test_unreadable_images_are_skipped_and_named(tmp_path, quick_tiny_model, shape_images):
     folder = tmp_path / "mixed"
     shutil.copytree(shape_images, folder)
     (folder / "garbage.png").write_bytes(b"this is not a png")
     good = sorted(folder.glob("*.png"))[0].read_bytes()
     (folder / "truncated.png").write_bytes(good[: len(good) // 2])
     recorder = Recorder()
-    config = train_config(tiny_model, folder, tmp_path, {"schedule": {"max_steps": 1}})
+    config = train_config(quick_tiny_model, folder, tmp_path, {"schedule": {"max_steps": 1}})
     trainer = run(config, recorder)
     warnings = " ".join(recorder.of("warning"))
     assert "garbage.png" in warnings and "truncated.png" in warnings
@@ -263,8 +265,8 @@ def test_a_concept_without_usable_images_is_an_error_naming_it(tmp_path, tiny_mo
         GenericTrainer(config).start()
 
 
-def test_bfloat16_weights_and_autocast_train_and_log_to_tensorboard(tmp_path, tiny_model, shape_images):
-    config = train_config(tiny_model, shape_images, tmp_path, {
+def test_bfloat16_weights_and_autocast_train_and_log_to_tensorboard(tmp_path, quick_tiny_model, shape_images):
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {
         "model": {"parts": {"unet": {"weight_dtype": "bfloat16"}, "text_encoder": {"weight_dtype": "bfloat16"}}},
         "train_dtype": "bfloat16",
         "tensorboard": True,
@@ -276,9 +278,9 @@ def test_bfloat16_weights_and_autocast_train_and_log_to_tensorboard(tmp_path, ti
     assert list((Path(config.workspace_dir) / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_gradient_accumulation_steps_once_per_group_and_per_epoch_end(tmp_path, tiny_model, shape_images):
+def test_gradient_accumulation_steps_once_per_group_and_per_epoch_end(tmp_path, quick_tiny_model, shape_images):
     recorder = Recorder()
-    config = train_config(tiny_model, shape_images, tmp_path, {
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {
         "schedule": {"epochs": 2, "batch_size": 1, "gradient_accumulation": 3},
     })
     trainer = run(config, recorder)
@@ -288,10 +290,10 @@ def test_gradient_accumulation_steps_once_per_group_and_per_epoch_end(tmp_path, 
     assert trainer.optimizer.state[trainer.adapters.parameters()[0]]["step"] == 4
 
 
-def test_backups_roll_keeping_the_newest(tmp_path, tiny_model, shape_images):
+def test_backups_roll_keeping_the_newest(tmp_path, quick_tiny_model, shape_images):
     from modules.saving.backup import list_backups
 
-    config = train_config(tiny_model, shape_images, tmp_path, {
+    config = train_config(quick_tiny_model, shape_images, tmp_path, {
         "schedule": {"epochs": 2, "backup_every": "1 steps"}, "backup": {"rolling_count": 2},
     })
     trainer = run(config)
@@ -299,8 +301,9 @@ def test_backups_roll_keeping_the_newest(tmp_path, tiny_model, shape_images):
     assert len(names) == 2 and names[-1].endswith("step0000004") and names[0].endswith("step0000003")
 
 
-def test_float16_autocast_trains_with_loss_scaling_and_resumes_its_scaler(tmp_path, tiny_model, shape_images):
-    config = train_config(tiny_model, shape_images, tmp_path, {"train_dtype": "float16", "schedule": {"max_steps": 2}})
+def test_float16_autocast_trains_with_loss_scaling_and_resumes_its_scaler(tmp_path, quick_tiny_model, shape_images):
+    config = train_config(quick_tiny_model, shape_images, tmp_path,
+                          {"train_dtype": "float16", "schedule": {"max_steps": 2}})
     trainer = run(config)
     assert trainer.step == 2 and trainer.scaler.is_enabled()
     assert training_state(trainer)["scaler"]["scale"] > 0
