@@ -68,25 +68,45 @@ def without_host_tables(patch) -> None:
     patch.setattr(run_plan, "host_table_parts", lambda config, family, trained: ())
 
 
+def placed(trainer) -> dict:
+    """Where the tables went and the encoders compute, the tables' bytes and a caption's encoding."""
+    encoders = {name: trainer.family.parts[name] for name in trainer.family.text_parts}
+    return {"tables": {name: table.device.type for name, table in tables(trainer).items()},
+            "computes": {name: compute_device(module).type for name, module in encoders.items()},
+            "table_bytes": sum(table.nbytes for table in tables(trainer).values()),
+            "encoded": encoded(trainer)}
+
+
+@pytest.fixture(scope="module")
+def kept_starts(fake_device, tiny_family_model, shape_images, tmp_path_factory):
+    """family -> (peak, placed) of the start of the STEPS run with every table where its encoder goes
+    (without_host_tables), started once: the reference of both tests below that start tiny Wan so."""
+    started = {}
+
+    def get(family: str):
+        if family not in started:
+            config = train_config(tiny_family_model(family), shape_images, tmp_path_factory.mktemp(f"kept-{family}"),
+                                  STEPS, {"model": {"family": family}, "train_device": str(fake_device)})
+            with pytest.MonkeyPatch.context() as patch:
+                without_host_tables(patch)
+                started[family] = start(config, placed)
+        return started[family]
+
+    return get
+
+
 @pytest.mark.parametrize("family", ["wan", "flux"])
 def test_a_frozen_encoders_token_table_stays_on_the_host(family, fake_device, tmp_path, tiny_family_model,
-                                                         shape_images, monkeypatch):
+                                                         shape_images, monkeypatch, kept_starts):
     from modules.plan.run_plan import plan_run
 
     def config(where, *overlays):
         return train_config(tiny_family_model(family), shape_images, tmp_path / where, STEPS,
                             {"model": {"family": family}, "train_device": str(fake_device)}, *overlays)
 
-    def placed(trainer):
-        encoders = {name: trainer.family.parts[name] for name in trainer.family.text_parts}
-        return {"tables": {name: table.device.type for name, table in tables(trainer).items()},
-                "computes": {name: compute_device(module).type for name, module in encoders.items()},
-                "table_bytes": sum(table.nbytes for table in tables(trainer).values()),
-                "encoded": encoded(trainer)}
-
+    kept_peak, kept = kept_starts(family)
     with monkeypatch.context() as patch:
         without_host_tables(patch)
-        kept_peak, kept = start(config("kept"), placed)
         kept_plan = plan_run(config("kept"), None, None)
     peak, hosted = start(config("hosted"), placed)
     plan = plan_run(config("hosted"), None, None)
@@ -106,22 +126,15 @@ def test_a_frozen_encoders_token_table_stays_on_the_host(family, fake_device, tm
 
 
 def test_parked_encoder_blocks_and_a_host_table_together(fake_device, tmp_path, tiny_family_model, shape_images,
-                                                         monkeypatch):
+                                                         kept_starts):
     """offload_fraction 1: the encoder's blocks stream from the temp device and its table is looked up
     on the host; a caption encodes as it does with everything on the device, and the run trains."""
-    def config(where, *overlays):
-        return train_config(tiny_family_model("wan"), shape_images, tmp_path / where, STEPS,
-                            {"model": {"family": "wan"}, "train_device": str(fake_device)}, *overlays)
-
-    def placed(trainer):
-        table = token_embedding(trainer.family.parts["text_encoder"]).weight
-        return table.device.type, encoded(trainer)
-
-    with monkeypatch.context() as patch:
-        without_host_tables(patch)
-        _, (_, reference) = start(config("kept"), placed)
-    parked = {"model": {"parts": {"text_encoder": {"offload_fraction": 1.0}}}}
-    _, (where, hosted) = start(config("parked", parked), placed, train=True)
+    reference = kept_starts("wan")[1]["encoded"]
+    parked = train_config(tiny_family_model("wan"), shape_images, tmp_path / "parked", STEPS,
+                          {"model": {"family": "wan"}, "train_device": str(fake_device)},
+                          {"model": {"parts": {"text_encoder": {"offload_fraction": 1.0}}}})
+    _, hosted_placed = start(parked, placed, train=True)
+    where, hosted = hosted_placed["tables"]["text_encoder"], hosted_placed["encoded"]
     assert where == "cpu"
     for key, value in reference.items():
         assert torch.equal(hosted[key], value), key

@@ -17,7 +17,13 @@ import sys
 
 import pytest
 
-from benchmarks.plan_host_accuracy import RESOLUTION, build_sized_model, measure_in_fresh_process, planned_host
+from benchmarks.plan_host_accuracy import (
+    RESOLUTION,
+    build_sized_model,
+    build_warm_up_model,
+    measure_in_fresh_process,
+    planned_host,
+)
 
 CASES = {"adapter-int8-resident": ("adapter", "int8", 0.0), "fine-tune-float32-parked": ("fine-tune", "float32", 0.5)}
 NOISE = 8 << 20  # bytes: what a run holds beyond the plan's figures (cached text, the step guard's snapshot)
@@ -28,7 +34,7 @@ def models(tmp_path_factory):
     from benchmarks.models import write_images
 
     root = tmp_path_factory.mktemp("host-accuracy")
-    return (build_sized_model("wide", root / "wide"), build_sized_model("tiny", root / "warm-up"),
+    return (build_sized_model("wide", root / "wide"), build_warm_up_model(root / "warm-up"),
             write_images(root / "images", RESOLUTION["wide"]))
 
 

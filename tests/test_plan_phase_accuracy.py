@@ -63,15 +63,16 @@ def measured_phases(config) -> dict[str, int]:
 @pytest.mark.parametrize("family", ["sd15", "sdxl", "flux", "qwen_image", "qwen_image_edit", "anima"])
 def test_caching_and_sampling_peaks_are_planned_within_ten_percent(family, fake_device, tmp_path,
                                                                    tiny_family_model, shape_images):
-    from modules.plan.run_plan import plan_run
+    from modules.plan.run_plan import Planner, plan_run
 
     config = train_config(tiny_family_model(family), shape_images, tmp_path, RUN,
                           {"model": {"family": family}, "train_device": str(fake_device)})
-    plan = plan_run(config, None, None)
+    planner = Planner(config)  # (the weights-alone plan below reuses its architecture and step)
+    plan = plan_run(config, None, None, planner=planner)
     planned = plan.outside_step_phases
     assert set(planned) == {"caching", "sampling"}
     assert plan.outside_step == max(planned.values())
-    weights = plan_without_phase_activations(config)
+    weights = plan_without_phase_activations(config, planner)
     measured = measured_phases(config)
     ratios = {phase: round(planned[phase] / peak, 3) for phase, peak in measured.items()}
     print(family, "planned/measured", ratios, "weights alone/measured",
@@ -84,15 +85,16 @@ def test_caching_and_sampling_peaks_are_planned_within_ten_percent(family, fake_
         assert abs(weights - peak) > 0.25 * peak, f"{phase}: the weights alone ({weights}) are near {peak}"
 
 
-def plan_without_phase_activations(config) -> int:
-    """The phases' resident bytes alone: the plan with the phase passes holding nothing."""
+def plan_without_phase_activations(config, planner) -> int:
+    """The phases' resident bytes alone: the plan with the phase passes holding nothing (through the
+    planner that planned `config`: its sizes and step are kept, only the phases are patched out)."""
     from unittest import mock
 
     from modules.plan import run_plan
     from modules.plan.phase_pass import PhaseFigures
 
     with mock.patch.object(run_plan.Planner, "phases", lambda self, config, modes: PhaseFigures(0, 0)):
-        return run_plan.plan_run(config, None, None).outside_step
+        return run_plan.plan_run(config, None, None, planner=planner).outside_step
 
 
 def test_the_cache_build_encodes_one_image_per_vae_call(tmp_path, tiny_model, shape_images):
@@ -127,7 +129,7 @@ def test_the_tiled_sample_decode_is_planned_lower_and_within_ten_percent(fake_de
     tiled as the sampler does. Tiny FLUX.1, whose 64 px decode (not its transformer) sets the tiny
     sample's peak, with 32 px tiles: planned below the whole decode's plan and within 10% of the
     measured tiled sample (`-s` prints planned/measured)."""
-    from modules.plan.run_plan import plan_run
+    from modules.plan.run_plan import Planner, plan_run
     from modules.sampling import vae_tiling
 
     monkeypatch.setattr(vae_tiling, "KL_TILE_PIXELS", 32)
@@ -136,8 +138,9 @@ def test_the_tiled_sample_decode_is_planned_lower_and_within_ten_percent(fake_de
     def config(tiling: bool):
         return train_config(model, shape_images, tmp_path, RUN, {
             "model": {"family": "flux"}, "train_device": str(fake_device), "sampling": {"vae_tiling": tiling}})
-    whole = plan_run(config(False), None, None).outside_step_phases["sampling"]
-    tiled = plan_run(config(True), None, None).outside_step_phases["sampling"]
+    planner = Planner(None)  # one for both: the tiling is not in its keys, its passes decode both ways (PhasePasses)
+    whole = plan_run(config(False), None, None, planner=planner).outside_step_phases["sampling"]
+    tiled = plan_run(config(True), None, None, planner=planner).outside_step_phases["sampling"]
     measured = measured_phases(config(True))["sampling"]
     print("flux tiled sampling planned/measured", round(tiled / measured, 3), "whole planned", whole)
     assert tiled < 0.8 * whole
